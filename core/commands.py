@@ -1,0 +1,117 @@
+"""Commands: everything the core asks of the world, each with a ``reason`` a person can read.
+
+Executors (adapters) carry commands out and report results back as events. Some commands are
+decisions with nothing to execute (``ScalePool``, alerts, cordon notices): they are recorded so a
+postmortem reads every decision and why, and so replay can check that it would decide the same.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from core.convert import str_set, str_tuple
+
+__all__ = [
+    "Command",
+    "CordonGpu",
+    "DrainWorker",
+    "KillWorker",
+    "RaiseAlert",
+    "ResolveAlert",
+    "ScalePool",
+    "SpawnWorker",
+    "TerminateWorker",
+    "UncordonGpu",
+]
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Command:
+    """Base class of every output."""
+
+    reason: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class SpawnWorker(Command):
+    """Start one worker process from ``argv`` (never a shell) with ``env`` added to its environment.
+
+    ``env`` already holds CUDA_VISIBLE_DEVICES (the GPUs assigned, "" for CPU workers),
+    DEO_WORKER_ID and DEO_POOL.
+    """
+
+    worker_id: str
+    pool: str
+    argv: tuple[str, ...] = attrs.field(converter=str_tuple)
+    gpus: tuple[str, ...] = attrs.field(converter=str_tuple)
+    env: dict[str, str] = attrs.field(hash=False)
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class DrainWorker(Command):
+    """Send the pool's drain signal: finish in-flight work, then exit. Escalation follows at
+    ``deadline_t`` if it has not exited. ``pid`` is None when the worker has not started yet:
+    the drain is repeated once it does."""
+
+    worker_id: str
+    pid: int | None
+    signal: str
+    deadline_t: float
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class TerminateWorker(Command):
+    """SIGTERM to the worker; SIGKILL to its process group follows at ``deadline_t``."""
+
+    worker_id: str
+    pid: int | None
+    deadline_t: float
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class KillWorker(Command):
+    """SIGKILL to the worker's whole process group (children included)."""
+
+    worker_id: str
+    pid: int | None
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class ScalePool(Command):
+    """A pool's target count changed. ``source`` is "policy", "operator" or "config"."""
+
+    pool: str
+    previous: int
+    target: int
+    source: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class CordonGpu(Command):
+    """A GPU takes no new workers; ``causes`` lists every active cordon cause."""
+
+    gpu_id: str
+    causes: frozenset[str] = attrs.field(converter=str_set)
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class UncordonGpu(Command):
+    """A GPU takes new workers again."""
+
+    gpu_id: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class RaiseAlert(Command):
+    """Something needs a person: ``alert`` names the kind, ``subject`` the pool, worker or GPU."""
+
+    alert: str
+    subject: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class ResolveAlert(Command):
+    """A raised alert's condition has cleared."""
+
+    alert: str
+    subject: str

@@ -1,0 +1,232 @@
+"""Configuration: what the operator declares. It reaches the reducer as a ``Configured`` event.
+
+Configuration is data in the log like any other input, so a log replays on its own and
+``deo replay --set`` can ask "what if the configuration had been different". Every value is
+validated on construction and a bad one raises :class:`ConfigError` naming its key.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from core.convert import str_set, str_tuple
+from core.errors import ConfigError
+
+__all__ = [
+    "ARGV_PLACEHOLDERS",
+    "Config",
+    "CordonRules",
+    "CrashLoopRules",
+    "PolicySpec",
+    "PoolSpec",
+]
+
+#: Names an argv template may use, e.g. ``["python", "env.py", "--slot", "{index}"]``.
+ARGV_PLACEHOLDERS = frozenset({"worker_id", "pool", "index", "gpus"})
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_.]*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_PARAM_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+_SIGNALS = frozenset({"SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"})
+#: Variables deo sets itself; a pool may not override them.
+RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "DEO_WORKER_ID", "DEO_POOL"})
+
+
+def _positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{key} must be > 0, got {value!r}")
+
+
+def _non_negative(key: str, value: float) -> None:
+    if not value >= 0:
+        raise ConfigError(f"{key} must be >= 0, got {value!r}")
+
+
+def _frozen_mapping(value: Mapping[str, Any] | None) -> dict[str, Any]:
+    return dict(value or {})
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class PolicySpec:
+    """A policy by name with its parameters; ``core.policies.build`` turns it into a policy."""
+
+    name: str = "buffer"
+    params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping, hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        for key, value in self.params.items():
+            if not _PARAM_NAME.match(key):
+                raise ConfigError(f"policy.{key}: not a valid parameter name")
+            if not isinstance(value, (int, float, str, bool)):
+                raise ConfigError(
+                    f"policy.{key}: expected a number, string or boolean, got {value!r}"
+                )
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class CrashLoopRules:
+    """When exits count as a crash loop and how respawns back off.
+
+    A worker that exits on its own within ``early_exit_s`` of starting (or fails to spawn) is a
+    failure. After ``n`` consecutive failures the next spawn waits
+    ``min(backoff_cap_s, backoff_base_s * 2**(n-1))``; ``alert_after`` failures raise an alert.
+    A worker that stays up for ``early_exit_s`` resets the count.
+    """
+
+    early_exit_s: float = 30.0
+    backoff_base_s: float = 1.0
+    backoff_cap_s: float = 300.0
+    alert_after: int = 3
+
+    def __attrs_post_init__(self) -> None:
+        _positive("crash_loop.early_exit_s", self.early_exit_s)
+        _positive("crash_loop.backoff_base_s", self.backoff_base_s)
+        if self.backoff_cap_s < self.backoff_base_s:
+            raise ConfigError(
+                f"crash_loop.backoff_cap_s ({self.backoff_cap_s}) must be >= backoff_base_s "
+                f"({self.backoff_base_s})"
+            )
+        if self.alert_after < 1:
+            raise ConfigError(f"crash_loop.alert_after must be >= 1, got {self.alert_after}")
+
+    def backoff_s(self, failures: int) -> float:
+        """Delay before the next spawn after ``failures`` consecutive failures (0 if none)."""
+        if failures <= 0:
+            return 0.0
+        # 2**60 already exceeds any cap; bounding the exponent keeps the float finite.
+        return float(min(self.backoff_cap_s, self.backoff_base_s * 2.0 ** min(failures - 1, 60)))
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class PoolSpec:
+    """One kind of worker: how to start it, how many, on how many GPUs, scaled by which policy."""
+
+    name: str
+    argv: tuple[str, ...] = attrs.field(converter=str_tuple)
+    min_workers: int = 0
+    max_workers: int = 1
+    gpus_per_worker: int = 0
+    env: dict[str, str] = attrs.field(factory=dict, converter=_frozen_mapping, hash=False)
+    policy: PolicySpec = attrs.field(factory=PolicySpec)
+    #: A worker is active as soon as it starts, unless it must report ready first.
+    require_ready: bool = False
+    start_timeout_s: float = 300.0
+    #: None: heartbeats are not required. Otherwise a silent worker is hung after this long.
+    heartbeat_grace_s: float | None = None
+    drain_signal: str = "SIGUSR1"
+    drain_timeout_s: float = 60.0
+    #: Between SIGTERM and SIGKILL of the process group, and again between SIGKILL and giving up.
+    stop_timeout_s: float = 10.0
+    #: Pressure older than this is stale: the pool holds its count.
+    metrics_stale_s: float = 30.0
+    #: No policy scale-down within this long after a scale-up (no flapping).
+    stabilization_s: float = 120.0
+    crash_loop: CrashLoopRules = attrs.field(factory=CrashLoopRules)
+
+    def __attrs_post_init__(self) -> None:
+        where = f"pools.{self.name}"
+        if not _NAME.match(self.name):
+            raise ConfigError(
+                f"pools.{self.name!r}: a pool name is lower-case letters, digits, '_' and '.'"
+            )
+        if not self.argv or not all(isinstance(a, str) for a in self.argv):
+            raise ConfigError(f"{where}.argv: must be a non-empty list of strings")
+        for arg in self.argv:
+            for _, field, _, _ in string.Formatter().parse(arg):
+                if field is not None and field not in ARGV_PLACEHOLDERS:
+                    raise ConfigError(
+                        f"{where}.argv: unknown placeholder {{{field}}} in {arg!r}; "
+                        f"known: {', '.join(sorted(ARGV_PLACEHOLDERS))} (write {{{{ for a brace)"
+                    )
+        if self.min_workers < 0:
+            raise ConfigError(f"{where}.min_workers must be >= 0, got {self.min_workers}")
+        if self.max_workers < self.min_workers:
+            raise ConfigError(
+                f"{where}.max_workers ({self.max_workers}) must be >= min_workers "
+                f"({self.min_workers})"
+            )
+        if self.gpus_per_worker < 0:
+            raise ConfigError(f"{where}.gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
+        for key, value in self.env.items():
+            if not _ENV_NAME.match(key) or not isinstance(value, str):
+                raise ConfigError(f"{where}.env.{key}: names are identifiers, values strings")
+            if key in RESERVED_ENV:
+                raise ConfigError(f"{where}.env.{key}: deo sets this variable itself")
+        if self.drain_signal not in _SIGNALS:
+            raise ConfigError(
+                f"{where}.drain_signal: {self.drain_signal!r} is not one of {sorted(_SIGNALS)}"
+            )
+        for key in ("start_timeout_s", "drain_timeout_s", "stop_timeout_s", "metrics_stale_s"):
+            _positive(f"{where}.{key}", getattr(self, key))
+        _non_negative(f"{where}.stabilization_s", self.stabilization_s)
+        if self.heartbeat_grace_s is not None:
+            _positive(f"{where}.heartbeat_grace_s", self.heartbeat_grace_s)
+
+    def render_argv(self, *, worker_id: str, index: int, gpus: tuple[str, ...]) -> tuple[str, ...]:
+        """The argv of one worker, placeholders filled in."""
+        values = {"worker_id": worker_id, "pool": self.name, "index": index, "gpus": ",".join(gpus)}
+        return tuple(arg.format_map(values) for arg in self.argv)
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class CordonRules:
+    """When a GPU is cordoned (no new worker placed on it) and when it is released again.
+
+    Throttling and memory saturation are transient: the GPU is uncordoned once its samples have
+    been clean for ``uncordon_after_s`` (hysteresis). XID/ECC errors and loss point at hardware:
+    those cordons stay until an operator lifts them.
+    """
+
+    max_temperature_c: float = 90.0
+    throttle_reasons: frozenset[str] = attrs.field(
+        default=frozenset({"thermal", "power"}), converter=str_set
+    )
+    #: Applies to GPUs no deo worker holds: memory used by someone else makes the GPU unusable.
+    max_memory_fraction: float = 0.9
+    uncordon_after_s: float = 120.0
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 < self.max_memory_fraction <= 1:
+            raise ConfigError(
+                f"cordon.max_memory_fraction must be in (0, 1], got {self.max_memory_fraction}"
+            )
+        _non_negative("cordon.uncordon_after_s", self.uncordon_after_s)
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Config:
+    """Everything the core needs to know: pools, the GPUs it may place workers on, cordon rules."""
+
+    pools: tuple[PoolSpec, ...] = attrs.field(default=(), converter=str_tuple)
+    #: GPU ids as CUDA_VISIBLE_DEVICES takes them: indices ("0") or UUIDs ("GPU-...").
+    gpus: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
+    cordon: CordonRules = attrs.field(factory=CordonRules)
+
+    def __attrs_post_init__(self) -> None:
+        names = [p.name for p in self.pools]
+        for name in names:
+            if names.count(name) > 1:
+                raise ConfigError(f"pools.{name}: declared twice")
+        for gpu in self.gpus:
+            if not isinstance(gpu, str) or not gpu or "," in gpu:
+                raise ConfigError(f"gpus: {gpu!r} is not a GPU id (an index or a UUID)")
+            if self.gpus.count(gpu) > 1:
+                raise ConfigError(f"gpus: {gpu!r} listed twice")
+        for pool in self.pools:
+            if pool.gpus_per_worker > len(self.gpus):
+                raise ConfigError(
+                    f"pools.{pool.name}.gpus_per_worker ({pool.gpus_per_worker}) exceeds the "
+                    f"{len(self.gpus)} GPUs declared"
+                )
+
+    def pool(self, name: str) -> PoolSpec | None:
+        """The pool called ``name``, or None."""
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        return None

@@ -1,0 +1,272 @@
+"""Events: everything that enters the core. Each carries its timestamp ``t`` in seconds.
+
+Events are facts about the world (a sample was taken, a process exited, an operator asked for
+something). Time never comes from a clock inside the core: it comes from ``t``, and ``Tick`` exists
+only to let time pass when nothing else happens. Events validate their own fields on construction
+and raise :class:`InvalidEvent` with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from core.config import Config
+from core.convert import str_set
+from core.errors import InvalidEvent
+
+__all__ = [
+    "AutoscalingPaused",
+    "AutoscalingResumed",
+    "Configured",
+    "DrainRequested",
+    "Event",
+    "GpuCordonRequested",
+    "GpuLost",
+    "GpuSampled",
+    "GpuUncordonRequested",
+    "LoadSampled",
+    "PoolPinned",
+    "QueueSampled",
+    "SourceDown",
+    "SpawnFailed",
+    "Tick",
+    "WorkerAdopted",
+    "WorkerExited",
+    "WorkerHeartbeat",
+    "WorkerLost",
+    "WorkerReady",
+    "WorkerStarted",
+]
+
+
+def _check_time(name: str, t: float) -> None:
+    if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
+        raise InvalidEvent(f"{name}.t must be a finite number of seconds >= 0, got {t!r}")
+
+
+def _check_count(event: object, field: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidEvent(f"{type(event).__name__}.{field} must be an integer >= 0, got {value!r}")
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Event:
+    """Base class of every input. ``t`` is the time the fact was observed, in seconds."""
+
+    t: float
+
+    def __attrs_post_init__(self) -> None:
+        _check_time(type(self).__name__, self.t)
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Tick(Event):
+    """Time passes: deadlines, heartbeat expiry, backoff and cordon hysteresis are checked."""
+
+
+# --- configuration and operator overrides ------------------------------------------------------
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Configured(Event):
+    """The whole configuration, declared or changed (declarative, like ``kubectl apply``)."""
+
+    config: Config
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class AutoscalingPaused(Event):
+    """Stop policy decisions for one pool, or all pools when ``pool`` is None.
+
+    Crashed workers are still replaced: pausing freezes the count, not the pool.
+    """
+
+    pool: str | None = None
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class AutoscalingResumed(Event):
+    """Resume policy decisions for one pool, or all pools when ``pool`` is None."""
+
+    pool: str | None = None
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class PoolPinned(Event):
+    """Pin a pool at ``count`` workers (within its bounds); ``count=None`` unpins it."""
+
+    pool: str
+    count: int | None
+
+    def __attrs_post_init__(self) -> None:
+        _check_time("PoolPinned", self.t)
+        if self.count is not None:
+            _check_count(self, "count", self.count)
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class DrainRequested(Event):
+    """Drain one worker gracefully; the pool replaces it (pin the pool to shrink it instead)."""
+
+    worker_id: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class GpuCordonRequested(Event):
+    """An operator cordons a GPU: no new worker is placed on it until uncordoned."""
+
+    gpu_id: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class GpuUncordonRequested(Event):
+    """An operator lifts every cordon on a GPU, including error and loss cordons."""
+
+    gpu_id: str
+
+
+# --- pressure ------------------------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class QueueSampled(Event):
+    """A trainer's queue, in sequences (Atropos: queued groups x group size).
+
+    ``trainer_step`` advancing is how consumption is measured: each step consumes
+    ``batch_size_seqs`` sequences.
+    """
+
+    pool: str
+    queued_sequences: int
+    batch_size_seqs: int
+    trainer_step: int
+
+    def __attrs_post_init__(self) -> None:
+        _check_time("QueueSampled", self.t)
+        _check_count(self, "queued_sequences", self.queued_sequences)
+        _check_count(self, "trainer_step", self.trainer_step)
+        _check_count(self, "batch_size_seqs", self.batch_size_seqs)
+        if self.batch_size_seqs == 0:
+            raise InvalidEvent("QueueSampled.batch_size_seqs must be >= 1, got 0")
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class LoadSampled(Event):
+    """In-flight requests summed over a pool's workers (inference engines, request servers)."""
+
+    pool: str
+    in_flight_requests: int
+
+    def __attrs_post_init__(self) -> None:
+        _check_time("LoadSampled", self.t)
+        _check_count(self, "in_flight_requests", self.in_flight_requests)
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class SourceDown(Event):
+    """A pool's pressure source could not be read: the pool holds its count until it returns."""
+
+    pool: str
+    error: str
+
+
+# --- workers -------------------------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class WorkerStarted(Event):
+    """A spawned worker's process exists. ``pid`` with ``start_time`` identifies it uniquely."""
+
+    worker_id: str
+    pid: int
+    #: The process start time as the OS reports it (``/proc/PID/stat`` field 22), not wall time.
+    start_time: int
+
+    def __attrs_post_init__(self) -> None:
+        _check_time("WorkerStarted", self.t)
+        _check_count(self, "pid", self.pid)
+        _check_count(self, "start_time", self.start_time)
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class WorkerReady(Event):
+    """A worker reports it is ready to produce (only awaited when the pool requires it)."""
+
+    worker_id: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class WorkerHeartbeat(Event):
+    """A worker is alive."""
+
+    worker_id: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class WorkerExited(Event):
+    """A worker's process ended, with an exit code or the signal that killed it."""
+
+    worker_id: str
+    exit_code: int | None = None
+    signal: int | None = None
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class SpawnFailed(Event):
+    """A requested worker could not be started at all (bad argv, exec error, ...)."""
+
+    worker_id: str
+    error: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class WorkerAdopted(Event):
+    """After an orchestrator restart, a worker the log says is alive was found alive."""
+
+    worker_id: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class WorkerLost(Event):
+    """A worker the log says is alive is gone or cannot be trusted (restart check, lost host)."""
+
+    worker_id: str
+    reason: str
+
+
+# --- GPUs ----------------------------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class GpuSampled(Event):
+    """One health reading of one GPU (NVML or a fake). Unknown GPU ids are ignored."""
+
+    gpu_id: str
+    memory_used_bytes: int
+    memory_total_bytes: int
+    temperature_c: float
+    #: Active throttle reasons, e.g. {"thermal", "power"}.
+    throttle_reasons: frozenset[str] = attrs.field(factory=frozenset, converter=str_set)
+    #: Errors seen since the previous sample (XID events, uncorrected ECC errors).
+    new_errors: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        _check_time("GpuSampled", self.t)
+        _check_count(self, "memory_used_bytes", self.memory_used_bytes)
+        _check_count(self, "memory_total_bytes", self.memory_total_bytes)
+        _check_count(self, "new_errors", self.new_errors)
+        if self.memory_used_bytes > self.memory_total_bytes:
+            raise InvalidEvent(
+                f"GpuSampled.memory_used_bytes ({self.memory_used_bytes}) exceeds "
+                f"memory_total_bytes ({self.memory_total_bytes}) on GPU {self.gpu_id!r}"
+            )
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class GpuLost(Event):
+    """A GPU is gone (fell off the bus, driver reports it lost): its workers are lost too."""
+
+    gpu_id: str
+    error: str

@@ -1,0 +1,128 @@
+"""deo's invariants as code: the numbered list of DESIGN.md, checkable after every step.
+
+``state_violations(state)`` checks what must hold of any state; ``step_violations(before, event,
+after, commands)`` checks what must hold of one step. Both return messages (empty when all is
+well); ``raise_on_violation`` turns them into :class:`InvariantViolation`. The property tests
+call these after every step of random event sequences; ``Reducer(check_invariants=True)`` calls
+them at run time. Invariants 7 (determinism) and 8 (log round-trip) are about whole runs and are
+checked by replay and the codec tests.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from core import commands as c
+from core import events as e
+from core.errors import InvariantViolation
+from core.lifecycle import COUNTED, WorkerState
+from core.state import State
+
+__all__ = ["raise_on_violation", "state_violations", "step_violations"]
+
+
+def state_violations(state: State) -> list[str]:
+    """Everything wrong with ``state`` on its own."""
+    found: list[str] = []
+    # 1. A GPU is held by at most one live worker, and only GPUs of the inventory are held.
+    holders = Counter(g for w in state.workers.values() for g in w.gpus)
+    for gpu_id, count in sorted(holders.items()):
+        if count > 1:
+            found.append(f"1: GPU {gpu_id} held by {count} live workers")
+        if gpu_id not in state.gpus:
+            found.append(f"1: GPU {gpu_id} held but not in the inventory")
+    # 2. Counted workers within [min, max]; below min only with an alert saying why.
+    counted = Counter(w.pool for w in state.workers.values() if w.state in COUNTED)
+    for name, pool in state.pools.items():
+        n = counted.get(name, 0)
+        if n > pool.spec.max_workers:
+            found.append(f"2: pool {name} has {n} workers > max {pool.spec.max_workers}")
+        if (
+            not pool.removed
+            and n < pool.spec.min_workers
+            and ("below_min", name) not in state.alerts
+        ):
+            found.append(f"2: pool {name} has {n} < min {pool.spec.min_workers} without an alert")
+    for worker in state.workers.values():
+        owner = state.pools.get(worker.pool)
+        if owner is None:
+            found.append(f"worker {worker.worker_id} belongs to no pool")
+        elif worker.index >= owner.next_index:
+            found.append(f"worker {worker.worker_id} has an index the pool never handed out")
+        # 3. Every drain and stop has a deadline.
+        if (
+            worker.state in (WorkerState.DRAINING, WorkerState.STOPPING)
+            and worker.deadline_t is None
+        ):
+            found.append(f"3: worker {worker.worker_id} is {worker.state.value} without a deadline")
+    # 5. Backoff follows the rule: delay(n) after the last of n consecutive failures.
+    for name, pool in state.pools.items():
+        if pool.failures and pool.last_failure_t is not None:
+            expected = pool.last_failure_t + pool.spec.crash_loop.backoff_s(pool.failures)
+            if abs(pool.backoff_until_t - expected) > 1e-9:
+                found.append(
+                    f"5: pool {name} backs off until {pool.backoff_until_t}, rule says {expected}"
+                )
+    return found
+
+
+def step_violations(
+    before: State, event: e.Event, after: State, commands: Sequence[c.Command]
+) -> list[str]:
+    """Everything wrong with one step, including the state it produced."""
+    found = state_violations(after)
+    t = after.now
+    held_before = {g for w in before.workers.values() for g in w.gpus}
+    for command in commands:
+        if isinstance(command, c.SpawnWorker):
+            # 1. No new worker on a cordoned or already held GPU.
+            for gpu_id in command.gpus:
+                gpu = after.gpus.get(gpu_id)
+                if gpu is None or gpu.causes:
+                    found.append(f"1: {command.worker_id} placed on cordoned GPU {gpu_id}")
+                if gpu_id in held_before:
+                    found.append(f"1: {command.worker_id} placed on held GPU {gpu_id}")
+            # 5. No spawn before the crash-loop backoff has passed.
+            pool = before.pools.get(command.pool)
+            if pool is not None and pool.failures and t < pool.backoff_until_t:
+                found.append(
+                    f"5: {command.worker_id} spawned at t={t} during backoff until "
+                    f"{pool.backoff_until_t} ({pool.failures} failures)"
+                )
+        elif isinstance(command, c.ScalePool) and command.source == "policy":
+            # 6. Only a fresh sample for the pool lets a policy decide.
+            fresh = (
+                isinstance(event, (e.QueueSampled, e.LoadSampled)) and event.pool == command.pool
+            )
+            if not fresh:
+                found.append(f"6: policy scaled {command.pool} on {type(event).__name__}")
+            # 4. No scale-down within the stabilization window after a scale-up.
+            pool = before.pools.get(command.pool)
+            if pool is not None and command.target < command.previous:
+                last_up = pool.last_scale_up_t
+                if last_up is not None and t - last_up < pool.spec.stabilization_s:
+                    found.append(
+                        f"4: {command.pool} scaled down at t={t}, {t - last_up:g}s after a "
+                        f"scale-up (window {pool.spec.stabilization_s:g}s)"
+                    )
+    # 3. After time passes, no drain or stop is past its deadline without escalation.
+    if isinstance(event, e.Tick):
+        for worker in after.workers.values():
+            if worker.deadline_t is not None and worker.deadline_t <= t:
+                found.append(
+                    f"3: worker {worker.worker_id} {worker.state.value} past its deadline "
+                    f"{worker.deadline_t} at t={t}"
+                )
+    return found
+
+
+def raise_on_violation(
+    before: State, event: e.Event, after: State, commands: Sequence[c.Command]
+) -> None:
+    """Raise :class:`InvariantViolation` listing every violation of this step, if any."""
+    found = step_violations(before, event, after, commands)
+    if found:
+        raise InvariantViolation(
+            f"after {type(event).__name__} at t={event.t}: " + "; ".join(found)
+        )

@@ -1,0 +1,68 @@
+"""Scaling policies behind one interface (see :mod:`core.policies.base`).
+
+``build(spec)`` turns a :class:`~core.config.PolicySpec` into a policy object, naming the bad key
+when a parameter is unknown or out of range.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+
+from core.config import PolicySpec
+from core.errors import ConfigError
+from core.policies.base import Decision, Policy, PolicyContext
+from core.policies.buffer import BufferMemory, BufferPolicy
+from core.policies.hpa import HpaMemory, HpaPolicy
+from core.policies.static import StaticPolicy
+from core.policies.threshold import ThresholdMemory, ThresholdPolicy
+
+__all__ = [
+    "POLICIES",
+    "BufferMemory",
+    "BufferPolicy",
+    "Decision",
+    "HpaMemory",
+    "HpaPolicy",
+    "Policy",
+    "PolicyContext",
+    "StaticPolicy",
+    "ThresholdMemory",
+    "ThresholdPolicy",
+    "build",
+]
+
+POLICIES: dict[str, type] = {
+    "buffer": BufferPolicy,
+    "hpa": HpaPolicy,
+    "static": StaticPolicy,
+    "threshold": ThresholdPolicy,
+}
+
+
+@functools.lru_cache(maxsize=256)
+def build(spec: PolicySpec) -> Policy:
+    """The policy ``spec`` names, with its parameters; :class:`ConfigError` if either is wrong."""
+    cls = POLICIES.get(spec.name)
+    if cls is None:
+        raise ConfigError(
+            f"policy.name: unknown policy {spec.name!r}; known: {', '.join(sorted(POLICIES))}"
+        )
+    fields = {f.name: f for f in attrs.fields(cls)}
+    params = {}
+    for key, value in spec.params.items():
+        field = fields.get(key)
+        if field is None:
+            known = ", ".join(sorted(fields)) or "none"
+            raise ConfigError(f"policy.{key}: {spec.name!r} has no such parameter; known: {known}")
+        expected = type(field.default)
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not expected:
+            raise ConfigError(
+                f"policy.{key}: expected {expected.__name__}, got {type(value).__name__} {value!r}"
+            )
+        params[key] = value
+    policy: Policy = cls(**params)
+    return policy

@@ -1,0 +1,130 @@
+"""The reducer's state: plain frozen records, rebuilt (never mutated) by each step.
+
+Only live workers are kept; an exited worker is forgotten except for its pool's counters
+(``next_index`` tells an already-exited worker from one that never existed, so a late or repeated
+report about it is a no-op rather than an error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+
+from core.config import Config, PoolSpec
+from core.convert import str_set, str_tuple
+from core.events import LoadSampled, QueueSampled
+from core.lifecycle import COUNTED, WorkerState
+
+__all__ = ["Gpu", "PoolState", "State", "Worker", "split_worker_id"]
+
+
+def _alert_set(value: Iterable[Iterable[str]]) -> frozenset[tuple[str, str]]:
+    pairs = (tuple(a) for a in value)
+    return frozenset((a, s) for a, s in pairs)
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Worker:
+    """One worker, from the moment the core asks for it until it exits."""
+
+    worker_id: str
+    pool: str
+    index: int
+    state: WorkerState = attrs.field(converter=WorkerState)
+    gpus: tuple[str, ...] = attrs.field(converter=str_tuple)
+    requested_t: float
+    started_t: float | None = None
+    pid: int | None = None
+    #: OS process start time; with ``pid`` it identifies the process across restarts.
+    start_time: int | None = None
+    #: Last sign of life: start, readiness, heartbeat or adoption.
+    last_seen_t: float | None = None
+    #: When the current drain or stop escalates; None outside DRAINING and STOPPING.
+    deadline_t: float | None = None
+    killed: bool = False
+    #: Why deo is stopping it ("scale_down", "operator", "hung", ...); None if it is not.
+    stop_cause: str | None = None
+
+    @property
+    def counted(self) -> bool:
+        return self.state in COUNTED
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Gpu:
+    """One GPU of the inventory and why, if at all, it is cordoned."""
+
+    gpu_id: str
+    causes: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
+    #: Since when samples have shown no transient cause (the uncordon hysteresis clock).
+    clean_since_t: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    temperature_c: float | None = None
+
+    @property
+    def cordoned(self) -> bool:
+        return bool(self.causes)
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class PoolState:
+    """One pool: its spec, target, overrides, pressure and crash-loop bookkeeping."""
+
+    spec: PoolSpec
+    #: The target the autoscaler (or configuration) set.
+    desired: int
+    #: An operator's pinned count; overrides ``desired`` while set.
+    pinned: int | None = None
+    paused: bool = False
+    #: Removed from configuration: drains to zero, then disappears.
+    removed: bool = False
+    next_index: int = 0
+    policy_memory: Any = None
+    queue: QueueSampled | None = None
+    load: LoadSampled | None = None
+    last_sample_t: float | None = None
+    source_error: str | None = None
+    failures: int = 0
+    last_failure_t: float | None = None
+    backoff_until_t: float = 0.0
+    last_scale_up_t: float | None = None
+
+    @property
+    def target(self) -> int:
+        """How many counted workers the pool should have now."""
+        if self.removed:
+            return 0
+        return self.desired if self.pinned is None else self.pinned
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class State:
+    """Everything the core knows. ``now`` is the latest event time seen."""
+
+    now: float = 0.0
+    config: Config = attrs.field(factory=Config)
+    pools: dict[str, PoolState] = attrs.field(factory=dict, hash=False)
+    workers: dict[str, Worker] = attrs.field(factory=dict, hash=False)
+    gpus: dict[str, Gpu] = attrs.field(factory=dict, hash=False)
+    paused_all: bool = False
+    #: Active alerts as (alert, subject) pairs, so each is raised once and resolved once.
+    alerts: frozenset[tuple[str, str]] = attrs.field(default=frozenset(), converter=_alert_set)
+
+    def workers_of(self, pool: str) -> list[Worker]:
+        """Live workers of one pool, oldest first."""
+        return sorted((w for w in self.workers.values() if w.pool == pool), key=lambda w: w.index)
+
+    def counted(self, pool: str) -> int:
+        """Workers counting toward the pool's size (requested, starting, active, sleeping)."""
+        return sum(1 for w in self.workers.values() if w.pool == pool and w.counted)
+
+
+def split_worker_id(worker_id: str) -> tuple[str, int] | None:
+    """``"envs-3"`` -> ``("envs", 3)``; None when the id is not one deo would have made."""
+    pool, sep, index = worker_id.rpartition("-")
+    if not sep or not index.isdigit():
+        return None
+    return pool, int(index)
