@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import string
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -198,11 +198,15 @@ class CordonRules:
         _non_negative("cordon.uncordon_after_s", self.uncordon_after_s)
 
 
+def _pool_tuple(value: Iterable[PoolSpec]) -> tuple[PoolSpec, ...]:
+    return tuple(value)
+
+
 @attrs.frozen(slots=True, kw_only=True)
 class Config:
     """Everything the core needs to know: pools, the GPUs it may place workers on, cordon rules."""
 
-    pools: tuple[PoolSpec, ...] = attrs.field(default=(), converter=str_tuple)
+    pools: tuple[PoolSpec, ...] = attrs.field(default=(), converter=_pool_tuple)
     #: GPU ids as CUDA_VISIBLE_DEVICES takes them: indices ("0") or UUIDs ("GPU-...").
     gpus: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
     cordon: CordonRules = attrs.field(factory=CordonRules)
