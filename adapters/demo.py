@@ -210,7 +210,8 @@ def run_demo(log_path: Path, settings: DemoSettings | None = None, out: TextIO =
             print(
                 f"  t={t:5.0f}s  workers {len(world.running):>2}  queue "
                 f"{world.queued_seqs / s.batch_size_seqs:4.2f} batches  "
-                f"trainer step {world.step:>3}  waiting {waited / t:5.1%}  (step time {_step_time(s, t):g}s)",
+                f"trainer step {world.step:>3}  waiting {waited / t:5.1%}  "
+                f"(step time {_step_time(s, t):g}s)",
                 file=out,
             )
             next_report += 60.0
