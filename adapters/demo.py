@@ -122,6 +122,7 @@ def run_demo(log_path: Path, settings: DemoSettings | None = None, out: TextIO =
     s = settings or DemoSettings()
     for stale in (log_path, log_path.with_name(log_path.name + ".snapshot")):
         stale.unlink(missing_ok=True)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     world = _World(s)
     pool = PoolSpec(
         name="envs",

@@ -141,22 +141,27 @@ class EventLog:
         """Open ``path`` for appending, creating it with a header if needed, and rebuild the state
         it records (from the snapshot, then the records after it)."""
         path = Path(path)
+        recovery = Recovery(state=State(), replayed=0, problems=())
+        seq = lines = 0
+        if path.exists() and path.stat().st_size > 0:
+            state, seq, lines, replayed, problems, set_aside = _recover(path)
+            recovery = Recovery(state, replayed, problems, set_aside)
         if not path.exists() or path.stat().st_size == 0:
+            # A new log (or one whose only line, a torn header, was set aside).
+            snapshot_path(path).unlink(missing_ok=True)  # it would belong to another log
             header = {
                 "kind": "header",
                 "schema": SCHEMA_VERSION,
                 "deo": VERSION,
-                "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                "created": dt.datetime.now(dt.UTC).isoformat(timespec="microseconds"),
             }
             with path.open("wb") as f:
                 f.write(orjson.dumps(header) + b"\n")
                 f.flush()
                 os.fsync(f.fileno())
-            log = cls(path, seq=0, lines=1, fsync=fsync, snapshot_every=snapshot_every)
-            return log, Recovery(state=State(), replayed=0, problems=())
-        state, seq, lines, replayed, problems, set_aside = _recover(path)
+            seq, lines = 0, 1
         log = cls(path, seq=seq, lines=lines, fsync=fsync, snapshot_every=snapshot_every)
-        return log, Recovery(state=state, replayed=replayed, problems=problems, set_aside=set_aside)
+        return log, recovery
 
     @property
     def seq(self) -> int:
@@ -217,6 +222,7 @@ class EventLog:
         self.flush()
         payload = {
             "schema": SCHEMA_VERSION,
+            "header": _first_line(self.path),
             "seq": self._seq,
             "offset": self._file.tell(),
             "lines": self._lines,
@@ -248,8 +254,10 @@ def _load_snapshot(path: Path) -> tuple[State, int, int, int] | None:
     target = snapshot_path(path)
     try:
         payload = orjson.loads(target.read_bytes())
-        if payload.get("schema") != SCHEMA_VERSION or payload["offset"] > path.stat().st_size:
+        if not isinstance(payload, dict) or payload.get("schema") != SCHEMA_VERSION:
             return None
+        if payload.get("header") != _first_line(path) or payload["offset"] > path.stat().st_size:
+            return None  # a snapshot of another log, or of a longer one
         state = decode(payload["state"])
         if not isinstance(state, State):
             return None
@@ -306,6 +314,12 @@ def _recover(
         problems[-1] = LogProblem(torn.line, f"{torn.message}; set aside in {set_aside.name}")
         lines = torn.line - 1
     return reducer.state, seq, lines, replayed, tuple(problems), set_aside
+
+
+def _first_line(path: Path) -> str:
+    """The header line, which names the log (its creation time) for its snapshots."""
+    with path.open("rb") as f:
+        return f.readline().decode("utf-8", "replace")
 
 
 def _line_start(path: Path, line: int, offset: int, *, lines_before: int) -> int:

@@ -74,6 +74,12 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     if args.at is not None:
         return _at(path, steps, args.at, problems, out)
     if args.explain is not None:
+        if args.explain < 1:
+            print(
+                f"deo replay: --explain {args.explain}: commands are numbered from 1",
+                file=sys.stderr,
+            )
+            return 2
         return _explain(path, steps, args.explain, problems, out)
     return _timeline(path, steps, problems, out, quiet=args.quiet)
 
@@ -260,4 +266,4 @@ def _what_if(
         f"never started)",
         file=out,
     )
-    return 0
+    return 2 if problems else 0

@@ -102,12 +102,24 @@ class CrashLoopRules:
         return float(min(self.backoff_cap_s, self.backoff_base_s * 2.0 ** min(failures - 1, 60)))
 
 
+def _argv_tuple(value: Iterable[str], spec: Any) -> tuple[str, ...]:
+    # Converters run in field order, so the pool's name is already set.
+    if isinstance(value, str):
+        raise ConfigError(
+            f"pools.{spec.name}.argv: a list of strings is expected, not the string {value!r} "
+            f"(no shell is used)"
+        )
+    return tuple(value)
+
+
 @attrs.frozen(slots=True, kw_only=True)
 class PoolSpec:
     """One kind of worker: how to start it, how many, on how many GPUs, scaled by which policy."""
 
     name: str
-    argv: tuple[str, ...] = attrs.field(converter=str_tuple)
+    argv: tuple[str, ...] = attrs.field(
+        converter=attrs.Converter(_argv_tuple, takes_self=True)  # type: ignore[misc]
+    )
     min_workers: int = 0
     max_workers: int = 1
     gpus_per_worker: int = 0
@@ -137,7 +149,13 @@ class PoolSpec:
         if not self.argv or not all(isinstance(a, str) for a in self.argv):
             raise ConfigError(f"{where}.argv: must be a non-empty list of strings")
         for arg in self.argv:
-            for _, field, _, _ in string.Formatter().parse(arg):
+            try:
+                fields = [field for _, field, _, _ in string.Formatter().parse(arg)]
+            except ValueError as exc:
+                raise ConfigError(
+                    f"{where}.argv: {arg!r}: {exc} (write {{{{ for a brace)"
+                ) from None
+            for field in fields:
                 if field is not None and field not in ARGV_PLACEHOLDERS:
                     raise ConfigError(
                         f"{where}.argv: unknown placeholder {{{field}}} in {arg!r}; "

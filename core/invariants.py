@@ -73,18 +73,15 @@ def step_violations(
     """Everything wrong with one step, including the state it produced."""
     found = state_violations(after)
     t = after.now
-    held_before = {g for w in before.workers.values() for g in w.gpus}
     for command in commands:
         if isinstance(command, c.SpawnWorker):
-            # 1. No new worker on a cordoned or already held GPU.
+            # 1. No new worker on a cordoned GPU (sharing one shows in state_violations).
             for gpu_id in command.gpus:
                 gpu = after.gpus.get(gpu_id)
                 if gpu is None or gpu.causes:
                     found.append(f"1: {command.worker_id} placed on cordoned GPU {gpu_id}")
-                if gpu_id in held_before:
-                    found.append(f"1: {command.worker_id} placed on held GPU {gpu_id}")
             # 5. No spawn before the crash-loop backoff has passed.
-            pool = before.pools.get(command.pool)
+            pool = after.pools.get(command.pool)
             if pool is not None and pool.failures and t < pool.backoff_until_t:
                 found.append(
                     f"5: {command.worker_id} spawned at t={t} during backoff until "

@@ -219,10 +219,8 @@ class _Step:
                     f"{failures} early failures in a row (last: {worker.worker_id} {why}); "
                     f"next spawn in {backoff:g}s",
                 )
-        elif worker.started_t is not None and self.t - worker.started_t >= rules.early_exit_s:
-            pool = self._reset_failures(
-                pool, f"{worker.worker_id} ran {self.t - worker.started_t:.0f}s"
-            )
+        elif self.proves_healthy(pool, worker):
+            pool = self._reset_failures(pool, f"{worker.worker_id} ran {rules.early_exit_s:g}s")
         if pool.removed and not any(w.pool == pool.spec.name for w in self.workers.values()):
             del self._own("pools")[pool.spec.name]
             self.dirty_pools.discard(pool.spec.name)
@@ -230,6 +228,17 @@ class _Step:
             return
         self.put_pool(pool)
         self.dirty_pools.add(pool.spec.name)
+
+    def proves_healthy(self, pool: PoolState, worker: Worker) -> bool:
+        """A worker started since the pool's last failure has stayed up for ``early_exit_s``.
+
+        Only such a worker ends a crash loop: an old worker that keeps running says nothing about
+        the slot that keeps crashing beside it.
+        """
+        started = worker.started_t
+        if started is None or self.t - started < pool.spec.crash_loop.early_exit_s:
+            return False
+        return pool.last_failure_t is None or started >= pool.last_failure_t
 
     def _reset_failures(self, pool: PoolState, why: str) -> PoolState:
         if pool.failures == 0:
@@ -521,10 +530,7 @@ def _tick(step: _Step, event: e.Tick) -> None:
             healthy = [
                 w
                 for w in step.workers.values()
-                if w.pool == name
-                and w.state is S.ACTIVE
-                and w.started_t is not None
-                and t - w.started_t >= spec.crash_loop.early_exit_s
+                if w.pool == name and w.state is S.ACTIVE and step.proves_healthy(pool, w)
             ]
             if healthy:
                 step.put_pool(
@@ -577,6 +583,10 @@ def _configured(step: _Step, event: e.Configured) -> None:
         if pinned is not None:
             pinned = min(max(pinned, spec.min_workers), spec.max_workers)
         updated = attrs.evolve(pool, spec=spec, removed=False, policy_memory=memory, pinned=pinned)
+        if pool.failures and pool.last_failure_t is not None:
+            # Changed backoff rules apply to the crash loop in progress.
+            backoff = spec.crash_loop.backoff_s(pool.failures)
+            updated = attrs.evolve(updated, backoff_until_t=pool.last_failure_t + backoff)
         # A policy that never reacts to pressure (static) sets its count from configuration.
         wanted = (
             policy.initial_target(spec.min_workers, spec.max_workers)

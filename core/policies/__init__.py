@@ -41,9 +41,15 @@ POLICIES: dict[str, type] = {
 }
 
 
-@functools.lru_cache(maxsize=256)
 def build(spec: PolicySpec) -> Policy:
     """The policy ``spec`` names, with its parameters; :class:`ConfigError` if either is wrong."""
+    # Keyed by parameter types too: 2 == 2.0 == True, yet only one of them may be valid.
+    key = (spec.name, tuple(sorted((k, type(v).__name__, v) for k, v in spec.params.items())))
+    return _build(key, spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _build(key: object, spec: PolicySpec) -> Policy:
     cls = POLICIES.get(spec.name)
     if cls is None:
         raise ConfigError(

@@ -48,6 +48,12 @@ class HpaPolicy:
     def initial_target(self, min_workers: int, max_workers: int) -> int:
         return min_workers
 
+    def _workers_for(self, in_flight: int) -> int:
+        whole = in_flight / self.target_per_worker
+        nearest = round(whole)
+        # Guard exact multiples against float noise (100 / 4.0 is exactly 25, not 25.0000001).
+        return nearest if abs(whole - nearest) < 1e-9 else math.ceil(whole)
+
     def decide(self, context: PolicyContext, memory: HpaMemory | None) -> Decision:
         mem = memory or HpaMemory()
         t, current = context.t, context.current
@@ -55,10 +61,10 @@ class HpaPolicy:
         in_flight = context.load.in_flight_requests
         if current == 0:
             ratio = math.inf if in_flight else 1.0
-            raw = math.ceil(in_flight / self.target_per_worker)
         else:
             ratio = in_flight / (current * self.target_per_worker)
-            raw = current if abs(ratio - 1) <= self.tolerance else math.ceil(current * ratio)
+        # ceil(current x ratio) = ceil(in_flight / target), computed without the float product.
+        raw = current if abs(ratio - 1) <= self.tolerance else self._workers_for(in_flight)
         horizon = self.scale_down_stabilization_s
         kept = tuple((ts, n) for ts, n in mem.recommendations if t - ts < horizon)
         window = (*kept, (t, raw))
@@ -68,7 +74,8 @@ class HpaPolicy:
             f"{self.target_per_worker:g}"
         )
         if raw < current:
-            target = max(n for _, n in window)
+            # Stabilization only delays a scale-down: never above the current count.
+            target = min(current, max(n for _, n in window))
             if target > raw:
                 why += f"; recommendation {raw}, highest in last {horizon:g}s {target}"
         return Decision(

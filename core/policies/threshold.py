@@ -71,12 +71,10 @@ class ThresholdPolicy:
             f"load {in_flight} / ({self.capacity_per_worker:g} x {max(current, 1)}) = {ratio:.2f}"
         )
         if ratio > self.scale_up_threshold:
-            mem = attrs.evolve(
-                mem,
-                above_since_t=mem.above_since_t if mem.above_since_t is not None else t,
-                below_since_t=None,
-            )
-            held = t - (mem.above_since_t or t)
+            if mem.above_since_t is None or mem.below_since_t is not None:
+                mem = attrs.evolve(mem, above_since_t=t, below_since_t=None)
+            assert mem.above_since_t is not None
+            held = t - mem.above_since_t
             if held >= self.stability_s and _since(t, mem.last_up_t) >= self.scale_up_cooldown_s:
                 target = current + self.step
                 return Decision(
@@ -88,12 +86,10 @@ class ThresholdPolicy:
                 target=current, reason=f"{figures} high; waiting (stability/cooldown)", memory=mem
             )
         if ratio < self.scale_down_threshold and current > 0:
-            mem = attrs.evolve(
-                mem,
-                below_since_t=mem.below_since_t if mem.below_since_t is not None else t,
-                above_since_t=None,
-            )
-            held = t - (mem.below_since_t or t)
+            if mem.below_since_t is None or mem.above_since_t is not None:
+                mem = attrs.evolve(mem, below_since_t=t, above_since_t=None)
+            assert mem.below_since_t is not None
+            held = t - mem.below_since_t
             if (
                 held >= self.stability_s
                 and _since(t, mem.last_down_t) >= self.scale_down_cooldown_s

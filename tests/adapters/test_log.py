@@ -1,0 +1,568 @@
+"""adapters/log.py: the append-only JSONL event log, its recovery and its snapshots."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adapters.demo import run_demo
+from adapters.log import SCHEMA_VERSION, EventLog, LogProblem, read_lines, snapshot_path
+from adapters.replay import replay
+from core import (
+    Config,
+    Configured,
+    DeoError,
+    Event,
+    InvalidEvent,
+    PolicySpec,
+    PoolSpec,
+    QueueSampled,
+    Reducer,
+    State,
+    Tick,
+    WorkerStarted,
+    decode,
+)
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def static_pool(count: int = 2) -> PoolSpec:
+    return PoolSpec(
+        name="envs",
+        argv=["python", "env.py"],
+        min_workers=1,
+        max_workers=4,
+        policy=PolicySpec(name="static", params={"count": count}),
+    )
+
+
+def configured(t: float = 0.0, count: int = 2) -> Configured:
+    return Configured(t=t, config=Config(pools=[static_pool(count)]))
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def events_of(path: Path) -> list[Event]:
+    """The input events a log recorded, in order."""
+    out = []
+    for item in read_lines(path):
+        assert not isinstance(item, LogProblem), item
+        if item.record.get("kind") == "event":
+            out.append(decode(item.record["event"]))
+    return out
+
+
+def replays_cleanly(path: Path) -> int:
+    """Assert ``path`` replays with no problem and no divergence; returns its event count."""
+    problems: list[LogProblem] = []
+    steps = list(replay(path, problems=problems))
+    assert problems == []
+    assert steps, "no events replayed"
+    assert all(step.matches for step in steps)
+    return len(steps)
+
+
+def write_log(path: Path, events: list[Event], **options: Any) -> Reducer:
+    """Record ``events`` into a new log at ``path`` (flushing after each); returns the reducer."""
+    log, recovery = EventLog.open(path, **options)
+    assert recovery.replayed == 0
+    reducer = Reducer()
+    for event in events:
+        log.record(reducer, event)
+        log.flush()
+        log.maybe_snapshot(reducer.state)
+    log.close()
+    return reducer
+
+
+@pytest.fixture(scope="module")
+def demo_master(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("demo") / "demo.jsonl"
+    assert run_demo(path, out=io.StringIO()) == 0
+    return path
+
+
+@pytest.fixture
+def demo_log(demo_master: Path, tmp_path: Path) -> Path:
+    """A fresh copy of a real demo log (about 1000 lines) in this test's directory."""
+    path = tmp_path / "demo.jsonl"
+    shutil.copyfile(demo_master, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def demo_events(demo_master: Path) -> list[Event]:
+    return events_of(demo_master)
+
+
+def reference_state(path: Path) -> State:
+    """The state after re-reducing every event of ``path`` from scratch."""
+    reducer = Reducer()
+    for event in events_of(path):
+        with contextlib.suppress(DeoError):
+            reducer.step(event)
+    return reducer.state
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+def test_new_log_starts_with_header(tmp_path: Path) -> None:
+    path = tmp_path / "new.jsonl"
+    log, recovery = EventLog.open(path)
+    log.close()
+    lines = path.read_bytes().splitlines()
+    assert len(lines) == 1
+    header = json.loads(lines[0])
+    assert header["kind"] == "header"
+    assert header["schema"] == SCHEMA_VERSION == 1
+    assert header["deo"]
+    assert header["created"]
+    assert recovery.replayed == 0
+    assert recovery.problems == ()
+    assert recovery.state == State()
+    assert log.seq == 0
+
+
+def test_records_have_increasing_seq_and_commands_follow_their_event(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    with EventLog.open(path)[0] as log:
+        reducer = Reducer()
+        first = log.record(reducer, configured())
+        assert [type(c).__name__ for c in first] == ["ScalePool", "SpawnWorker", "SpawnWorker"]
+        log.record(reducer, Tick(t=1.0))
+        log.record(reducer, WorkerStarted(t=2.0, worker_id="envs-0", pid=100, start_time=5))
+    recs = records(path)
+    assert recs[0]["kind"] == "header"
+    body = recs[1:]
+    seqs = [r["seq"] for r in body]
+    assert seqs == list(range(1, len(body) + 1))
+    assert log.seq == seqs[-1]
+
+    # Configured -> one commands record with cause = its seq, right after it.
+    assert body[0]["kind"] == "event"
+    assert body[0]["event"]["@"] == "Configured"
+    assert body[1]["kind"] == "commands"
+    assert body[1]["cause"] == body[0]["seq"]
+    assert [c["@"] for c in body[1]["commands"]] == ["ScalePool", "SpawnWorker", "SpawnWorker"]
+    # Tick and WorkerStarted produce no commands here: no commands record at all.
+    assert [r["kind"] for r in body[2:]] == ["event", "event"]
+    assert [r["event"]["@"] for r in body[2:]] == ["Tick", "WorkerStarted"]
+
+
+def test_every_commands_record_follows_its_event_in_a_real_log(demo_log: Path) -> None:
+    recs = records(demo_log)[1:]
+    assert [r["seq"] for r in recs] == list(range(1, len(recs) + 1))
+    previous: dict[str, Any] | None = None
+    for record in recs:
+        if record["kind"] == "commands":
+            assert previous is not None and previous["kind"] == "event"
+            assert record["cause"] == previous["seq"]
+            assert record["commands"], "an empty commands record was written"
+        previous = record
+
+
+def test_rejected_event_is_recorded_and_reraised(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    log, _ = EventLog.open(path)
+    reducer = Reducer()
+    log.record(reducer, configured())
+    before = reducer.state
+    bad = QueueSampled(t=1.0, pool="nope", queued_sequences=1, batch_size_seqs=2, trainer_step=0)
+    with pytest.raises(InvalidEvent, match="unknown pool 'nope'"):
+        log.record(reducer, bad)
+    assert reducer.state is before
+    # the log goes on after a refusal
+    log.record(reducer, Tick(t=2.0))
+    log.close()
+    recs = records(path)[1:]
+    event, rejected, tick = recs[-3:]
+    assert event["kind"] == "event" and event["event"]["pool"] == "nope"
+    assert rejected["kind"] == "rejected"
+    assert rejected["cause"] == event["seq"]
+    assert "unknown pool 'nope'" in rejected["error"]
+    assert tick["event"]["@"] == "Tick"
+    assert tick["seq"] == rejected["seq"] + 1
+    assert not any(r["kind"] == "commands" and r["cause"] == event["seq"] for r in recs)
+    # The recorded refusal is reproduced by a replay.
+    assert replays_cleanly(path) == 3
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_flush_writes_buffered_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: bool
+) -> None:
+    path = tmp_path / "log.jsonl"
+    log, _ = EventLog.open(path, fsync=fsync)
+    header_size = path.stat().st_size
+    calls: list[int] = []
+    real_fsync = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        calls.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    reducer = Reducer()
+    log.record(reducer, configured())
+    log.record(reducer, Tick(t=1.0))
+    assert path.stat().st_size == header_size, "records reached the file before flush()"
+    log.flush()
+    assert path.stat().st_size > header_size
+    assert [r["kind"] for r in records(path)] == ["header", "event", "commands", "event"]
+    assert len(calls) == (1 if fsync else 0)
+    # nothing buffered: flush writes nothing more
+    size = path.stat().st_size
+    log.flush()
+    assert path.stat().st_size == size
+    log.close()
+
+
+# --- recovery --------------------------------------------------------------------------------
+
+
+def test_reopen_rebuilds_the_state_of_the_writer(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    events: list[Event] = [
+        configured(),
+        WorkerStarted(t=1.0, worker_id="envs-0", pid=100, start_time=5),
+        Tick(t=2.0),
+        configured(t=3.0, count=3),
+    ]
+    reducer = write_log(path, events)
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.problems == ()
+    assert recovery.set_aside is None
+    assert recovery.replayed == len(events)
+    assert recovery.state == reducer.state
+    assert len(recovery.state.workers) == 3
+    assert log.seq == records(path)[-1]["seq"]
+
+
+def test_reopen_of_a_real_log_rebuilds_its_state(demo_log: Path) -> None:
+    log, recovery = EventLog.open(demo_log)
+    log.close()
+    assert recovery.problems == ()
+    assert recovery.replayed == len(events_of(demo_log))
+    assert recovery.state == reference_state(demo_log)
+    assert recovery.state.workers, "the demo ends with live workers"
+
+
+def test_reopen_continues_the_sequence(demo_log: Path) -> None:
+    last_seq = records(demo_log)[-1]["seq"]
+    log, recovery = EventLog.open(demo_log)
+    reducer = Reducer(recovery.state)
+    log.record(reducer, Tick(t=recovery.state.now + 1))
+    log.close()
+    assert records(demo_log)[-1]["seq"] == last_seq + 1
+    replays_cleanly(demo_log)
+
+
+def test_torn_last_line_is_set_aside_and_cut(demo_log: Path) -> None:
+    intact = demo_log.read_bytes()
+    line_count = len(intact.splitlines())
+    torn = b'{"kind":"event","event":{"@":"Tick","t":9'
+    with demo_log.open("ab") as f:
+        f.write(torn)
+
+    log, recovery = EventLog.open(demo_log)
+    torn_line = line_count + 1
+    assert len(recovery.problems) == 1
+    problem = recovery.problems[0]
+    assert problem.line == torn_line
+    assert "torn" in problem.message
+    assert f"line {torn_line}" in str(problem)
+    aside = demo_log.with_name(f"{demo_log.name}.torn-{torn_line}")
+    assert recovery.set_aside == aside
+    assert aside.read_bytes() == torn
+    assert demo_log.read_bytes() == intact
+    assert recovery.state == reference_state(demo_log)
+
+    # Appending after the recovery gives a log that replays cleanly.
+    reducer = Reducer(recovery.state)
+    log.record(reducer, Tick(t=recovery.state.now + 1.0))
+    log.record(reducer, Tick(t=recovery.state.now + 2.0))
+    log.close()
+    assert demo_log.read_bytes().startswith(intact)
+    assert replays_cleanly(demo_log) == len(events_of(demo_log))
+    log, again = EventLog.open(demo_log)
+    log.close()
+    assert again.problems == ()
+    assert again.state == reducer.state
+
+
+def test_torn_line_in_a_small_log(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    reducer = write_log(path, [configured(), Tick(t=1.0)])
+    intact = path.read_bytes()
+    with path.open("ab") as f:
+        f.write(b'{"seq": 5, "ki')
+    log, recovery = EventLog.open(path)
+    assert [p.line for p in recovery.problems] == [5]
+    assert (tmp_path / "log.jsonl.torn-5").read_bytes() == b'{"seq": 5, "ki'
+    assert path.read_bytes() == intact
+    assert recovery.state == reducer.state
+    log.record(Reducer(recovery.state), Tick(t=2.0))
+    log.close()
+    recs = records(path)
+    assert [r.get("seq") for r in recs] == [None, 1, 2, 3, 4]
+    assert replays_cleanly(path) == 3
+
+
+def test_corrupt_last_line_with_newline_is_set_aside(demo_log: Path) -> None:
+    intact = demo_log.read_bytes()
+    line_count = len(intact.splitlines())
+    garbage = b'{"kind": "event", oops}\n'
+    with demo_log.open("ab") as f:
+        f.write(garbage)
+    log, recovery = EventLog.open(demo_log)
+    log.close()
+    assert [p.line for p in recovery.problems] == [line_count + 1]
+    assert "malformed JSON" in recovery.problems[0].message
+    assert recovery.set_aside == demo_log.with_name(f"{demo_log.name}.torn-{line_count + 1}")
+    assert recovery.set_aside.read_bytes() == garbage
+    assert demo_log.read_bytes() == intact
+    replays_cleanly(demo_log)
+
+
+def test_corrupt_line_in_the_middle_is_reported_and_kept(demo_log: Path) -> None:
+    lines = demo_log.read_bytes().splitlines(keepends=True)
+    # Replace a Tick that produced nothing (the next line is another event) with garbage.
+    index = next(
+        i
+        for i in range(len(lines) // 2, len(lines) - 1)
+        if json.loads(lines[i])["kind"] == "event"
+        and json.loads(lines[i])["event"]["@"] == "Tick"
+        and json.loads(lines[i + 1])["kind"] == "event"
+    )
+    lines[index] = b"{not json at all\n"
+    damaged = b"".join(lines)
+    demo_log.write_bytes(damaged)
+    total_events = sum(1 for line in lines if b'"kind":"event"' in line)
+
+    log, recovery = EventLog.open(demo_log)
+    log.close()
+    assert [p.line for p in recovery.problems] == [index + 1]
+    assert "malformed JSON" in recovery.problems[0].message
+    assert recovery.set_aside is None
+    assert demo_log.read_bytes() == damaged, "a line in the middle was removed"
+    assert not list(demo_log.parent.glob("*.torn-*"))
+    assert recovery.replayed == total_events
+    expected = Reducer()
+    for event in events_of_lines(lines):
+        expected.step(event)
+    assert recovery.state == expected.state
+
+
+def events_of_lines(lines: list[bytes]) -> list[Event]:
+    out = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("kind") == "event":
+            out.append(decode(record["event"]))
+    return out
+
+
+def test_unsupported_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    write_log(path, [configured()])
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[0] = lines[0].replace(b'"schema":1', b'"schema":99')
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(DeoError, match="schema version 99"):
+        EventLog.open(path)
+
+
+# --- snapshots -------------------------------------------------------------------------------
+
+
+def test_maybe_snapshot_waits_for_snapshot_every_records(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    log, _ = EventLog.open(path, snapshot_every=4)
+    reducer = Reducer()
+    log.record(reducer, configured())  # 2 records
+    log.flush()
+    assert log.maybe_snapshot(reducer.state) is False
+    assert not snapshot_path(path).exists()
+    log.record(reducer, Tick(t=1.0))
+    log.record(reducer, Tick(t=2.0))  # 4 records, but only 2 written so far
+    assert log.maybe_snapshot(reducer.state) is False
+    log.flush()
+    assert log.maybe_snapshot(reducer.state) is True
+    target = snapshot_path(path)
+    assert target == tmp_path / "log.jsonl.snapshot"
+    payload = json.loads(target.read_bytes())
+    assert payload["schema"] == SCHEMA_VERSION
+    assert payload["seq"] == 4 == log.seq
+    assert payload["offset"] == path.stat().st_size
+    assert payload["lines"] == 5
+    assert decode(payload["state"]) == reducer.state
+    assert not list(tmp_path.glob("*.tmp"))
+    # the counter restarts after a snapshot
+    log.record(reducer, Tick(t=3.0))
+    log.flush()
+    assert log.maybe_snapshot(reducer.state) is False
+    log.close()
+
+
+def test_snapshot_bounds_the_replay_on_reopen(tmp_path: Path, demo_events: list[Event]) -> None:
+    path = tmp_path / "log.jsonl"
+    every = 100
+    reducer = write_log(path, demo_events, fsync=False, snapshot_every=every)
+    assert snapshot_path(path).exists()
+    payload = json.loads(snapshot_path(path).read_bytes())
+    total_lines = len(path.read_bytes().splitlines())
+    after_snapshot = total_lines - payload["lines"]
+    assert 0 < after_snapshot < every + 5
+
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.problems == ()
+    assert recovery.state == reducer.state
+    assert 0 < recovery.replayed <= after_snapshot
+    assert recovery.replayed < len(demo_events) // 5
+
+    # Without the snapshot every event is re-reduced, to the same state.
+    snapshot_path(path).unlink()
+    log, full = EventLog.open(path)
+    log.close()
+    assert full.replayed == len(demo_events)
+    assert full.state == reducer.state
+
+
+def test_snapshot_then_torn_line(tmp_path: Path, demo_events: list[Event]) -> None:
+    path = tmp_path / "log.jsonl"
+    reducer = write_log(path, demo_events, fsync=False, snapshot_every=100)
+    intact = path.read_bytes()
+    line_count = len(intact.splitlines())
+    with path.open("ab") as f:
+        f.write(b'{"kind":"ev')
+    log, recovery = EventLog.open(path)
+    assert [p.line for p in recovery.problems] == [line_count + 1]
+    assert recovery.set_aside == tmp_path / f"log.jsonl.torn-{line_count + 1}"
+    assert path.read_bytes() == intact
+    assert recovery.state == reducer.state
+    log.record(Reducer(recovery.state), Tick(t=recovery.state.now + 1))
+    log.close()
+    assert replays_cleanly(path) == len(demo_events) + 1
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        pytest.param(lambda p: {**p, "offset": p["offset"] * 10 + 1}, id="offset-beyond-end"),
+        pytest.param(lambda p: {**p, "schema": 99}, id="other-schema"),
+        pytest.param(lambda p: {**p, "state": {"@": "Nope"}}, id="undecodable-state"),
+        pytest.param(lambda p: {k: v for k, v in p.items() if k != "lines"}, id="missing-key"),
+    ],
+)
+def test_snapshot_that_does_not_fit_is_ignored(
+    tmp_path: Path, demo_events: list[Event], spoil: Any
+) -> None:
+    path = tmp_path / "log.jsonl"
+    reducer = write_log(path, demo_events, fsync=False, snapshot_every=100)
+    target = snapshot_path(path)
+    target.write_text(json.dumps(spoil(json.loads(target.read_bytes()))))
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.problems == ()
+    assert recovery.replayed == len(demo_events)
+    assert recovery.state == reducer.state
+
+
+@pytest.mark.parametrize("garbage", [b"", b"{not json", b'{"schema": 1, "offset": 1'])
+def test_garbage_snapshot_is_ignored(
+    tmp_path: Path, demo_events: list[Event], garbage: bytes
+) -> None:
+    path = tmp_path / "log.jsonl"
+    reducer = write_log(path, demo_events, fsync=False, snapshot_every=100)
+    snapshot_path(path).write_bytes(garbage)
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.problems == ()
+    assert recovery.replayed == len(demo_events)
+    assert recovery.state == reducer.state
+
+
+@pytest.mark.parametrize("garbage", [b"[1, 2]", b"null", b"42"])
+def test_non_object_snapshot_is_ignored(
+    tmp_path: Path, demo_events: list[Event], garbage: bytes
+) -> None:
+    path = tmp_path / "log.jsonl"
+    reducer = write_log(path, demo_events[:50], fsync=False, snapshot_every=10)
+    snapshot_path(path).write_bytes(garbage)
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.replayed == 50
+    assert recovery.state == reducer.state
+
+
+def test_stale_snapshot_of_an_earlier_log_is_not_applied(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    write_log(path, [configured()] + [Tick(t=float(i)) for i in range(1, 10)], snapshot_every=5)
+    assert snapshot_path(path).exists()
+    path.unlink()  # start over at the same path; the snapshot beside it is left behind
+    reducer = write_log(path, [Tick(t=float(i)) for i in range(40)])
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.problems == ()
+    assert recovery.state == reducer.state
+    assert recovery.state.pools == {}
+
+
+def test_torn_header_recovers_to_a_readable_log(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(b'{"kind":"hea')
+    log, recovery = EventLog.open(path)
+    assert [p.line for p in recovery.problems] == [1]
+    assert (tmp_path / "log.jsonl.torn-1").read_bytes() == b'{"kind":"hea'
+    reducer = Reducer()
+    log.record(reducer, configured())
+    log.close()
+    assert records(path)[0]["kind"] == "header"
+    log, again = EventLog.open(path)
+    log.close()
+    assert again.state == reducer.state
+
+
+def test_line_numbers_stay_right_across_recovery_and_snapshot(
+    tmp_path: Path, demo_events: list[Event]
+) -> None:
+    path = tmp_path / "log.jsonl"
+    write_log(path, demo_events[:200], fsync=False, snapshot_every=50)
+    with path.open("ab") as f:
+        f.write(b'{"kind":"ev')
+    log, recovery = EventLog.open(path, fsync=False, snapshot_every=50)
+    assert len(recovery.problems) == 1
+    reducer = Reducer(recovery.state)
+    for event in demo_events[200:400]:
+        log.record(reducer, event)
+        log.flush()
+        log.maybe_snapshot(reducer.state)
+    log.snapshot(reducer.state)
+    log.close()
+    line_count = len(path.read_bytes().splitlines())
+    assert json.loads(snapshot_path(path).read_bytes())["lines"] == line_count
+    # a second crash after the new snapshot: the torn line is numbered from the start of the file
+    with path.open("ab") as f:
+        f.write(b'{"kind":"co')
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert [p.line for p in recovery.problems] == [line_count + 1]
+    assert recovery.set_aside == tmp_path / f"log.jsonl.torn-{line_count + 1}"
+    assert recovery.state == reducer.state
+    assert replays_cleanly(path) == 400

@@ -1,0 +1,796 @@
+"""core.policies: building from a PolicySpec, and decision tables for every policy.
+
+Each table row carries its arithmetic as a comment, in the style of Ray Serve's autoscaling tests.
+Policies never clamp to the pool's bounds (the reducer does), so targets here may exceed them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core.config import PolicySpec
+from core.errors import ConfigError
+from core.events import LoadSampled, QueueSampled
+from core.policies import (
+    POLICIES,
+    BufferMemory,
+    BufferPolicy,
+    Decision,
+    HpaMemory,
+    HpaPolicy,
+    PolicyContext,
+    StaticPolicy,
+    ThresholdMemory,
+    ThresholdPolicy,
+    build,
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_build_cache() -> Iterator[None]:
+    # build() is lru_cached on PolicySpec; start every test from an empty cache.
+    clear = getattr(build, "cache_clear", lambda: None)
+    clear()
+    yield
+    clear()
+
+
+def load_ctx(
+    t: float,
+    current: int,
+    in_flight: int,
+    *,
+    active: int | None = None,
+    min_workers: int = 0,
+    max_workers: int = 100,
+) -> PolicyContext:
+    return PolicyContext(
+        t=t,
+        pool="p",
+        current=current,
+        active=current if active is None else active,
+        min_workers=min_workers,
+        max_workers=max_workers,
+        load=LoadSampled(t=t, pool="p", in_flight_requests=in_flight),
+    )
+
+
+def queue_ctx(
+    t: float,
+    queued: int,
+    step: int,
+    *,
+    current: int,
+    active: int | None = None,
+    batch: int = 64,
+    min_workers: int = 0,
+    max_workers: int = 100,
+) -> PolicyContext:
+    return PolicyContext(
+        t=t,
+        pool="p",
+        current=current,
+        active=current if active is None else active,
+        min_workers=min_workers,
+        max_workers=max_workers,
+        queue=QueueSampled(
+            t=t, pool="p", queued_sequences=queued, batch_size_seqs=batch, trainer_step=step
+        ),
+    )
+
+
+# --- build --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "key"),
+    [
+        ("nope", {}, "policy.name"),  # unknown policy
+        ("Buffer", {}, "policy.name"),  # names are case-sensitive
+        ("hpa", {"bogus": 1.0}, "policy.bogus"),  # unknown parameter
+        ("static", {"target_per_worker": 4.0}, "policy.target_per_worker"),  # another's param
+        ("buffer", {"reacts_to": "x"}, "policy.reacts_to"),  # a ClassVar is not a parameter
+        # wrong types
+        ("threshold", {"step": "2"}, "policy.step"),
+        ("threshold", {"step": 1.5}, "policy.step"),  # float for an int
+        ("threshold", {"step": 2.0}, "policy.step"),  # even a whole float
+        ("static", {"count": True}, "policy.count"),  # bool is not an int here
+        ("hpa", {"target_per_worker": "4"}, "policy.target_per_worker"),
+        ("hpa", {"tolerance": True}, "policy.tolerance"),  # bool is not a float either
+        ("buffer", {"refill_s": "30s"}, "policy.refill_s"),
+        # out of range: the policy's own validation, still naming the key
+        ("static", {"count": -1}, "policy.count"),
+        ("hpa", {"target_per_worker": 0}, "policy.target_per_worker"),
+        ("hpa", {"tolerance": 1.0}, "policy.tolerance"),
+        ("hpa", {"tolerance": -0.1}, "policy.tolerance"),
+        ("hpa", {"scale_down_stabilization_s": -1}, "policy.scale_down_stabilization_s"),
+        ("threshold", {"capacity_per_worker": 0}, "policy.capacity_per_worker"),
+        ("threshold", {"scale_down_threshold": 0.9}, "policy.scale_down_threshold"),  # > up 0.8
+        ("threshold", {"scale_down_threshold": 0.8}, "policy.scale_down_threshold"),  # == up
+        ("threshold", {"scale_down_threshold": -0.1}, "policy.scale_down_threshold"),
+        ("threshold", {"step": 0}, "policy.step"),
+        ("threshold", {"stability_s": -1}, "policy.stability_s"),
+        ("threshold", {"scale_up_cooldown_s": -1}, "policy.scale_up_cooldown_s"),
+        ("threshold", {"scale_down_cooldown_s": -1}, "policy.scale_down_cooldown_s"),
+        ("buffer", {"target_batches": 0}, "policy.target_batches"),
+        ("buffer", {"refill_s": 0}, "policy.refill_s"),
+        ("buffer", {"integral_s": -1}, "policy.integral_s"),
+        ("buffer", {"rate_window_s": 0}, "policy.rate_window_s"),
+        ("buffer", {"max_batches_offpolicy": 0}, "policy.max_batches_offpolicy"),
+        ("buffer", {"max_down_fraction": 0}, "policy.max_down_fraction"),
+        ("buffer", {"max_down_fraction": 1.5}, "policy.max_down_fraction"),
+        ("buffer", {"down_cooldown_s": -1}, "policy.down_cooldown_s"),
+    ],
+)
+def test_build_errors_name_the_key(name: str, params: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build(PolicySpec(name=name, params=params))
+    assert key in str(info.value)
+
+
+def test_unknown_policy_lists_the_known_ones() -> None:
+    with pytest.raises(ConfigError) as info:
+        build(PolicySpec(name="nope"))
+    for known in ("buffer", "hpa", "static", "threshold"):
+        assert known in str(info.value)
+
+
+def test_unknown_parameter_lists_the_known_ones() -> None:
+    with pytest.raises(ConfigError) as info:
+        build(PolicySpec(name="hpa", params={"bogus": 1.0}))
+    for known in ("target_per_worker", "tolerance", "scale_down_stabilization_s"):
+        assert known in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [("buffer", BufferPolicy), ("hpa", HpaPolicy), ("static", StaticPolicy),
+     ("threshold", ThresholdPolicy)],
+)  # fmt: skip
+def test_build_defaults(name: str, cls: type) -> None:
+    assert POLICIES[name] is cls
+    assert build(PolicySpec(name=name)) == cls()
+
+
+def test_default_spec_is_the_buffer_policy() -> None:
+    assert build(PolicySpec()) == BufferPolicy()
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "value"),
+    [
+        ("hpa", "target_per_worker", 4),
+        ("hpa", "scale_down_stabilization_s", 0),
+        ("threshold", "capacity_per_worker", 16),
+        ("buffer", "refill_s", 60),
+    ],
+)
+def test_int_is_accepted_for_a_float_parameter(name: str, key: str, value: int) -> None:
+    policy = build(PolicySpec(name=name, params={key: value}))
+    assert getattr(policy, key) == value
+    assert type(getattr(policy, key)) is float
+
+
+def test_build_passes_every_parameter() -> None:
+    params = {
+        "capacity_per_worker": 2.0,
+        "scale_up_threshold": 0.9,
+        "scale_down_threshold": 0.2,
+        "scale_up_cooldown_s": 1.0,
+        "scale_down_cooldown_s": 2.0,
+        "stability_s": 3.0,
+        "step": 4,
+    }
+    assert build(PolicySpec(name="threshold", params=params)) == ThresholdPolicy(**params)
+
+
+def test_validation_does_not_depend_on_the_build_cache() -> None:
+    build(PolicySpec(name="threshold", params={"step": 2}))
+    with pytest.raises(ConfigError, match=r"policy\.step"):
+        build(PolicySpec(name="threshold", params={"step": 2.0}))
+
+
+# --- static -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("count", [0, 1, 7])
+@pytest.mark.parametrize(
+    "context",
+    [
+        load_ctx(0.0, 0, 0),
+        load_ctx(5.0, 3, 1000),  # heavy load: still count
+        load_ctx(9.0, 50, 0, min_workers=10, max_workers=60),  # idle: still count
+        queue_ctx(1.0, 0, 0, current=2),
+    ],
+)
+def test_static_always_count(count: int, context: PolicyContext) -> None:
+    policy = StaticPolicy(count=count)
+    decision = policy.decide(context, None)
+    assert decision.target == count
+    assert str(count) in decision.reason
+    assert policy.initial_target(0, 100) == count
+    assert StaticPolicy.reacts_to is None
+
+
+# --- threshold (verl-style) ---------------------------------------------------------------------
+
+#: No timers: a single decision shows the band. capacity 8, up > 0.8, down < 0.5, step 1.
+INSTANT = ThresholdPolicy(stability_s=0.0, scale_up_cooldown_s=0.0, scale_down_cooldown_s=0.0)
+
+
+@pytest.mark.parametrize(
+    ("step", "current", "in_flight", "expected"),
+    [
+        (1, 1, 12, 2),  # 12 / (8 x 1) = 1.5 > 0.8 -> 1 + 1 = 2
+        (1, 4, 26, 5),  # 26 / (8 x 4) = 0.8125 > 0.8 -> 5
+        (1, 5, 33, 6),  # 33 / (8 x 5) = 0.825 > 0.8 -> 6
+        (1, 5, 32, 5),  # 32 / (8 x 5) = 0.8, not > 0.8 -> hold 5
+        (1, 5, 24, 5),  # 24 / 40 = 0.6 inside [0.5, 0.8] -> hold 5
+        (1, 5, 20, 5),  # 20 / 40 = 0.5, not < 0.5 -> hold 5
+        (1, 5, 19, 4),  # 19 / 40 = 0.475 < 0.5 -> 4
+        (1, 3, 0, 2),  # 0 / 24 = 0 < 0.5 -> 2
+        (1, 1, 0, 0),  # 0 / 8 = 0 < 0.5 -> 0
+        (1, 0, 0, 0),  # 0 / (8 x max(0, 1)) = 0 < 0.5 but current 0 -> hold 0
+        (1, 0, 6, 0),  # 6 / (8 x 1) = 0.75 inside -> hold 0
+        (1, 0, 7, 1),  # 7 / (8 x 1) = 0.875 > 0.8 -> 0 + 1 = 1
+        (1, 10, 1000, 11),  # 1000 / 80 = 12.5 > 0.8 -> +1 only: one step per decision
+        (3, 2, 100, 5),  # 100 / 16 = 6.25 > 0.8 -> 2 + 3 = 5
+        (3, 10, 0, 7),  # 0 < 0.5 -> 10 - 3 = 7
+        (3, 2, 0, 0),  # 0 < 0.5 -> max(2 - 3, 0) = 0
+    ],
+)
+def test_threshold_single_decision(step: int, current: int, in_flight: int, expected: int) -> None:
+    policy = attrs.evolve(INSTANT, step=step)
+    decision = policy.decide(load_ctx(100.0, current, in_flight), None)
+    assert decision.target == expected
+    assert f"load {in_flight} / (8 x {max(current, 1)})" in decision.reason
+
+
+#: Sequences under the default timers: stability 10 s, up cooldown 30 s, down cooldown 60 s.
+#: Each step: (t, current, in_flight, expected target).
+THRESHOLD_SEQUENCES: dict[str, list[tuple[float, int, int, int]]] = {
+    "up-needs-stability": [
+        (100.0, 1, 12, 1),  # 12 / 8 = 1.5 > 0.8; high since 100, held 0 < 10 -> 1
+        (105.0, 1, 12, 1),  # held 5 < 10 -> 1
+        (109.9, 1, 12, 1),  # held 9.9 < 10 -> 1
+        (110.0, 1, 12, 2),  # held 10 >= 10, never scaled up -> 2
+    ],
+    "up-cooldown": [
+        (100.0, 1, 12, 1),  # 1.5 > 0.8, held 0
+        (110.0, 1, 12, 2),  # held 10 -> 2 (last up 110; the high timer restarts)
+        (115.0, 2, 24, 2),  # 24 / 16 = 1.5; high since 115, held 0
+        (125.0, 2, 24, 2),  # held 10 but 15 s since last up < 30 -> 2
+        (139.0, 2, 24, 2),  # held 24, 29 s since last up < 30 -> 2
+        (140.0, 2, 24, 3),  # held 25, 30 s since last up -> 3
+    ],
+    "band-resets-the-up-timer": [
+        (100.0, 1, 12, 1),  # 1.5 > 0.8, high since 100
+        (108.0, 1, 6, 1),  # 6 / 8 = 0.75 inside the band: timers reset
+        (112.0, 1, 12, 1),  # 1.5 > 0.8, high since 112 (not 100)
+        (118.0, 1, 12, 1),  # held 6 < 10 -> 1 (would be 18 without the reset)
+        (122.0, 1, 12, 2),  # held 10 -> 2
+    ],
+    "down-needs-stability-then-cooldown": [
+        (100.0, 4, 8, 4),  # 8 / 32 = 0.25 < 0.5, low since 100, held 0
+        (110.0, 4, 8, 3),  # held 10, never scaled down -> 3 (last down 110)
+        (115.0, 3, 6, 3),  # 6 / 24 = 0.25, low since 115
+        (125.0, 3, 6, 3),  # held 10, 15 s since last down < 60 -> 3
+        (169.0, 3, 6, 3),  # held 54, 59 s since last down < 60 -> 3
+        (170.0, 3, 6, 2),  # held 55, 60 s since last down -> 2
+    ],
+    "band-resets-the-down-timer": [
+        (100.0, 4, 8, 4),  # 0.25 < 0.5, low since 100
+        (105.0, 4, 16, 4),  # 16 / 32 = 0.5 inside the band: reset
+        (108.0, 4, 8, 4),  # low since 108
+        (115.0, 4, 8, 4),  # held 7 < 10 -> 4 (15 without the reset)
+        (118.0, 4, 8, 3),  # held 10 -> 3
+    ],
+    "flip-resets-the-opposite-timer": [
+        (100.0, 4, 40, 4),  # 40 / 32 = 1.25 > 0.8, high since 100
+        (105.0, 4, 8, 4),  # 8 / 32 = 0.25 < 0.5: low since 105, high timer cleared
+        (110.0, 4, 40, 4),  # high again: since 110, not 100 -> held 0
+        (115.0, 4, 40, 4),  # held 5 < 10
+        (120.0, 4, 40, 5),  # held 10 -> 5
+    ],
+    "up-cooldown-does-not-block-down": [
+        (100.0, 1, 12, 1),  # 1.5 > 0.8, high since 100
+        (110.0, 1, 12, 2),  # held 10 -> 2, last up 110
+        (111.0, 2, 0, 2),  # 0 < 0.5, low since 111
+        (121.0, 2, 0, 1),  # held 10, never scaled down -> 1 (the reducer's window guards flaps)
+    ],
+    "down-cooldown-does-not-block-up": [
+        (100.0, 4, 0, 4),  # 0 < 0.5, low since 100
+        (110.0, 4, 0, 3),  # -> 3, last down 110
+        (111.0, 3, 30, 3),  # 30 / 24 = 1.25 > 0.8, high since 111
+        (121.0, 3, 30, 4),  # held 10, never scaled up -> 4
+    ],
+}
+
+
+@pytest.mark.parametrize("name", list(THRESHOLD_SEQUENCES))
+def test_threshold_sequences(name: str) -> None:
+    policy = ThresholdPolicy()
+    memory: ThresholdMemory | None = None
+    for t, current, in_flight, expected in THRESHOLD_SEQUENCES[name]:
+        decision = policy.decide(load_ctx(t, current, in_flight), memory)
+        assert decision.target == expected, f"t={t}: {decision.reason}"
+        assert isinstance(decision.memory, ThresholdMemory)
+        memory = decision.memory
+
+
+def test_threshold_memory_after_a_scale_up() -> None:
+    policy = ThresholdPolicy()
+    first = policy.decide(load_ctx(100.0, 1, 12), None)
+    assert first.memory == ThresholdMemory(above_since_t=100.0)
+    second = policy.decide(load_ctx(110.0, 1, 12), first.memory)
+    assert second.target == 2
+    assert second.memory == ThresholdMemory(last_up_t=110.0)  # high timer restarts
+    assert "for 10s -> 2" in second.reason
+    band = policy.decide(load_ctx(111.0, 2, 8), second.memory)  # 8 / 16 = 0.5 in band
+    assert band.memory == ThresholdMemory(last_up_t=110.0)
+    assert "within [0.5, 0.8]" in band.reason
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "current", "expected"),
+    [
+        (12, 1, 2),  # 12 / 8 = 1.5 > 0.8 since t=0, held 10 at t=10 -> 2
+        (0, 4, 3),  # 0 / 32 = 0 < 0.5 since t=0, held 10 at t=10 -> 3
+    ],
+)
+def test_threshold_timer_started_at_time_zero(in_flight: int, current: int, expected: int) -> None:
+    policy = ThresholdPolicy(scale_up_cooldown_s=0.0, scale_down_cooldown_s=0.0)
+    memory = None
+    targets = []
+    for t in (0.0, 5.0, 10.0, 15.0):
+        decision = policy.decide(load_ctx(t, current, in_flight), memory)
+        memory = decision.memory
+        targets.append(decision.target)
+    assert targets[:2] == [current, current]  # held 0 and 5 < 10
+    assert targets[2] == expected  # held 10 >= 10
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    step=st.integers(min_value=1, max_value=5),
+    stability=st.sampled_from([0.0, 5.0, 10.0]),
+    cooldown=st.sampled_from([0.0, 15.0, 30.0]),
+    samples=st.lists(
+        st.tuples(
+            st.floats(min_value=0.1, max_value=30.0),  # seconds since the previous sample
+            st.integers(min_value=0, max_value=50),  # current
+            st.integers(min_value=0, max_value=1000),  # in flight
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+)
+def test_threshold_moves_at_most_one_step_per_decision(
+    step: int, stability: float, cooldown: float, samples: list[tuple[float, int, int]]
+) -> None:
+    policy = ThresholdPolicy(
+        step=step,
+        stability_s=stability,
+        scale_up_cooldown_s=cooldown,
+        scale_down_cooldown_s=cooldown,
+    )
+    memory, t = None, 1.0
+    for dt, current, in_flight in samples:
+        t += dt
+        decision = policy.decide(load_ctx(t, current, in_flight), memory)
+        memory = decision.memory
+        ratio = in_flight / (policy.capacity_per_worker * max(current, 1))
+        assert decision.target >= 0
+        assert abs(decision.target - current) <= step
+        if decision.target > current:
+            assert ratio > policy.scale_up_threshold
+            assert decision.target == current + step
+        if decision.target < current:
+            assert ratio < policy.scale_down_threshold
+
+
+# --- hpa (Kubernetes HPA) -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tolerance", "current", "in_flight", "expected"),
+    [
+        (0.1, 4, 16, 4),  # 16 / (4 x 4) = 1.0 -> 4
+        (0.1, 4, 17, 4),  # 17 / 16 = 1.0625, |0.0625| <= 0.1 -> 4
+        (0.1, 4, 18, 5),  # 18 / 16 = 1.125 > 1.1 -> ceil(4 x 1.125) = ceil(4.5) = 5
+        (0.1, 4, 32, 8),  # 32 / 16 = 2.0 -> ceil(8.0) = 8
+        (0.1, 4, 100, 25),  # 100 / 16 = 6.25 -> ceil(25.0) = 25 (no bound in the policy)
+        (0.1, 4, 15, 4),  # 15 / 16 = 0.9375, |-0.0625| <= 0.1 -> 4
+        (0.1, 4, 14, 4),  # 14 / 16 = 0.875 < 0.9 -> ceil(3.5) = 4
+        (0.1, 4, 4, 1),  # 4 / 16 = 0.25 -> ceil(1.0) = 1 (nothing older in the window)
+        (0.1, 4, 0, 0),  # 0 / 16 = 0 -> 0
+        (0.1, 10, 36, 10),  # 36 / 40 = 0.9, |-0.1| <= 0.1 -> 10 (lower tolerance edge)
+        (0.1, 10, 45, 12),  # 45 / 40 = 1.125 -> ceil(11.25) = 12
+        (0.1, 3, 13, 3),  # 13 / 12 = 1.083 -> 3
+        (0.1, 3, 14, 4),  # 14 / 12 = 1.167 -> ceil(3.5) = 4
+        (0.0, 4, 17, 5),  # tolerance 0: 17 / 16 = 1.0625 -> ceil(4.25) = 5
+        (0.0, 4, 16, 4),  # tolerance 0: exactly on target -> 4
+        (0.5, 4, 23, 4),  # 23 / 16 = 1.4375, |0.4375| <= 0.5 -> 4
+        (0.1, 0, 0, 0),  # current 0, nothing in flight -> ceil(0 / 4) = 0
+        (0.1, 0, 1, 1),  # current 0 -> ceil(1 / 4) = 1
+        (0.1, 0, 9, 3),  # current 0 -> ceil(9 / 4) = 3 (tolerance does not apply)
+        (0.1, 0, 16, 4),  # current 0 -> ceil(16 / 4) = 4
+    ],
+)
+def test_hpa_single_decision(tolerance: float, current: int, in_flight: int, expected: int) -> None:
+    policy = HpaPolicy(target_per_worker=4.0, tolerance=tolerance)
+    decision = policy.decide(load_ctx(100.0, current, in_flight), None)
+    assert decision.target == expected
+    assert decision.reason.endswith(f"-> {expected}")
+    assert f"{in_flight} in flight / {current} workers" in decision.reason
+    assert decision.memory == HpaMemory(recommendations=((100.0, expected),))
+
+
+#: (t, current, in_flight, expected, window afterwards) with target 4/worker and a 300 s window.
+HPA_STABILIZATION = [
+    (0.0, 4, 32, 8, ((0.0, 8),)),  # 32 / 16 = 2.0 -> 8: scale-up is immediate
+    (60.0, 8, 8, 8, ((0.0, 8), (60.0, 2))),  # 8 / 32 = 0.25 -> 2, held by 8 from t=0
+    (200.0, 8, 16, 8, ((0.0, 8), (60.0, 2), (200.0, 4))),  # 16 / 32 = 0.5 -> 4, held by 8
+    (299.0, 8, 8, 8, ((0.0, 8), (60.0, 2), (200.0, 4), (299.0, 2))),  # t=0 still 299 s old
+    (300.0, 8, 8, 4, ((60.0, 2), (200.0, 4), (299.0, 2), (300.0, 2))),  # t=0 leaves: max 4
+    (361.0, 4, 4, 4, ((200.0, 4), (299.0, 2), (300.0, 2), (361.0, 1))),  # 4/16 -> 1; 4 holds
+    (501.0, 4, 4, 2, ((299.0, 2), (300.0, 2), (361.0, 1), (501.0, 1))),  # t=200 leaves: max 2
+    (661.0, 2, 2, 1, ((501.0, 1), (661.0, 1))),  # 2 / 8 = 0.25 -> 1; t=361 is 300 s old
+]
+
+
+def test_hpa_scale_down_takes_the_highest_recommendation_in_the_window() -> None:
+    policy = HpaPolicy(target_per_worker=4.0, tolerance=0.1, scale_down_stabilization_s=300.0)
+    memory: HpaMemory | None = None
+    for t, current, in_flight, expected, window in HPA_STABILIZATION:
+        decision = policy.decide(load_ctx(t, current, in_flight), memory)
+        assert decision.target == expected, f"t={t}: {decision.reason}"
+        assert decision.memory.recommendations == window, f"t={t}"
+        memory = decision.memory
+    held = policy.decide(load_ctx(60.0, 8, 8), HpaMemory(recommendations=[(0.0, 8)]))
+    assert "recommendation 2, highest in last 300s 8 -> 8" in held.reason
+
+
+def test_hpa_scale_up_ignores_lower_recommendations() -> None:
+    policy = HpaPolicy(target_per_worker=4.0)
+    memory = HpaMemory(recommendations=[(0.0, 1), (10.0, 2)])
+    decision = policy.decide(load_ctx(20.0, 2, 64), memory)  # 64 / 8 = 8.0 -> 16
+    assert decision.target == 16
+
+
+def test_hpa_without_stabilization_scales_down_at_once() -> None:
+    policy = HpaPolicy(target_per_worker=4.0, scale_down_stabilization_s=0.0)
+    first = policy.decide(load_ctx(0.0, 4, 32), None)  # -> 8
+    second = policy.decide(load_ctx(1.0, 8, 8), first.memory)  # 8 / 32 = 0.25 -> 2
+    assert (first.target, second.target) == (8, 2)
+    assert second.memory.recommendations == ((1.0, 2),)
+
+
+def test_hpa_stabilization_never_scales_up() -> None:
+    policy = HpaPolicy(target_per_worker=4.0, scale_down_stabilization_s=300.0)
+    # The pool is held at 2 (pinned or paused) while the load asks for 10; the policy is still
+    # asked and remembers 10.
+    first = policy.decide(load_ctx(0.0, 2, 40), None)  # 40 / 8 = 5.0 -> 10
+    assert first.target == 10
+    # Load falls: 4 / 8 = 0.5 -> ceil(1.0) = 1 < 2. Stabilization may hold 2, not ask for 10.
+    second = policy.decide(load_ctx(10.0, 2, 4), first.memory)
+    assert second.target <= 2
+
+
+@pytest.mark.parametrize(
+    ("current", "in_flight", "expected"),
+    [
+        (11, 100, 25),  # 100 / (11 x 4) = 2.2727; 11 x 2.2727 = 25 exactly -> 25
+        (7, 116, 29),  # 116 / (7 x 4) = 4.1429; 7 x 4.1429 = 29 exactly -> 29
+        (19, 84, 21),  # 84 / (19 x 4) = 1.1053; 19 x 1.1053 = 21 exactly -> 21
+    ],
+)
+def test_hpa_exact_multiple_is_not_rounded_up(current: int, in_flight: int, expected: int) -> None:
+    policy = HpaPolicy(target_per_worker=4.0, tolerance=0.1)
+    decision = policy.decide(load_ctx(0.0, current, in_flight), None)
+    assert decision.target == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    target_per_worker=st.floats(min_value=0.1, max_value=100.0),
+    tolerance=st.floats(min_value=0.0, max_value=0.9),
+    window=st.floats(min_value=0.0, max_value=600.0),
+    samples=st.lists(
+        st.tuples(
+            st.floats(min_value=0.0, max_value=200.0),  # seconds since the previous sample
+            st.integers(min_value=0, max_value=200),  # current
+            st.integers(min_value=0, max_value=10_000),  # in flight
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+)
+def test_hpa_properties(
+    target_per_worker: float,
+    tolerance: float,
+    window: float,
+    samples: list[tuple[float, int, int]],
+) -> None:
+    policy = HpaPolicy(
+        target_per_worker=target_per_worker,
+        tolerance=tolerance,
+        scale_down_stabilization_s=window,
+    )
+    memory, t = None, 0.0
+    for dt, current, in_flight in samples:
+        t += dt
+        decision = policy.decide(load_ctx(t, current, in_flight), memory)
+        memory = decision.memory
+        # never negative, an integer, and never below the latest recommendation
+        latest_t, latest = memory.recommendations[-1]
+        assert latest_t == t
+        assert isinstance(decision.target, int)
+        assert decision.target >= 0
+        assert decision.target >= latest >= 0
+        # the window keeps only recommendations younger than the stabilization period
+        assert all(t - ts < window or ts == t for ts, _ in memory.recommendations)
+        # within tolerance the count holds
+        if current and abs(in_flight / (current * target_per_worker) - 1) <= tolerance:
+            assert latest == current
+
+
+# --- buffer -------------------------------------------------------------------------------------
+
+# batch 64 sequences, target 1.5 batches = 96 sequences.
+
+
+@pytest.mark.parametrize(
+    ("current", "active", "expected"),
+    [
+        (0, 0, 1),  # queue short, nothing running: max(0, 2 x 0, 1) = 1
+        (2, 2, 4),  # max(2, 2 x 2, 1) = 4: double what produces
+        (3, 1, 3),  # max(3, 2 x 1, 1) = 3: starting workers count as requested
+        (5, 4, 8),  # max(5, 8, 1) = 8
+    ],
+)
+def test_buffer_first_sample_short_queue_doubles(current: int, active: int, expected: int) -> None:
+    # 32 queued < 96 target
+    decision = BufferPolicy().decide(queue_ctx(100.0, 32, 10, current=current, active=active), None)
+    assert decision.target == expected
+    assert "not measured yet" in decision.reason
+    assert decision.memory == BufferMemory(last_t=100.0, last_queued_seqs=32, last_step=10)
+
+
+@pytest.mark.parametrize("queued", [96, 100, 500])  # >= 96 target sequences
+def test_buffer_first_sample_full_queue_holds(queued: int) -> None:
+    decision = BufferPolicy().decide(queue_ctx(100.0, queued, 3, current=5, active=2), None)
+    assert decision.target == 5
+    assert "not measured yet" in decision.reason
+    assert "hold 5" in decision.reason
+
+
+def test_buffer_hand_computed_first_measurement() -> None:
+    refill_s, integral_s, window = 30.0, 300.0, 30.0
+    policy = BufferPolicy(
+        target_batches=1.5, refill_s=refill_s, integral_s=integral_s, rate_window_s=window
+    )
+    first = policy.decide(queue_ctx(100.0, 32, 10, current=4), None)
+    assert first.target == 8  # max(4, 2 x 4, 1): not measured yet
+    decision = policy.decide(queue_ctx(110.0, 48, 12, current=4), first.memory)
+
+    dt = 10.0
+    consumption = 2 * 64 / dt  # 2 steps x 64 seq / 10 s = 12.8 seq/s
+    per_worker = (48 - 32 + 2 * 64) / dt / 4  # (16 + 128) / 10 / 4 = 3.6 seq/s/worker
+    error = 1.5 * 64 - 48  # 96 - 48 = 48 sequences short
+    integral = error * dt  # 480 seq.s: the first measured sample integrates from 0
+    wanted = consumption + (error + integral / integral_s) / refill_s  # 12.8 + 49.6 / 30 = 14.45
+    expected = math.ceil(wanted / per_worker)  # ceil(14.4533 / 3.6) = ceil(4.0148) = 5
+    assert expected == 5
+    assert decision.target == expected
+    memory = decision.memory
+    assert memory.consumption_seqs_s == pytest.approx(consumption)
+    assert memory.per_worker_seqs_s == pytest.approx(per_worker)
+    assert memory.integral_seqs_s == pytest.approx(integral)
+    assert (memory.last_t, memory.last_queued_seqs, memory.last_step) == (110.0, 48, 12)
+    assert "consumption 12.80 seq/s" in decision.reason
+    assert "3.60 seq/s per worker" in decision.reason
+    assert "queue 0.75 batches vs target 1.5" in decision.reason
+    assert decision.reason.endswith("-> 5 workers")
+
+    # A third sample blends the new rates in with alpha = 1 - exp(-dt / rate_window_s).
+    third = policy.decide(queue_ctx(120.0, 64, 15, current=5, active=4), memory)
+    alpha = 1 - math.exp(-dt / window)  # 1 - exp(-1/3) = 0.2835
+    consumption2 = consumption + alpha * (3 * 64 / dt - consumption)  # 12.8 + a(19.2 - 12.8)
+    per_worker2 = per_worker + alpha * ((64 - 48 + 192) / dt / 4 - per_worker)  # 3.6 + a(5.2-3.6)
+    error2 = 96 - 64  # 32
+    integral2 = integral + error2 * dt  # 480 + 320 = 800
+    wanted2 = consumption2 + (error2 + integral2 / integral_s) / refill_s
+    workers = math.ceil(wanted2 / per_worker2)  # ceil(15.77 / 4.054) = ceil(3.89) = 4
+    assert workers == 4
+    # 4 < 5 current: one step down of max(1, floor(5 x 0.1)) = 1 -> max(4, 4) = 4
+    assert third.target == 4
+    assert third.memory.consumption_seqs_s == pytest.approx(consumption2)
+    assert third.memory.per_worker_seqs_s == pytest.approx(per_worker2)
+    assert third.memory.integral_seqs_s == pytest.approx(integral2)
+    assert third.memory.last_down_t == 120.0
+    assert "stepping down to 4" in third.reason
+
+
+def _falling_pool(policy: BufferPolicy, current: int) -> tuple[Decision, int]:
+    """Two samples where the queue is over target and production is high: a wanted count far
+    below ``current``.
+
+    consumption 1 step x 64 / 10 s = 6.4 seq/s; production (150 - 100 + 64) / 10 / N
+    = 11.4 / N seq/s/worker; error 96 - 150 = -54; I = -540;
+    P* = 6.4 + (-54 - 540 / 300) / 30 = 6.4 - 1.86 = 4.54 -> workers = ceil(0.398 N)
+    """
+    first = policy.decide(queue_ctx(100.0, 100, 0, current=current), None)
+    decision = policy.decide(queue_ctx(110.0, 150, 1, current=current), first.memory)
+    match = re.search(r"-> (\d+) workers", decision.reason)
+    assert match, decision.reason
+    return decision, int(match.group(1))
+
+
+@pytest.mark.parametrize(
+    ("current", "fraction", "wanted", "expected"),
+    [
+        (20, 0.1, 8, 18),  # ceil(0.398 x 20) = 8; step max(1, floor(2.0)) = 2 -> 18
+        (40, 0.1, 16, 36),  # ceil(15.93) = 16; step floor(4.0) = 4 -> 36
+        (5, 0.1, 2, 4),  # ceil(1.99) = 2; step max(1, floor(0.5)) = 1 -> 4
+        (20, 0.25, 8, 15),  # step floor(5.0) = 5 -> 15
+        (20, 0.5, 8, 10),  # step floor(10.0) = 10 -> 10
+        (20, 0.9, 8, 8),  # step floor(18.0) = 18 -> max(8, 2) = 8: the wanted count
+        (20, 1.0, 8, 8),  # step 20 -> max(8, 0) = 8
+    ],
+)
+def test_buffer_scale_down_is_limited_per_decision(
+    current: int, fraction: float, wanted: int, expected: int
+) -> None:
+    policy = BufferPolicy(max_down_fraction=fraction)
+    decision, workers = _falling_pool(policy, current)
+    assert workers == wanted
+    assert decision.target == expected
+    assert decision.target == max(workers, current - max(1, math.floor(current * fraction)))
+    assert f"stepping down to {expected}" in decision.reason
+    assert decision.memory.last_down_t == 110.0
+
+
+def test_buffer_scale_down_holds_within_cooldown() -> None:
+    policy = BufferPolicy(max_down_fraction=0.1, down_cooldown_s=30.0)
+    decision, _ = _falling_pool(policy, 20)
+    assert decision.target == 18  # stepped down at t=110
+    memory, current = decision.memory, 18
+    # queue stays at 150, one step (64 seq) every 10 s: still far too many workers
+    for t, step, expected in [
+        (120.0, 2, 18),  # 10 s since the last step down < 30 -> hold
+        (130.0, 3, 18),  # 20 s < 30 -> hold
+        (139.0, 4, 18),  # 29 s < 30 -> hold
+        (140.0, 5, 17),  # 30 s: step max(1, floor(1.8)) = 1 -> 17
+        (150.0, 6, 17),  # 10 s since t=140 -> hold
+    ]:
+        decision = policy.decide(queue_ctx(t, 150, step, current=current), memory)
+        assert decision.target == expected, f"t={t}: {decision.reason}"
+        if expected == current:
+            assert "holding" in decision.reason
+            assert "down cooldown" in decision.reason
+        memory, current = decision.memory, decision.target
+    assert memory.last_down_t == 140.0
+
+
+def test_buffer_no_cooldown_steps_every_decision() -> None:
+    policy = BufferPolicy(max_down_fraction=0.1, down_cooldown_s=0.0)
+    decision, _ = _falling_pool(policy, 20)
+    second = policy.decide(queue_ctx(110.5, 150, 1, current=18), decision.memory)
+    assert (decision.target, second.target) == (18, 17)  # 20 - 2, then 18 - 1
+
+
+def test_buffer_does_not_measure_production_near_the_offpolicy_limit() -> None:
+    # batch 10; envs stop at max_batches_offpolicy 5 -> not measured from 0.8 x 5 x 10 = 40 seq
+    policy = BufferPolicy(max_batches_offpolicy=5.0)
+    steps = [
+        (100.0, 45, 0, None),  # first sample: nothing measured
+        (110.0, 40, 1, None),  # max(40, 45) = 45 >= 40: not measured
+        (120.0, 42, 2, None),  # max(42, 40) = 42 >= 40
+        (130.0, 39, 3, None),  # max(39, 42) = 42 >= 40: the interval started near the limit
+        (140.0, 39, 4, 1.0),  # max(39, 39) < 40: (39 - 39 + 10) / 10 / 1 = 1.0 seq/s/worker
+    ]
+    memory = None
+    for t, queued, step, per_worker in steps:
+        decision = policy.decide(queue_ctx(t, queued, step, current=1, batch=10), memory)
+        memory = decision.memory
+        assert memory.per_worker_seqs_s == per_worker, f"t={t}"
+        if per_worker is None:
+            assert "not measured yet" in decision.reason
+            assert decision.target == 1  # queue 15 seq target is met: hold
+    # consumption is measured regardless: one 10-seq step per 10 s
+    assert memory.consumption_seqs_s == pytest.approx(1.0)
+
+
+def test_buffer_does_not_measure_production_without_active_workers() -> None:
+    policy = BufferPolicy()
+    first = policy.decide(queue_ctx(100.0, 0, 0, current=2, active=0), None)
+    second = policy.decide(queue_ctx(110.0, 10, 0, current=2, active=0), first.memory)
+    assert second.memory.per_worker_seqs_s is None
+    assert second.target == 2  # max(2, 2 x 0, 1): the two requested workers stay
+    assert "not measured yet" in second.reason
+
+
+def _anti_windup_run(max_workers: int, samples: int) -> list[float]:
+    """The queue stays empty while the trainer takes one 64-seq batch every 10 s from 1 worker.
+
+    C = 6.4 seq/s, p = (0 - 0 + 64) / 10 / 1 = 6.4, e = 96: P* = 6.4 + (96 + I / 300) / 30
+    = 9.6 + I / 9000, raw = P* / p = 1.5 + I / 57600 > 1 (or > 2 once I > 28800).
+    """
+    policy = BufferPolicy()
+    memory = policy.decide(queue_ctx(0.0, 0, 0, current=1, max_workers=max_workers), None).memory
+    integrals = []
+    for k in range(1, samples + 1):
+        ctx = queue_ctx(10.0 * k, 0, k, current=1, max_workers=max_workers)
+        decision = policy.decide(ctx, memory)
+        memory = decision.memory
+        assert decision.target >= 2  # ceil(1.5 + ...) workers wanted
+        integrals.append(memory.integral_seqs_s)
+    return integrals
+
+
+def test_buffer_anti_windup_freezes_the_integral_while_saturated() -> None:
+    # max 1: raw = 1.5 > 1 from the first measurement: I never leaves 0
+    assert _anti_windup_run(max_workers=1, samples=50) == [0.0] * 50
+    # max 2: I grows 96 x 10 = 960 per sample while raw <= 2, i.e. up to I = 28800 (k = 30);
+    # from then on raw would exceed 2 and I stays put
+    bounded = _anti_windup_run(max_workers=2, samples=60)
+    assert bounded[:30] == [960.0 * k for k in range(1, 31)]
+    assert bounded[29:] == [28800.0] * 31
+    # unbounded: the same error keeps integrating up to the clamp 2 x 96 x 300 = 57600
+    free = _anti_windup_run(max_workers=1000, samples=80)
+    assert free[59] == 57600.0  # 960 x 60
+    assert free[60:] == [57600.0] * 20
+    assert free[40] > bounded[40]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    fraction=st.sampled_from([0.05, 0.1, 0.5, 1.0]),
+    cooldown=st.sampled_from([0.0, 30.0]),
+    batch=st.integers(min_value=1, max_value=128),
+    samples=st.lists(
+        st.tuples(
+            st.floats(min_value=0.5, max_value=60.0),  # seconds since the previous sample
+            st.integers(min_value=0, max_value=1000),  # queued sequences
+            st.integers(min_value=0, max_value=3),  # trainer steps taken
+            st.integers(min_value=0, max_value=40),  # current
+            st.integers(min_value=0, max_value=40),  # active (capped at current)
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+)
+def test_buffer_properties(
+    fraction: float,
+    cooldown: float,
+    batch: int,
+    samples: list[tuple[float, int, int, int, int]],
+) -> None:
+    policy = BufferPolicy(max_down_fraction=fraction, down_cooldown_s=cooldown)
+    memory, t, step = None, 0.0, 0
+    limit = 2 * policy.target_batches * batch * policy.integral_s
+    for dt, queued, steps, current, active in samples:
+        t, step = t + dt, step + steps
+        ctx = queue_ctx(t, queued, step, current=current, active=min(active, current), batch=batch)
+        decision = policy.decide(ctx, memory)
+        assert decision.target >= 0
+        # scale-down never moves more than max(1, floor(current x fraction)) at once
+        assert decision.target >= current - max(1, math.floor(current * fraction))
+        if decision.target < current:
+            assert decision.memory.last_down_t == t
+            if memory is not None and memory.last_down_t is not None:
+                assert t - memory.last_down_t >= cooldown
+        # without a production estimate the policy never shrinks the pool
+        if not decision.memory.per_worker_seqs_s:
+            assert decision.target >= current
+        assert abs(decision.memory.integral_seqs_s) <= limit
+        memory = decision.memory

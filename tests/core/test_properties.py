@@ -1,0 +1,327 @@
+"""Property tests: deo's invariants over arbitrary event sequences.
+
+A ``RuleBasedStateMachine`` drives the reducer with random events, right and deliberately wrong,
+the way the runtime's sources would (plus what no well-behaved source sends). After every step
+the invariants of :mod:`core.invariants` are checked by the reducer itself
+(``check_invariants=True``); the machine also keeps its own history to check the time-based
+invariants (4: no flapping, 5: backoff spacing) independently of the reducer's bookkeeping, the
+codec round-trip (8) of every event and command, and at teardown determinism (7): the accepted
+events, reduced again from scratch, give the same commands.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from core import (
+    AutoscalingPaused,
+    AutoscalingResumed,
+    Command,
+    Config,
+    Configured,
+    CordonRules,
+    CrashLoopRules,
+    DrainRequested,
+    Event,
+    GpuCordonRequested,
+    GpuLost,
+    GpuSampled,
+    GpuUncordonRequested,
+    InvalidEvent,
+    LoadSampled,
+    PolicySpec,
+    PoolPinned,
+    PoolSpec,
+    QueueSampled,
+    Reducer,
+    ScalePool,
+    SourceDown,
+    SpawnFailed,
+    SpawnWorker,
+    Tick,
+    WorkerAdopted,
+    WorkerExited,
+    WorkerHeartbeat,
+    WorkerLost,
+    WorkerReady,
+    WorkerStarted,
+    decode,
+    encode,
+    reduce,
+)
+from core.invariants import state_violations
+from core.state import State
+
+POLICIES = st.sampled_from(
+    [
+        PolicySpec(name="static", params={"count": 2}),
+        PolicySpec(name="static", params={"count": 5}),
+        PolicySpec(name="hpa", params={"target_per_worker": 4.0}),
+        PolicySpec(name="threshold", params={"capacity_per_worker": 4.0, "stability_s": 2.0}),
+        PolicySpec(name="buffer", params={"refill_s": 10.0, "down_cooldown_s": 5.0}),
+    ]
+)
+
+
+@st.composite
+def pool_specs(draw: st.DrawFn, name: str, gpus: int) -> PoolSpec:
+    minimum = draw(st.integers(0, 3))
+    return PoolSpec(
+        name=name,
+        argv=["worker", "{worker_id}"],
+        min_workers=minimum,
+        max_workers=draw(st.integers(max(minimum, 1), 6)),
+        gpus_per_worker=draw(st.integers(0, min(gpus, 2))),
+        policy=draw(POLICIES),
+        require_ready=draw(st.booleans()),
+        start_timeout_s=draw(st.sampled_from([5.0, 30.0])),
+        heartbeat_grace_s=draw(st.sampled_from([None, 4.0, 20.0])),
+        drain_timeout_s=draw(st.sampled_from([2.0, 10.0])),
+        stop_timeout_s=draw(st.sampled_from([1.0, 3.0])),
+        metrics_stale_s=draw(st.sampled_from([5.0, 30.0])),
+        stabilization_s=draw(st.sampled_from([0.0, 10.0, 60.0])),
+        crash_loop=CrashLoopRules(
+            early_exit_s=draw(st.sampled_from([3.0, 20.0])),
+            backoff_base_s=1.0,
+            backoff_cap_s=draw(st.sampled_from([4.0, 30.0])),
+            alert_after=draw(st.integers(1, 3)),
+        ),
+    )
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> Config:
+    gpus = draw(st.integers(0, 4))
+    names = draw(
+        st.lists(
+            st.sampled_from(["envs", "engines", "judges"]), min_size=1, max_size=3, unique=True
+        )
+    )
+    return Config(
+        pools=[draw(pool_specs(name, gpus)) for name in names],
+        gpus=[str(i) for i in range(gpus)],
+        cordon=CordonRules(uncordon_after_s=draw(st.sampled_from([0.0, 5.0, 30.0]))),
+    )
+
+
+def round_trips(value: Any) -> bool:
+    return bool(decode(encode(value)) == value)
+
+
+class ReducerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reducer = Reducer(check_invariants=True)
+        self.t = 0.0
+        self.pid = 100
+        self.accepted: list[tuple[Event, list[Command]]] = []
+        self.last_policy_up: dict[str, float] = {}
+
+    # --- plumbing ---------------------------------------------------------------------------------
+
+    def feed(self, event: Event) -> list[Command]:
+        assert round_trips(event), event
+        before = self.reducer.state
+        try:
+            commands = self.reducer.step(event)
+        except InvalidEvent:
+            assert self.reducer.state is before  # refused input changes nothing
+            return []
+        for command in commands:
+            assert round_trips(command), command
+            self.check_history(before, command)
+        self.check_backoff_reset(before)
+        self.accepted.append((event, commands))
+        return commands
+
+    def check_backoff_reset(self, before: State) -> None:
+        """5. A crash loop ends only when a worker started since the last failure stayed up."""
+        for name, old in before.pools.items():
+            new = self.state.pools.get(name)
+            if new is None or not old.failures or new.failures or old.last_failure_t is None:
+                continue
+            early = new.spec.crash_loop.early_exit_s
+            assert any(
+                w.pool == name
+                and w.started_t is not None
+                and w.started_t >= old.last_failure_t
+                and self.state.now - w.started_t >= early
+                for w in before.workers.values()
+            ), f"5: {name}'s failures reset at t={self.state.now} without a healthy run"
+
+    def check_history(self, before: State, command: Command) -> None:
+        if isinstance(command, ScalePool) and command.source == "policy":
+            spec = before.pools[command.pool].spec  # a policy only decides for a known pool
+            if command.target > command.previous:
+                self.last_policy_up[command.pool] = self.t
+            elif command.pool in self.last_policy_up:
+                since = self.t - self.last_policy_up[command.pool]
+                assert since >= spec.stabilization_s, f"4: flap on {command.pool} after {since}s"
+        if isinstance(command, SpawnWorker):
+            pool = self.state.pools.get(command.pool)
+            if pool is not None and pool.failures and pool.last_failure_t is not None:
+                earliest = pool.last_failure_t + pool.spec.crash_loop.backoff_s(pool.failures)
+                assert self.t >= earliest, f"5: {command.worker_id} spawned before {earliest}"
+
+    @property
+    def state(self) -> State:
+        return self.reducer.state
+
+    def workers(self, *states: str) -> list[str]:
+        return sorted(
+            w.worker_id
+            for w in self.state.workers.values()
+            if not states or w.state.value in states
+        )
+
+    # --- rules ------------------------------------------------------------------------------------
+
+    @initialize(config=configs())
+    def configure(self, config: Config) -> None:
+        self.feed(Configured(t=self.t, config=config))
+
+    @rule(dt=st.sampled_from([0.1, 0.5, 1.0, 3.0, 10.0, 45.0]))
+    def tick(self, dt: float) -> None:
+        self.t += dt
+        self.feed(Tick(t=self.t))
+
+    @rule(config=configs())
+    def reconfigure(self, config: Config) -> None:
+        self.feed(Configured(t=self.t, config=config))
+
+    @rule(data=st.data())
+    def start(self, data: st.DataObject) -> None:
+        ids = [*self.workers("requested", "draining", "stopping"), "envs-999"]
+        self.pid += 1
+        worker_id = data.draw(st.sampled_from(ids))
+        self.feed(WorkerStarted(t=self.t, worker_id=worker_id, pid=self.pid, start_time=self.pid))
+
+    @rule(data=st.data(), kind=st.sampled_from(["ready", "heartbeat", "adopted"]))
+    def report(self, data: st.DataObject, kind: str) -> None:
+        worker_id = data.draw(st.sampled_from([*self.workers(), "judges-0", "nonsense"]))
+        event = {"ready": WorkerReady, "heartbeat": WorkerHeartbeat, "adopted": WorkerAdopted}[kind]
+        self.feed(event(t=self.t, worker_id=worker_id))
+
+    @rule(data=st.data(), how=st.sampled_from(["code0", "code1", "signal9", "spawn", "lost"]))
+    def end(self, data: st.DataObject, how: str) -> None:
+        ids = self.workers()
+        if not ids:
+            return
+        worker_id = data.draw(st.sampled_from(ids))
+        if how == "spawn":
+            event: Event = SpawnFailed(t=self.t, worker_id=worker_id, error="exec failed")
+        elif how == "lost":
+            event = WorkerLost(t=self.t, worker_id=worker_id, reason="gone after restart")
+        elif how == "signal9":
+            event = WorkerExited(t=self.t, worker_id=worker_id, signal=9)
+        else:
+            event = WorkerExited(t=self.t, worker_id=worker_id, exit_code=int(how[-1]))
+        self.feed(event)
+
+    @rule(data=st.data(), queued=st.integers(0, 600), steps=st.integers(0, 3))
+    def queue_sample(self, data: st.DataObject, queued: int, steps: int) -> None:
+        name = data.draw(st.sampled_from([*sorted(self.state.pools), "nope"]))
+        pool = self.state.pools.get(name)
+        step = (pool.queue.trainer_step if pool and pool.queue else 0) + steps
+        self.feed(
+            QueueSampled(
+                t=self.t, pool=name, queued_sequences=queued, batch_size_seqs=64, trainer_step=step
+            )
+        )
+
+    @rule(data=st.data(), in_flight=st.integers(0, 80))
+    def load_sample(self, data: st.DataObject, in_flight: int) -> None:
+        name = data.draw(st.sampled_from([*sorted(self.state.pools), "nope"]))
+        self.feed(LoadSampled(t=self.t, pool=name, in_flight_requests=in_flight))
+
+    @precondition(lambda self: bool(self.state.pools))
+    @rule(data=st.data())
+    def source_down(self, data: st.DataObject) -> None:
+        name = data.draw(st.sampled_from(sorted(self.state.pools)))
+        self.feed(SourceDown(t=self.t, pool=name, error="connection refused"))
+
+    @rule(data=st.data(), action=st.sampled_from(["pause", "resume", "pin", "unpin", "drain"]))
+    def operator(self, data: st.DataObject, action: str) -> None:
+        pools = sorted(self.state.pools)
+        name = data.draw(st.sampled_from([*pools, "nope"]))
+        if action == "pause":
+            self.feed(AutoscalingPaused(t=self.t, pool=data.draw(st.sampled_from([None, name]))))
+        elif action == "resume":
+            self.feed(AutoscalingResumed(t=self.t, pool=data.draw(st.sampled_from([None, name]))))
+        elif action == "pin":
+            self.feed(PoolPinned(t=self.t, pool=name, count=data.draw(st.integers(0, 7))))
+        elif action == "unpin":
+            self.feed(PoolPinned(t=self.t, pool=name, count=None))
+        else:
+            ids = [*self.workers(), "envs-12345"]
+            self.feed(DrainRequested(t=self.t, worker_id=data.draw(st.sampled_from(ids))))
+
+    @rule(
+        data=st.data(),
+        kind=st.sampled_from(
+            ["hot", "throttle", "memory", "errors", "clean", "lost", "cordon", "uncordon"]
+        ),
+    )
+    def gpu(self, data: st.DataObject, kind: str) -> None:
+        gpu_id = data.draw(st.sampled_from([*sorted(self.state.gpus), "9"]))
+        total = 80 << 30
+        fields: dict[str, Any] = {
+            "t": self.t,
+            "gpu_id": gpu_id,
+            "memory_used_bytes": 0,
+            "memory_total_bytes": total,
+            "temperature_c": 50.0,
+        }
+        if kind == "hot":
+            fields["temperature_c"] = 95.0
+        elif kind == "throttle":
+            fields["throttle_reasons"] = {"power"}
+        elif kind == "memory":
+            fields["memory_used_bytes"] = total
+        elif kind == "errors":
+            fields["new_errors"] = 1
+        if kind == "lost":
+            self.feed(GpuLost(t=self.t, gpu_id=gpu_id, error="fell off the bus"))
+        elif kind == "cordon":
+            self.feed(GpuCordonRequested(t=self.t, gpu_id=gpu_id))
+        elif kind == "uncordon":
+            self.feed(GpuUncordonRequested(t=self.t, gpu_id=gpu_id))
+        else:
+            self.feed(GpuSampled(**fields))
+
+    @rule(back=st.sampled_from([1.0, 30.0]))
+    def late_event(self, back: float) -> None:
+        # An event stamped in the past is taken at the current time, never rewinding it.
+        before = self.state.now
+        self.feed(Tick(t=max(self.t - back, 0.0)))
+        assert self.state.now == before
+
+    # --- invariants -------------------------------------------------------------------------------
+
+    @invariant()
+    def state_is_sound(self) -> None:
+        assert state_violations(self.state) == []
+
+    @invariant()
+    def state_round_trips(self) -> None:
+        assert round_trips(self.state)
+
+    def teardown(self) -> None:
+        state = State()
+        for event, commands in self.accepted:
+            state, again = reduce(state, event)
+            assert again == commands, f"7: {type(event).__name__} at t={event.t} not deterministic"
+        assert state == self.reducer.state
+
+
+ReducerMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestReducerMachine = ReducerMachine.TestCase
