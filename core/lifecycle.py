@@ -27,7 +27,7 @@ import enum
 
 from core.errors import IllegalTransition
 
-__all__ = ["COUNTED", "LIVE", "TRANSITIONS", "Trigger", "WorkerState", "next_state"]
+__all__ = ["COUNTED", "LIVE", "TRANSITIONS", "Trigger", "WorkerState", "mermaid", "next_state"]
 
 
 class WorkerState(enum.Enum):
@@ -92,3 +92,12 @@ def next_state(worker_id: str, state: WorkerState, trigger: Trigger) -> WorkerSt
         raise IllegalTransition(
             f"worker {worker_id!r} is {state.value}: it cannot take {trigger.value!r}"
         ) from None
+
+
+def mermaid() -> str:
+    """The transition table as a Mermaid state diagram (docs/lifecycle.md is made from it)."""
+    lines = ["stateDiagram-v2", f"    [*] --> {S.REQUESTED.value}"]
+    for (state, trigger), target in TRANSITIONS.items():
+        lines.append(f"    {state.value} --> {target.value}: {trigger.value}")
+    lines.append(f"    {S.EXITED.value} --> [*]")
+    return "\n".join(lines) + "\n"

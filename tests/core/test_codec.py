@@ -1,0 +1,132 @@
+"""Invariant 8: every event and command survives the log encoding unchanged."""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+import attrs
+import hypothesis.strategies as st
+import orjson
+import pytest
+from hypothesis import assume, given
+
+from core import Command, Config, DeoError, Event, InvalidEvent, PolicySpec, PoolSpec, codec
+from core import commands as c
+from core import events as e
+
+EVENTS = sorted(
+    (k for k in codec.REGISTRY.values() if issubclass(k, e.Event) and k is not e.Event),
+    key=lambda k: k.__name__,
+)
+COMMANDS = sorted(
+    (k for k in codec.REGISTRY.values() if issubclass(k, c.Command) and k is not c.Command),
+    key=lambda k: k.__name__,
+)
+
+text = st.text(min_size=1, max_size=12)
+names = st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True)
+configs = st.builds(
+    Config,
+    pools=st.lists(
+        st.builds(
+            PoolSpec,
+            name=names,
+            argv=st.lists(
+                st.sampled_from(["python", "env.py", "{worker_id}", "--x={{y}}"]),
+                min_size=1,
+                max_size=4,
+            ),
+            max_workers=st.integers(1, 8),
+            env=st.dictionaries(st.from_regex(r"[A-Z_]{1,6}", fullmatch=True), text, max_size=2),
+            policy=st.sampled_from(
+                [PolicySpec(), PolicySpec(name="hpa", params={"target_per_worker": 2.5})]
+            ),
+            heartbeat_grace_s=st.none() | st.floats(1, 100),
+        ),
+        max_size=3,
+        unique_by=lambda p: p.name,
+    ),
+    gpus=st.lists(
+        st.from_regex(r"(GPU-[0-9a-f]{8}|[0-9])", fullmatch=True), unique=True, max_size=4
+    ),
+)
+
+
+def strategy_for(name: str, hint: Any) -> st.SearchStrategy[Any]:
+    if name in ("t", "deadline_t"):
+        return st.floats(0, 1e9, allow_nan=False)
+    if name in ("worker_id", "gpu_id", "pool", "subject", "alert", "source"):
+        return names
+    if hint is Config:
+        return configs
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, type(int | None)):
+        inner = [a for a in args if a is not type(None)]
+        return st.none() | strategy_for(name, inner[0])
+    if hint is int:
+        return st.integers(0, 2**53)
+    if hint is float:
+        return st.floats(0, 1e6, allow_nan=False)
+    if hint is str:
+        return st.text(max_size=40)
+    if origin is tuple:
+        return st.lists(text, max_size=4).map(tuple)
+    if origin is frozenset:
+        return st.frozensets(st.sampled_from(["thermal", "power", "errors", "lost"]))
+    if origin is dict:
+        return st.dictionaries(names, text, max_size=3)
+    raise AssertionError(f"no strategy for {name}: {hint}")
+
+
+def instances(cls: type) -> st.SearchStrategy[Any]:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: strategy_for(f.name, hints[f.name]) for f in attrs.fields(cls)}
+
+    def build(kwargs: dict[str, Any]) -> Any:
+        try:
+            return cls(**kwargs)
+        except InvalidEvent:
+            assume(False)
+
+    return st.fixed_dictionaries(fields).map(build)
+
+
+def through_the_log(value: Any) -> Any:
+    return codec.decode(orjson.loads(orjson.dumps(codec.encode(value))))
+
+
+def test_every_event_and_command_type_is_covered() -> None:
+    assert {cls.__name__ for cls in EVENTS} == set(e.__all__) - {"Event"}
+    assert {cls.__name__ for cls in COMMANDS} == set(c.__all__) - {"Command"}
+
+
+@pytest.mark.parametrize("cls", EVENTS, ids=lambda k: k.__name__)
+@given(data=st.data())
+def test_events_round_trip(cls: type, data: st.DataObject) -> None:
+    event = data.draw(instances(cls))
+    assert isinstance(event, Event)
+    assert through_the_log(event) == event
+
+
+@pytest.mark.parametrize("cls", COMMANDS, ids=lambda k: k.__name__)
+@given(data=st.data())
+def test_commands_round_trip(cls: type, data: st.DataObject) -> None:
+    command = data.draw(instances(cls))
+    assert isinstance(command, Command)
+    assert through_the_log(command) == command
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ({"@": "NoSuchEvent", "t": 1.0}, "unknown record type 'NoSuchEvent'"),
+        ({"@": "Tick"}, "Tick"),
+        ({"@": "Tick", "t": 1.0, "extra": 2}, "extra"),
+        ({"@": "Tick", "t": -1.0}, "Tick.t must be a finite number"),
+        ({"@": "os.system", "t": 1.0}, "unknown record type"),
+    ],
+)
+def test_bad_records_raise_the_core_error(record: dict[str, Any], message: str) -> None:
+    with pytest.raises(DeoError, match=message):
+        codec.decode(record)
