@@ -63,18 +63,24 @@ def encode(value: Any) -> Any:
 def decode(value: Any) -> Any:
     """The object ``encode`` made ``value`` from; :class:`InvalidEvent` if it names no known type
     or its fields do not fit."""
-    if isinstance(value, dict):
-        name = value.get(TYPE_KEY)
-        if name is None:
-            return {k: decode(v) for k, v in value.items()}
-        cls = REGISTRY.get(name)
-        if cls is None:
-            raise InvalidEvent(f"unknown record type {name!r}")
-        fields = {k: decode(v) for k, v in value.items() if k != TYPE_KEY}
-        try:
-            return cls(**fields)
-        except TypeError as exc:
-            raise InvalidEvent(f"{name}: {exc}") from None
-    if isinstance(value, list):
-        return [decode(v) for v in value]
-    return value
+    kind = type(value)
+    if kind is list:
+        return [decode(v) if type(v) in _NESTED else v for v in value]
+    if kind is not dict:
+        return value
+    name = value.get(TYPE_KEY)
+    # Most values are primitives: recurse only into containers (replay decodes millions).
+    fields = {k: decode(v) if type(v) in _NESTED else v for k, v in value.items()}
+    if name is None:
+        return fields
+    cls = REGISTRY.get(name)
+    if cls is None:
+        raise InvalidEvent(f"unknown record type {name!r}")
+    del fields[TYPE_KEY]
+    try:
+        return cls(**fields)
+    except TypeError as exc:
+        raise InvalidEvent(f"{name}: {exc}") from None
+
+
+_NESTED = (dict, list)

@@ -31,6 +31,10 @@ __all__ = ["COUNTED", "LIVE", "TRANSITIONS", "Trigger", "WorkerState", "mermaid"
 
 
 class WorkerState(enum.Enum):
+    # Members are singletons compared by identity: hash them the same way (Enum's default
+    # hashes the name in Python, a measurable cost in the reducer's hot loops).
+    __hash__ = object.__hash__
+
     REQUESTED = "requested"
     STARTING = "starting"
     ACTIVE = "active"
@@ -41,6 +45,8 @@ class WorkerState(enum.Enum):
 
 
 class Trigger(enum.Enum):
+    __hash__ = object.__hash__
+
     STARTED = "started"  # the executor reports the process
     READY = "ready"  # the worker reports readiness (or needs none)
     SLEEP = "sleep"  # reserved: engine released its GPU memory

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import attrs
-
 from core import commands as c
 from core import events as e
 from core.config import Config
@@ -22,6 +20,7 @@ from core.errors import ConfigError, InvalidEvent
 from core.invariants import raise_on_violation
 from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
 from core.policies import PolicyContext, build
+from core.records import replace
 from core.state import Gpu, PoolState, State, Worker, split_worker_id
 
 __all__ = ["Reducer", "reduce"]
@@ -39,6 +38,8 @@ def reduce(state: State, event: e.Event) -> tuple[State, list[c.Command]]:
 
     Raises :class:`~core.errors.InvalidEvent` on bad input; the state given is left unchanged.
     """
+    if type(event) is e.WorkerHeartbeat:
+        return _heartbeat_only(state, event), []
     handler = _HANDLERS.get(type(event))
     if handler is None:
         raise InvalidEvent(f"{type(event).__name__} is not an event the reducer knows")
@@ -107,7 +108,8 @@ class _Step:
     def finish(self) -> tuple[State, list[c.Command]]:
         if self.dirty_pools:
             self.reconcile(sorted(self.dirty_pools))
-        state = State(
+        state = replace(
+            self.base,
             now=self.t,
             config=self.config,
             pools=self.pools,
@@ -162,7 +164,7 @@ class _Step:
 
     def transition(self, worker: Worker, trigger: Trigger, **changes: Any) -> Worker:
         state = next_state(worker.worker_id, worker.state, trigger)
-        updated = attrs.evolve(worker, state=state, **changes)
+        updated = replace(worker, state=state, **changes)
         self.put_worker(updated)
         return updated
 
@@ -206,7 +208,7 @@ class _Step:
         if failure:
             failures = pool.failures + 1
             backoff = rules.backoff_s(failures)
-            pool = attrs.evolve(
+            pool = replace(
                 pool,
                 failures=failures,
                 last_failure_t=self.t,
@@ -244,7 +246,7 @@ class _Step:
         if pool.failures == 0:
             return pool
         self.resolve_alert("crash_loop", pool.spec.name, f"healthy run: {why}")
-        return attrs.evolve(pool, failures=0, backoff_until_t=0.0)
+        return replace(pool, failures=0, backoff_until_t=0.0)
 
     def resolve_pool_alerts(self, pool: str, why: str) -> None:
         for alert, subject in sorted(self.alerts):
@@ -348,7 +350,7 @@ class _Step:
         else:
             self.resolve_alert("no_free_gpus", name, f"{name} reached {pool.target} workers")
         if index != pool.next_index:
-            self.put_pool(attrs.evolve(pool, next_index=index))
+            self.put_pool(replace(pool, next_index=index))
         return count
 
     def _check_min(self, pool: PoolState, counted: int) -> None:
@@ -383,39 +385,39 @@ class _Step:
         if source == "policy" and target > pool.desired:
             changes["last_scale_up_t"] = self.t
         self.dirty_pools.add(spec.name)
-        return attrs.evolve(pool, **changes)
+        return replace(pool, **changes)
 
     def sampled(self, pool: PoolState, event: e.QueueSampled | e.LoadSampled) -> None:
         name = pool.spec.name
-        if isinstance(event, e.QueueSampled):
-            pool = attrs.evolve(pool, queue=event, last_sample_t=self.t, source_error=None)
-        else:
-            pool = attrs.evolve(pool, load=event, last_sample_t=self.t, source_error=None)
+        changes: dict[str, Any] = {"last_sample_t": self.t, "source_error": None}
+        changes["queue" if isinstance(event, e.QueueSampled) else "load"] = event
         self.resolve_alert("source_down", name, "pressure source answered again")
         self.resolve_alert("pressure_stale", name, "fresh pressure sample")
         policy = build(pool.spec.policy)
-        if policy.reacts_to is type(event):
-            counted = active = 0
-            for w in self.workers.values():
-                if w.pool == name:
-                    counted += w.state in COUNTED
-                    active += w.state is S.ACTIVE
-            decision = policy.decide(
-                PolicyContext(
-                    t=self.t,
-                    pool=name,
-                    current=counted,
-                    active=active,
-                    min_workers=pool.spec.min_workers,
-                    max_workers=pool.spec.max_workers,
-                    queue=pool.queue,
-                    load=pool.load,
-                ),
-                pool.policy_memory,
-            )
-            pool = attrs.evolve(pool, policy_memory=decision.memory)
-            if not (self.paused_all or pool.paused or pool.pinned is not None or pool.removed):
-                pool = self.set_desired(pool, decision.target, "policy", decision.reason)
+        if policy.reacts_to is not type(event):
+            self.put_pool(replace(pool, **changes))
+            return
+        counted = active = 0
+        for w in self.workers.values():
+            if w.pool == name:
+                counted += w.state in COUNTED
+                active += w.state is S.ACTIVE
+        decision = policy.decide(
+            PolicyContext(
+                t=self.t,
+                pool=name,
+                current=counted,
+                active=active,
+                min_workers=pool.spec.min_workers,
+                max_workers=pool.spec.max_workers,
+                queue=changes.get("queue", pool.queue),
+                load=changes.get("load", pool.load),
+            ),
+            pool.policy_memory,
+        )
+        pool = replace(pool, policy_memory=decision.memory, **changes)
+        if not (self.paused_all or pool.paused or pool.pinned is not None or pool.removed):
+            pool = self.set_desired(pool, decision.target, "policy", decision.reason)
         self.put_pool(pool)
 
     # --- GPUs ------------------------------------------------------------------------------------
@@ -429,7 +431,7 @@ class _Step:
             self.commands.append(c.UncordonGpu(gpu_id=gpu.gpu_id, reason=why))
         if causes != gpu.causes:
             self.dirty_pools.update(self.pools)
-        self.put_gpu(attrs.evolve(gpu, causes=causes, clean_since_t=clean_since_t))
+        self.put_gpu(replace(gpu, causes=causes, clean_since_t=clean_since_t))
 
     def expire_transient_cordon(self, gpu: Gpu) -> None:
         rules = self.config.cordon
@@ -456,7 +458,7 @@ class _Step:
 
 def _tick(step: _Step, event: e.Tick) -> None:
     t = step.t
-    for worker in sorted(step.workers.values(), key=lambda w: w.worker_id):
+    for worker in tuple(step.workers.values()):  # dict order is deterministic: spawn order
         spec = step.pools[worker.pool].spec
         state = worker.state
         if state in (S.DRAINING, S.STOPPING):
@@ -538,14 +540,21 @@ def _tick(step: _Step, event: e.Tick) -> None:
                         pool, f"{healthy[0].worker_id} up {spec.crash_loop.early_exit_s:g}s"
                     )
                 )
-        if pool.last_sample_t is not None and t - pool.last_sample_t > spec.metrics_stale_s:
+        stale = pool.last_sample_t is not None and t - pool.last_sample_t > spec.metrics_stale_s
+        if stale and ("pressure_stale", name) not in step.alerts:
+            assert pool.last_sample_t is not None
             step.raise_alert(
                 "pressure_stale",
                 name,
                 f"no pressure sample for {t - pool.last_sample_t:.0f}s > "
                 f"{spec.metrics_stale_s:g}s: holding {pool.target} workers",
             )
-        step.dirty_pools.add(name)
+        # Time alone changes a pool's count only when a crash-loop backoff has run out, or when
+        # an alert says it is short (of GPUs, of its minimum): reconcile just those.
+        if (pool.failures and t >= pool.backoff_until_t) or any(
+            subject == name for _, subject in step.alerts
+        ):
+            step.dirty_pools.add(name)
     for gpu_id in sorted(step.gpus):
         step.expire_transient_cordon(step.gpus[gpu_id])
 
@@ -582,11 +591,11 @@ def _configured(step: _Step, event: e.Configured) -> None:
         pinned = pool.pinned
         if pinned is not None:
             pinned = min(max(pinned, spec.min_workers), spec.max_workers)
-        updated = attrs.evolve(pool, spec=spec, removed=False, policy_memory=memory, pinned=pinned)
+        updated = replace(pool, spec=spec, removed=False, policy_memory=memory, pinned=pinned)
         if pool.failures and pool.last_failure_t is not None:
             # Changed backoff rules apply to the crash loop in progress.
             backoff = spec.crash_loop.backoff_s(pool.failures)
-            updated = attrs.evolve(updated, backoff_until_t=pool.last_failure_t + backoff)
+            updated = replace(updated, backoff_until_t=pool.last_failure_t + backoff)
         # A policy that never reacts to pressure (static) sets its count from configuration.
         wanted = (
             policy.initial_target(spec.min_workers, spec.max_workers)
@@ -597,7 +606,7 @@ def _configured(step: _Step, event: e.Configured) -> None:
     for name, pool in sorted(step.pools.items()):
         if name not in declared and not pool.removed:
             if any(w.pool == name for w in step.workers.values()):
-                step.put_pool(attrs.evolve(pool, removed=True))
+                step.put_pool(replace(pool, removed=True))
                 step.dirty_pools.add(name)
             else:
                 del step._own("pools")[name]
@@ -609,7 +618,7 @@ def _paused(step: _Step, event: e.AutoscalingPaused) -> None:
     if event.pool is None:
         step.paused_all = True
     else:
-        step.put_pool(attrs.evolve(step.pool(event.pool, event), paused=True))
+        step.put_pool(replace(step.pool(event.pool, event), paused=True))
 
 
 def _resumed(step: _Step, event: e.AutoscalingResumed) -> None:
@@ -617,9 +626,9 @@ def _resumed(step: _Step, event: e.AutoscalingResumed) -> None:
         step.paused_all = False
         for _name, pool in list(step.pools.items()):
             if pool.paused:
-                step.put_pool(attrs.evolve(pool, paused=False))
+                step.put_pool(replace(pool, paused=False))
     else:
-        step.put_pool(attrs.evolve(step.pool(event.pool, event), paused=False))
+        step.put_pool(replace(step.pool(event.pool, event), paused=False))
 
 
 def _pinned(step: _Step, event: e.PoolPinned) -> None:
@@ -627,7 +636,7 @@ def _pinned(step: _Step, event: e.PoolPinned) -> None:
     spec = pool.spec
     if event.count is None:
         if pool.pinned is not None:
-            step.put_pool(attrs.evolve(pool, pinned=None, desired=pool.pinned))
+            step.put_pool(replace(pool, pinned=None, desired=pool.pinned))
         return
     if not spec.min_workers <= event.count <= spec.max_workers:
         raise InvalidEvent(
@@ -644,7 +653,7 @@ def _pinned(step: _Step, event: e.PoolPinned) -> None:
                 reason=f"operator pinned {spec.name} at {event.count} workers",
             )
         )
-    step.put_pool(attrs.evolve(pool, pinned=event.count))
+    step.put_pool(replace(pool, pinned=event.count))
     step.dirty_pools.add(spec.name)
 
 
@@ -673,7 +682,7 @@ def _sampled(step: _Step, event: e.QueueSampled | e.LoadSampled) -> None:
 
 def _source_down(step: _Step, event: e.SourceDown) -> None:
     pool = step.pool(event.pool, event)
-    step.put_pool(attrs.evolve(pool, source_error=event.error))
+    step.put_pool(replace(pool, source_error=event.error))
     step.raise_alert(
         "source_down",
         pool.spec.name,
@@ -743,13 +752,19 @@ def _ready(step: _Step, event: e.WorkerReady) -> None:
     elif worker.state is S.REQUESTED:
         next_state(worker.worker_id, worker.state, Trigger.READY)  # raises: not started yet
     else:
-        step.put_worker(attrs.evolve(worker, last_seen_t=step.t))
+        step.put_worker(replace(worker, last_seen_t=step.t))
 
 
-def _heartbeat(step: _Step, event: e.WorkerHeartbeat) -> None:
-    worker = step.worker(event.worker_id, event)
-    if worker is not None:
-        step.put_worker(attrs.evolve(worker, last_seen_t=step.t))
+def _heartbeat_only(state: State, event: e.WorkerHeartbeat) -> State:
+    """The most frequent event, reduced without a full step: it only refreshes one worker."""
+    t = max(state.now, event.t)
+    worker = state.workers.get(event.worker_id)
+    if worker is None:
+        _Step(state, t).worker(event.worker_id, event)  # a late heartbeat, or an error
+        return replace(state, now=t)
+    workers = dict(state.workers)
+    workers[worker.worker_id] = replace(worker, last_seen_t=t)
+    return replace(state, now=t, workers=workers)
 
 
 def _exited(step: _Step, event: e.WorkerExited) -> None:
@@ -781,7 +796,7 @@ def _adopted(step: _Step, event: e.WorkerAdopted) -> None:
         raise InvalidEvent(f"WorkerAdopted: worker {event.worker_id!r} already exited")
     if worker.pid is None:
         raise InvalidEvent(f"WorkerAdopted: worker {event.worker_id!r} never started")
-    worker = attrs.evolve(worker, last_seen_t=step.t)
+    worker = replace(worker, last_seen_t=step.t)
     step.put_worker(worker)
     spec = step.pools[worker.pool].spec
     if worker.state is S.DRAINING:
@@ -812,7 +827,7 @@ def _gpu_sampled(step: _Step, event: e.GpuSampled) -> None:
     if gpu is None:
         return  # a GPU outside the configured inventory
     rules = step.config.cordon
-    gpu = attrs.evolve(
+    gpu = replace(
         gpu,
         memory_used_bytes=event.memory_used_bytes,
         memory_total_bytes=event.memory_total_bytes,
@@ -838,7 +853,7 @@ def _gpu_sampled(step: _Step, event: e.GpuSampled) -> None:
     if transient or event.new_errors:
         step.set_causes(gpu, frozenset(causes | transient), None, why)
     elif gpu.clean_since_t is None:
-        step.put_gpu(attrs.evolve(gpu, clean_since_t=step.t))
+        step.put_gpu(replace(gpu, clean_since_t=step.t))
     step.expire_transient_cordon(step.gpus[gpu.gpu_id])
     if event.new_errors:
         step.raise_alert("gpu_errors", gpu.gpu_id, why)
@@ -873,7 +888,6 @@ _HANDLERS: dict[type, Callable[[_Step, Any], None]] = {
     e.SourceDown: _source_down,
     e.WorkerStarted: _started,
     e.WorkerReady: _ready,
-    e.WorkerHeartbeat: _heartbeat,
     e.WorkerExited: _exited,
     e.SpawnFailed: _spawn_failed,
     e.WorkerAdopted: _adopted,

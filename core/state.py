@@ -21,8 +21,14 @@ __all__ = ["Gpu", "PoolState", "State", "Worker", "split_worker_id"]
 
 
 def _alert_set(value: Iterable[Iterable[str]]) -> frozenset[tuple[str, str]]:
+    if type(value) is frozenset:
+        return value
     pairs = (tuple(a) for a in value)
     return frozenset((a, s) for a, s in pairs)
+
+
+def _worker_state(value: WorkerState | str) -> WorkerState:
+    return value if type(value) is WorkerState else WorkerState(value)
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -32,7 +38,7 @@ class Worker:
     worker_id: str
     pool: str
     index: int
-    state: WorkerState = attrs.field(converter=WorkerState)
+    state: WorkerState = attrs.field(converter=_worker_state)
     gpus: tuple[str, ...] = attrs.field(converter=str_tuple)
     requested_t: float
     started_t: float | None = None

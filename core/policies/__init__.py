@@ -41,11 +41,23 @@ POLICIES: dict[str, type] = {
 }
 
 
+#: Policies already built, by the identity of their spec (which the entry keeps alive, so the id
+#: cannot be reused): the reducer asks for the same spec object on every sample.
+_BY_SPEC: dict[int, tuple[PolicySpec, Policy]] = {}
+
+
 def build(spec: PolicySpec) -> Policy:
     """The policy ``spec`` names, with its parameters; :class:`ConfigError` if either is wrong."""
+    entry = _BY_SPEC.get(id(spec))
+    if entry is not None and entry[0] is spec:
+        return entry[1]
     # Keyed by parameter types too: 2 == 2.0 == True, yet only one of them may be valid.
     key = (spec.name, tuple(sorted((k, type(v).__name__, v) for k, v in spec.params.items())))
-    return _build(key, spec)
+    policy = _build(key, spec)
+    if len(_BY_SPEC) > 1024:
+        _BY_SPEC.clear()
+    _BY_SPEC[id(spec)] = (spec, policy)
+    return policy
 
 
 @functools.lru_cache(maxsize=256)

@@ -31,6 +31,7 @@ import attrs
 from core.errors import ConfigError
 from core.events import QueueSampled
 from core.policies.base import Decision, PolicyContext
+from core.records import replace
 
 __all__ = ["BufferMemory", "BufferPolicy"]
 
@@ -115,16 +116,15 @@ class BufferPolicy:
                 per_worker = (
                     rate if per_worker is None else per_worker + alpha * (rate - per_worker)
                 )
-        memory = attrs.evolve(
-            memory,
-            last_t=t,
-            last_queued_seqs=queued,
-            last_step=sample.trainer_step,
-            consumption_seqs_s=consumption,
-            per_worker_seqs_s=per_worker,
-        )
+        measured = {
+            "last_t": t,
+            "last_queued_seqs": queued,
+            "last_step": sample.trainer_step,
+            "consumption_seqs_s": consumption,
+            "per_worker_seqs_s": per_worker,
+        }
         if not per_worker:  # None or 0: production has not been seen yet
-            return self._without_rate(context, memory, error, queued_batches)
+            return self._without_rate(context, replace(memory, **measured), error, queued_batches)
         assert consumption is not None
 
         # PI on the buffer error with conditional integration (anti-windup).
@@ -144,7 +144,7 @@ class BufferPolicy:
             f"queue {queued_batches:.2f} batches vs target {self.target_batches:g}; consumption "
             f"{consumption:.2f} seq/s, {per_worker:.2f} seq/s per worker"
         )
-        memory = attrs.evolve(memory, integral_seqs_s=integral)
+        memory = replace(memory, integral_seqs_s=integral, **measured)
         if workers >= current:
             return Decision(target=workers, reason=f"{figures} -> {workers} workers", memory=memory)
         if memory.last_down_t is not None and t - memory.last_down_t < self.down_cooldown_s:
@@ -158,7 +158,7 @@ class BufferPolicy:
         return Decision(
             target=target,
             reason=f"{figures} -> {workers} workers; stepping down to {target}",
-            memory=attrs.evolve(memory, last_down_t=t),
+            memory=replace(memory, last_down_t=t),
         )
 
     def _without_rate(

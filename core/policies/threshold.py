@@ -15,6 +15,7 @@ import attrs
 from core.errors import ConfigError
 from core.events import LoadSampled
 from core.policies.base import Decision, PolicyContext
+from core.records import replace
 
 __all__ = ["ThresholdMemory", "ThresholdPolicy"]
 
@@ -72,7 +73,7 @@ class ThresholdPolicy:
         )
         if ratio > self.scale_up_threshold:
             if mem.above_since_t is None or mem.below_since_t is not None:
-                mem = attrs.evolve(mem, above_since_t=t, below_since_t=None)
+                mem = replace(mem, above_since_t=t, below_since_t=None)
             assert mem.above_since_t is not None
             held = t - mem.above_since_t
             if held >= self.stability_s and _since(t, mem.last_up_t) >= self.scale_up_cooldown_s:
@@ -80,14 +81,14 @@ class ThresholdPolicy:
                 return Decision(
                     target=target,
                     reason=f"{figures} > {self.scale_up_threshold:g} for {held:.0f}s -> {target}",
-                    memory=attrs.evolve(mem, last_up_t=t, above_since_t=None),
+                    memory=replace(mem, last_up_t=t, above_since_t=None),
                 )
             return Decision(
                 target=current, reason=f"{figures} high; waiting (stability/cooldown)", memory=mem
             )
         if ratio < self.scale_down_threshold and current > 0:
             if mem.below_since_t is None or mem.above_since_t is not None:
-                mem = attrs.evolve(mem, below_since_t=t, above_since_t=None)
+                mem = replace(mem, below_since_t=t, above_since_t=None)
             assert mem.below_since_t is not None
             held = t - mem.below_since_t
             if (
@@ -98,7 +99,7 @@ class ThresholdPolicy:
                 return Decision(
                     target=target,
                     reason=f"{figures} < {self.scale_down_threshold:g} for {held:.0f}s -> {target}",
-                    memory=attrs.evolve(mem, last_down_t=t, below_since_t=None),
+                    memory=replace(mem, last_down_t=t, below_since_t=None),
                 )
             return Decision(
                 target=current, reason=f"{figures} low; waiting (stability/cooldown)", memory=mem
@@ -106,5 +107,5 @@ class ThresholdPolicy:
         return Decision(
             target=current,
             reason=f"{figures} within [{self.scale_down_threshold:g}, {self.scale_up_threshold:g}]",
-            memory=attrs.evolve(mem, above_since_t=None, below_since_t=None),
+            memory=replace(mem, above_since_t=None, below_since_t=None),
         )
