@@ -827,34 +827,38 @@ def _gpu_sampled(step: _Step, event: e.GpuSampled) -> None:
     if gpu is None:
         return  # a GPU outside the configured inventory
     rules = step.config.cordon
-    gpu = replace(
-        gpu,
-        memory_used_bytes=event.memory_used_bytes,
-        memory_total_bytes=event.memory_total_bytes,
-        temperature_c=event.temperature_c,
-    )
-    step.put_gpu(gpu)
     transient: set[str] = set(event.throttle_reasons & rules.throttle_reasons)
     notes = [f"throttled ({r})" for r in sorted(transient)]
     if event.temperature_c >= rules.max_temperature_c:
         transient.add("thermal")
         notes.append(f"{event.temperature_c:g} C >= {rules.max_temperature_c:g} C")
-    held = any(gpu.gpu_id in w.gpus for w in step.workers.values())
-    if event.memory_total_bytes and not held:
+    if event.memory_total_bytes:
         fraction = event.memory_used_bytes / event.memory_total_bytes
-        if fraction >= rules.max_memory_fraction:
+        # Full memory is normal on a GPU our own worker holds (an engine reserves it).
+        if fraction >= rules.max_memory_fraction and not any(
+            gpu.gpu_id in w.gpus for w in step.workers.values()
+        ):
             transient.add("memory")
             notes.append(f"memory {fraction:.0%} used by others >= {rules.max_memory_fraction:.0%}")
+    changes: dict[str, Any] = {
+        "memory_used_bytes": event.memory_used_bytes,
+        "memory_total_bytes": event.memory_total_bytes,
+        "temperature_c": event.temperature_c,
+    }
+    if not (transient or event.new_errors):
+        if gpu.clean_since_t is None:
+            changes["clean_since_t"] = step.t
+        gpu = replace(gpu, **changes)
+        step.put_gpu(gpu)
+        step.expire_transient_cordon(gpu)
+        return
+    gpu = replace(gpu, **changes)
     causes = set(gpu.causes)
     if event.new_errors:
         causes.add("errors")
         notes.append(f"{event.new_errors} new XID/ECC error(s)")
     why = f"GPU {gpu.gpu_id}: " + "; ".join(notes)
-    if transient or event.new_errors:
-        step.set_causes(gpu, frozenset(causes | transient), None, why)
-    elif gpu.clean_since_t is None:
-        step.put_gpu(replace(gpu, clean_since_t=step.t))
-    step.expire_transient_cordon(step.gpus[gpu.gpu_id])
+    step.set_causes(gpu, frozenset(causes | transient), None, why)
     if event.new_errors:
         step.raise_alert("gpu_errors", gpu.gpu_id, why)
         for worker in step.workers_on(gpu.gpu_id):
