@@ -55,7 +55,7 @@ class LogProblem:
         return f"line {self.line}: {self.message}"
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True)  # not frozen: one is built per line read, and frozen costs ~4x
 class Line:
     """One decoded line: its number (1-based), byte offset, and JSON object."""
 

@@ -19,9 +19,13 @@ from core import Command, Configured, DeoError, Event, State, decode, encode, re
 __all__ = ["Replayed", "apply_settings", "parse_setting", "replay"]
 
 
-@attrs.frozen(slots=True)
+# Mutable slots classes: they are built once per record of logs with millions of them, and a
+# frozen attrs class costs several times as much to construct. Treat them as read-only.
+
+
+@attrs.define(slots=True)
 class Replayed:
-    """One event of the log, re-reduced."""
+    """One event of the log, re-reduced (read-only)."""
 
     line: int
     seq: int
@@ -44,7 +48,7 @@ class Replayed:
         return bool(encode(self.produced) == self.recorded)
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True)
 class _Pending:
     line: int
     seq: int
@@ -107,9 +111,9 @@ def replay(
                 LogProblem(item.number, f"{kind} record for an event not just before it")
             )
         elif kind == "commands":
-            pending = attrs.evolve(pending, recorded=value[1])
+            pending.recorded = value[1]
         else:
-            pending = attrs.evolve(pending, error=value[1])
+            pending.error = value[1]
     if pending is not None:
         yield finish(pending)
 

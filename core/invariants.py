@@ -56,6 +56,9 @@ def state_violations(state: State) -> list[str]:
             and worker.deadline_t is None
         ):
             found.append(f"3: worker {worker.worker_id} is {worker.state.value} without a deadline")
+    for worker_id in state.last_seen:
+        if worker_id not in state.workers:
+            found.append(f"liveness kept for {worker_id}, which is not a live worker")
     # 5. Backoff follows the rule: delay(n) after the last of n consecutive failures.
     for name, pool in state.pools.items():
         if pool.failures and pool.last_failure_t is not None:

@@ -18,17 +18,25 @@ __all__ = ["replace"]
 
 R = TypeVar("R", bound=attrs.AttrsInstance)
 
-_COPIERS: dict[type, tuple[frozenset[str], Callable[[Any, dict[str, Any]], Any]]] = {}
+_Copier = Callable[[Any, dict[str, Any]], Any]
+_COPIERS: dict[tuple[type, tuple[str, ...]], _Copier] = {}
 
 
-def _copier(cls: type) -> tuple[frozenset[str], Callable[[Any, dict[str, Any]], Any]]:
+def _copier(cls: type, changed: tuple[str, ...]) -> _Copier:
     names = [f.name for f in attrs.fields(cls)]
+    unknown = set(changed) - set(names)
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field {sorted(unknown)}")
     lines = [
         "def copy(record, changes):",
         "    new = _new(_cls)",
         "    put = _bind(new)",
-        "    get = changes.get",
-        *(f"    put({name!r}, get({name!r}, record.{name}))" for name in names),
+        *(
+            f"    put({name!r}, changes[{name!r}])"
+            if name in changed
+            else f"    put({name!r}, record.{name})"
+            for name in names
+        ),
         "    return new",
     ]
     namespace: dict[str, Any] = {
@@ -37,17 +45,15 @@ def _copier(cls: type) -> tuple[frozenset[str], Callable[[Any, dict[str, Any]], 
         "_cls": cls,
     }
     exec("\n".join(lines), namespace)  # generated from the class's own field names only
-    return frozenset(names), namespace["copy"]
+    copy: _Copier = namespace["copy"]
+    return copy
 
 
 def replace(record: R, **changes: Any) -> R:
     """A copy of the frozen slots ``record`` with ``changes`` applied (not re-validated)."""
-    cls = type(record)
-    entry = _COPIERS.get(cls)
-    if entry is None:
-        entry = _COPIERS[cls] = _copier(cls)
-    names, copy = entry
-    if not changes.keys() <= names:
-        raise TypeError(f"{cls.__name__} has no field {sorted(changes.keys() - names)}")
+    key = (type(record), tuple(changes))
+    copy = _COPIERS.get(key)
+    if copy is None:
+        copy = _COPIERS[key] = _copier(*key)
     result: R = copy(record, changes)
     return result

@@ -79,6 +79,7 @@ class _Step:
         self.pools = state.pools
         self.workers = state.workers
         self.gpus = state.gpus
+        self.last_seen = state.last_seen
         self.paused_all = state.paused_all
         self.alerts = state.alerts
         self.commands: list[c.Command] = []
@@ -98,6 +99,11 @@ class _Step:
 
     def drop_worker(self, worker_id: str) -> None:
         del self._own("workers")[worker_id]
+        if worker_id in self.last_seen:
+            del self._own("last_seen")[worker_id]
+
+    def seen(self, worker_id: str) -> None:
+        self._own("last_seen")[worker_id] = self.t
 
     def put_pool(self, pool: PoolState) -> None:
         self._own("pools")[pool.spec.name] = pool
@@ -115,6 +121,7 @@ class _Step:
             pools=self.pools,
             workers=self.workers,
             gpus=self.gpus,
+            last_seen=self.last_seen,
             paused_all=self.paused_all,
             alerts=self.alerts,
         )
@@ -458,6 +465,7 @@ class _Step:
 
 def _tick(step: _Step, event: e.Tick) -> None:
     t = step.t
+    last_seen = step.last_seen
     for worker in tuple(step.workers.values()):  # dict order is deterministic: spawn order
         spec = step.pools[worker.pool].spec
         state = worker.state
@@ -516,13 +524,12 @@ def _tick(step: _Step, event: e.Tick) -> None:
         elif (
             state in (S.STARTING, S.ACTIVE)
             and spec.heartbeat_grace_s is not None
-            and worker.last_seen_t is not None
-            and t - worker.last_seen_t > spec.heartbeat_grace_s
+            and t - last_seen.get(worker.worker_id, t) > spec.heartbeat_grace_s
         ):
             step.terminate(
                 worker,
                 "hung",
-                f"{worker.worker_id} silent for {t - worker.last_seen_t:.0f}s > grace "
+                f"{worker.worker_id} silent for {t - last_seen[worker.worker_id]:.0f}s > grace "
                 f"{spec.heartbeat_grace_s:g}s: hung, replacing it",
             )
     for name in sorted(step.pools):
@@ -705,8 +712,8 @@ def _started(step: _Step, event: e.WorkerStarted) -> None:
         pid=event.pid,
         start_time=event.start_time,
         started_t=step.t,
-        last_seen_t=step.t,
     )
+    step.seen(worker.worker_id)
     if worker.state is S.STARTING and not spec.require_ready:
         step.transition(worker, Trigger.READY)
     elif worker.state is S.DRAINING:
@@ -748,11 +755,12 @@ def _ready(step: _Step, event: e.WorkerReady) -> None:
     if worker is None:
         return
     if worker.state is S.STARTING:
-        step.transition(worker, Trigger.READY, last_seen_t=step.t)
+        step.transition(worker, Trigger.READY)
+        step.seen(worker.worker_id)
     elif worker.state is S.REQUESTED:
         next_state(worker.worker_id, worker.state, Trigger.READY)  # raises: not started yet
     else:
-        step.put_worker(replace(worker, last_seen_t=step.t))
+        step.seen(worker.worker_id)
 
 
 def _heartbeat_only(state: State, event: e.WorkerHeartbeat) -> State:
@@ -762,9 +770,9 @@ def _heartbeat_only(state: State, event: e.WorkerHeartbeat) -> State:
     if worker is None:
         _Step(state, t).worker(event.worker_id, event)  # a late heartbeat, or an error
         return replace(state, now=t)
-    workers = dict(state.workers)
-    workers[worker.worker_id] = replace(worker, last_seen_t=t)
-    return replace(state, now=t, workers=workers)
+    last_seen = dict(state.last_seen)
+    last_seen[worker.worker_id] = t
+    return replace(state, now=t, last_seen=last_seen)
 
 
 def _exited(step: _Step, event: e.WorkerExited) -> None:
@@ -796,8 +804,7 @@ def _adopted(step: _Step, event: e.WorkerAdopted) -> None:
         raise InvalidEvent(f"WorkerAdopted: worker {event.worker_id!r} already exited")
     if worker.pid is None:
         raise InvalidEvent(f"WorkerAdopted: worker {event.worker_id!r} never started")
-    worker = replace(worker, last_seen_t=step.t)
-    step.put_worker(worker)
+    step.seen(worker.worker_id)
     spec = step.pools[worker.pool].spec
     if worker.state is S.DRAINING:
         # The drain signal may never have left before the restart: sending it again is harmless.

@@ -45,8 +45,6 @@ class Worker:
     pid: int | None = None
     #: OS process start time; with ``pid`` it identifies the process across restarts.
     start_time: int | None = None
-    #: Last sign of life: start, readiness, heartbeat or adoption.
-    last_seen_t: float | None = None
     #: When the current drain or stop escalates; None outside DRAINING and STOPPING.
     deadline_t: float | None = None
     killed: bool = False
@@ -115,6 +113,10 @@ class State:
     pools: dict[str, PoolState] = attrs.field(factory=dict, hash=False)
     workers: dict[str, Worker] = attrs.field(factory=dict, hash=False)
     gpus: dict[str, Gpu] = attrs.field(factory=dict, hash=False)
+    #: Each started worker's last sign of life (start, readiness, heartbeat, adoption). Kept
+    #: apart from the worker records so that a heartbeat, the most frequent event, copies a
+    #: float rather than a record.
+    last_seen: dict[str, float] = attrs.field(factory=dict, hash=False)
     paused_all: bool = False
     #: Active alerts as (alert, subject) pairs, so each is raised once and resolved once.
     alerts: frozenset[tuple[str, str]] = attrs.field(default=frozenset(), converter=_alert_set)
