@@ -26,6 +26,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=7, help="random seed of the simulated world")
 
+    run = commands.add_parser(
+        "run",
+        help="manage workers on this machine",
+        description=(
+            "Run deo: manage the workers of the configured pools, serve the status/control API, "
+            "log every input and decision. SIGINT/SIGTERM stop deo and leave workers running."
+        ),
+    )
+    run.add_argument("--config", type=Path, required=True, help="the TOML configuration file")
+
+    for name, text in (
+        ("status", "show pools, workers and GPUs of a running deo"),
+        ("stop", "stop a running deo (workers keep running unless --drain)"),
+    ):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("--url", default="http://127.0.0.1:8787", help="deo's API address")
+        if name == "status":
+            sub.add_argument("--json", action="store_true", help="print the raw JSON")
+        else:
+            sub.add_argument("--drain", action="store_true", help="drain every worker first")
+            sub.add_argument(
+                "--token-env",
+                default="DEO_TOKEN",
+                help="environment variable holding the operator token",
+            )
+
     replay = commands.add_parser(
         "replay",
         help="verify a log and print its timeline",
@@ -42,12 +68,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         from adapters.demo import DemoSettings, run_demo
 
         return run_demo(args.log, DemoSettings(seed=args.seed))
+    if args.command == "run":
+        return _run(args.config)
+    if args.command in ("status", "stop"):
+        from adapters import remote
+
+        return remote.status(args) if args.command == "status" else remote.stop(args)
     if args.command == "replay":
         try:
             return postmortem.run(args)
         except BrokenPipeError:  # `deo replay log | head`
             return 0
     raise AssertionError(args.command)
+
+
+def _run(path: Path) -> int:
+    import logging
+
+    import anyio
+
+    from adapters.config_file import load
+    from adapters.run import run
+    from core import ConfigError
+
+    try:
+        settings = load(path)
+    except ConfigError as exc:
+        print(f"deo run: {path}: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
+    )
+    return anyio.run(run, settings)
 
 
 if __name__ == "__main__":

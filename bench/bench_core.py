@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    /tmp/venv/bin/python bench/bench_core.py            # default sizes (~3 minutes on 2 cores)
-    /tmp/venv/bin/python bench/bench_core.py --quick    # a tenth of the sizes, N up to 1000
+    .venv/bin/python bench/bench_core.py            # default sizes (~2 minutes on 2 cores)
+    .venv/bin/python bench/bench_core.py --quick    # a tenth of the sizes, N up to 1000
 
 It prints its numbers and writes them to ``docs/benchmarks.md`` between the
 ``<!-- bench_core:start -->`` and ``<!-- bench_core:end -->`` markers (other benchmarks may own
@@ -705,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     n_events = 50_000 if quick else 500_000
     n_records = 100_000 if quick else 1_000_000
     sizes = [10, 100, 1000] if quick else [10, 100, 1000, 10_000]
-    command = " ".join([sys.executable, *sys.argv])
+    command = " ".join(["python", *sys.argv])
     if os.environ.get("PYTHONPATH"):
         command = f"PYTHONPATH={os.environ['PYTHONPATH']} {command}"
 
