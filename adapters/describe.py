@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 from core import commands as c
 from core import events as e
 from core.lifecycle import WorkerState
 from core.state import State, split_worker_id
 
-__all__ = ["command_line", "event_line", "event_subject", "pool_summary", "state_lines"]
+__all__ = ["at", "command_line", "event_line", "event_subject", "pool_summary", "state_lines"]
+
+
+#: Times above this are Unix wall-clock seconds (deo run); below, seconds of a simulation.
+_EPOCH_FROM = 1e9
+
+
+def at(t: float) -> str:
+    """A time as people read it: UTC wall clock for ``deo run`` logs, seconds for simulations."""
+    if t >= _EPOCH_FROM:
+        stamp = dt.datetime.fromtimestamp(t, dt.UTC)
+        return stamp.strftime("%Y-%m-%d %H:%M:%S.") + f"{stamp.microsecond // 100_000}"
+    return f"{t:.1f}s"
 
 
 def event_subject(event: e.Event) -> str | None:
@@ -70,7 +84,7 @@ def command_line(command: c.Command) -> str:
         case c.SpawnWorker(worker_id=w):
             what = f"spawn      {w}"
         case c.DrainWorker(worker_id=w, signal=sig, deadline_t=d):
-            what = f"drain      {w} ({sig}, deadline t={d:g})"
+            what = f"drain      {w} ({sig}, deadline {at(d)})"
         case c.TerminateWorker(worker_id=w):
             what = f"terminate  {w}"
         case c.KillWorker(worker_id=w):
@@ -110,7 +124,7 @@ def pool_summary(state: State, name: str) -> str:
     if pool.removed:
         flags.append("removed")
     if pool.failures:
-        flags.append(f"{pool.failures} failures, backoff until t={pool.backoff_until_t:g}")
+        flags.append(f"{pool.failures} failures, backoff until {at(pool.backoff_until_t)}")
     if pool.source_error:
         flags.append(f"source down: {pool.source_error}")
     pressure = ""
@@ -129,13 +143,13 @@ def pool_summary(state: State, name: str) -> str:
 
 def state_lines(state: State) -> list[str]:
     """The whole state as readable lines: pools, workers, GPUs, alerts."""
-    lines = [f"state at t={state.now:g}" + (" (autoscaling paused)" if state.paused_all else "")]
+    lines = [f"state at {at(state.now)}" + (" (autoscaling paused)" if state.paused_all else "")]
     lines += ["  " + pool_summary(state, name) for name in sorted(state.pools)]
     for worker in sorted(state.workers.values(), key=lambda w: (w.pool, w.index)):
         gpus = f" GPU {','.join(worker.gpus)}" if worker.gpus else ""
         pid = f" pid {worker.pid}" if worker.pid is not None else ""
         extra = (
-            f" ({worker.stop_cause}, deadline t={worker.deadline_t:g})" if worker.deadline_t else ""
+            f" ({worker.stop_cause}, deadline {at(worker.deadline_t)})" if worker.deadline_t else ""
         )
         lines.append(f"  worker {worker.worker_id}: {worker.state.value}{pid}{gpus}{extra}")
     for gpu in state.gpus.values():

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 import orjson
 
-from adapters.describe import command_line, event_line, event_subject, pool_summary, state_lines
+from adapters.describe import at, command_line, event_line, event_subject, pool_summary, state_lines
 from adapters.export import export_sqlite
 from adapters.log import LogProblem
 from adapters.replay import Replayed, apply_settings, parse_setting, replay
@@ -102,7 +102,7 @@ def _finish(path: Path, problems: list[LogProblem], diverged: list[Replayed], ou
 
 def _show_divergence(step: Replayed, out: TextIO) -> None:
     print(
-        f"DIVERGED at line {step.line} (seq {step.seq}, t={step.event.t:g}): "
+        f"DIVERGED at line {step.line} (seq {step.seq}, {at(step.event.t)}): "
         f"{orjson.dumps(encode(step.event)).decode()}",
         file=out,
     )
@@ -128,10 +128,10 @@ def _timeline(
         if not quiet:
             line = event_line(step.event)
             if line is not None:
-                print(f"{t:10.1f}  {line}", file=out)
+                print(f"{at(t):>23}  {line}", file=out)
             for command in step.produced:
                 commands += 1
-                print(f"{t:10.1f}  #{commands} {command_line(command)}", file=out)
+                print(f"{at(t):>23}  #{commands} {command_line(command)}", file=out)
         else:
             commands += len(step.produced)
         name = type(step.event).__name__
@@ -179,8 +179,8 @@ def _sampled_series(points: list[tuple[float, int]], limit: int = 24) -> str:
     if len(points) > limit:
         stride = len(points) / limit
         points = [points[int(i * stride)] for i in range(limit - 1)] + [points[-1]]
-        return " ".join(f"{t:g}:{n}" for t, n in points) + f"  ({limit} of many changes)"
-    return " ".join(f"{t:g}:{n}" for t, n in points)
+        return " ".join(f"{at(t)}:{n}" for t, n in points) + f"  ({limit} of many changes)"
+    return " ".join(f"{at(t)}:{n}" for t, n in points)
 
 
 def _at(
@@ -208,7 +208,7 @@ def _explain(
         subject = event_subject(step.event)
         if number + len(step.produced) >= wanted:
             command = step.produced[wanted - number - 1]
-            print(f"command #{wanted} at t={step.after.now:g}: {command_line(command)}", file=out)
+            print(f"command #{wanted} at {at(step.after.now)}: {command_line(command)}", file=out)
             event_json = orjson.dumps(encode(step.event)).decode()
             print(f"caused by line {step.line} (seq {step.seq}): {event_json}", file=out)
             pool = getattr(command, "pool", None) or subject
@@ -249,7 +249,7 @@ def _what_if(
                 continue
             differing += 1
             if differing <= MAX_DIFFERENCES:
-                print(f"t={step.after.now:g} (line {step.line}):", file=out)
+                print(f"{at(step.after.now)} (line {step.line}):", file=out)
                 for c in step.recorded:
                     print(f"  - recorded  {c.get('@')}: {c.get('reason')}", file=out)
                 for c in step.produced:

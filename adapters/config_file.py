@@ -1,0 +1,208 @@
+"""``deo run --config FILE``: the TOML file, read into the core's Config plus runtime settings.
+
+Every problem is reported with its key (``pools.envs.max_workers: expected an integer, got
+"8"``), unknown keys included, with a suggestion when one is close. See ``examples/local.toml``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from core import Config, ConfigError, CordonRules, CrashLoopRules, PolicySpec, PoolSpec
+from core.policies import build
+
+__all__ = ["ApiSettings", "JsonSource", "RunSettings", "load"]
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class ApiSettings:
+    """Where the HTTP API listens and the bearer token its mutating endpoints require."""
+
+    host: str = "127.0.0.1"
+    port: int = 8787
+    #: The name of the environment variable holding the operator token.
+    token_env: str = "DEO_TOKEN"
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class JsonSource:
+    """A pool's pressure, polled from a JSON endpoint; each field is a dotted path in the body."""
+
+    pool: str
+    url: str
+    interval_s: float = 2.0
+    timeout_s: float = 5.0
+    queued_sequences: str | None = None
+    batch_size_seqs: str | None = None
+    trainer_step: str | None = None
+    in_flight_requests: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        where = f"pools.{self.pool}.source"
+        queue = (self.queued_sequences, self.batch_size_seqs, self.trainer_step)
+        if all(queue) == (self.in_flight_requests is not None) or (any(queue) and not all(queue)):
+            raise ConfigError(
+                f"{where}: give either queued_sequences, batch_size_seqs and trainer_step "
+                f"(a trainer queue) or in_flight_requests (a request load)"
+            )
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"{where}.url: expected an http(s) URL, got {self.url!r}")
+        if not self.interval_s > 0 or not self.timeout_s > 0:
+            raise ConfigError(f"{where}: interval_s and timeout_s must be > 0")
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class RunSettings:
+    """Everything ``deo run`` needs: the core's configuration and how to run around it."""
+
+    config: Config
+    log: Path
+    fsync: bool = True
+    snapshot_every: int = 10_000
+    tick_interval_s: float = 1.0
+    worker_logs: Path = Path("deo-workers")
+    api: ApiSettings = attrs.field(factory=ApiSettings)
+    sources: tuple[JsonSource, ...] = ()
+
+
+def load(path: Path) -> RunSettings:
+    """Read ``path``; :class:`ConfigError` naming the key on any problem."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    base = path.parent
+    deo = _table(
+        data, "deo", {"log", "fsync", "snapshot_every", "tick_interval_s", "worker_logs", "gpus"}
+    )
+    _known(data, "", {"deo", "api", "cordon", "pools"})
+    pools_table = _table(data, "pools", None)
+    pools, sources = [], []
+    for name, raw in pools_table.items():
+        if not isinstance(raw, dict):
+            raise ConfigError(f"pools.{name}: expected a table ([pools.{name}])")
+        pool, source = _pool(name, raw)
+        pools.append(pool)
+        if source is not None:
+            sources.append(source)
+    config = Config(
+        pools=pools,
+        gpus=[str(g) for g in _typed("deo.gpus", deo.get("gpus", []), list)],
+        cordon=_build(CordonRules, "cordon", _table(data, "cordon", None)),
+    )
+    settings: dict[str, Any] = {}
+    for key, kind in (("fsync", bool), ("snapshot_every", int), ("tick_interval_s", float)):
+        if key in deo:
+            settings[key] = _typed(f"deo.{key}", deo[key], kind)
+    return RunSettings(
+        config=config,
+        log=base / _typed("deo.log", deo.get("log", "deo.jsonl"), str),
+        worker_logs=base / _typed("deo.worker_logs", deo.get("worker_logs", "deo-workers"), str),
+        api=_build(ApiSettings, "api", _table(data, "api", None)),
+        sources=tuple(sources),
+        **settings,
+    )
+
+
+def _pool(name: str, raw: dict[str, Any]) -> tuple[PoolSpec, JsonSource | None]:
+    where = f"pools.{name}"
+    fields: dict[str, Any] = {}
+    hints = typing.get_type_hints(PoolSpec)
+    known = {f.name for f in attrs.fields(PoolSpec)} - {"name"} | {"source"}
+    _known(raw, where, known)
+    for key, value in raw.items():
+        if key == "policy":
+            policy = dict(_typed(f"{where}.policy", value, dict))
+            policy_name = _typed(f"{where}.policy.name", policy.pop("name", "buffer"), str)
+            fields["policy"] = PolicySpec(name=policy_name, params=policy)
+            try:
+                build(fields["policy"])  # check the policy and its parameters now, by key
+            except ConfigError as exc:
+                raise ConfigError(f"{where}.{exc}") from None
+        elif key == "crash_loop":
+            fields["crash_loop"] = _build(CrashLoopRules, f"{where}.crash_loop", value)
+        elif key != "source":
+            fields[key] = _typed(f"{where}.{key}", value, hints[key])
+    source = None
+    if "source" in raw:
+        table = _typed(f"{where}.source", raw["source"], dict)
+        source = _build(JsonSource, f"{where}.source", {**table, "pool": name}, skip={"pool"})
+    return PoolSpec(name=name, **fields), source
+
+
+def _build(
+    cls: type, where: str, raw: Any, *, skip: frozenset[str] | set[str] = frozenset()
+) -> Any:
+    table = _typed(where, raw, dict)
+    hints = typing.get_type_hints(cls)
+    _known(
+        {k: v for k, v in table.items() if k not in skip},
+        where,
+        {f.name for f in attrs.fields(cls)} - set(skip),
+    )
+    values = {
+        key: value if key in skip else _typed(f"{where}.{key}", value, hints[key])
+        for key, value in table.items()
+    }
+    return cls(**values)
+
+
+def _table(data: dict[str, Any], key: str, known: set[str] | None) -> dict[str, Any]:
+    table = data.get(key, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{key}: expected a table ([{key}])")
+    if known is not None:
+        _known(table, key, known)
+    return table
+
+
+def _known(table: dict[str, Any], where: str, known: set[str]) -> None:
+    for key in table:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = (
+                f" (did you mean {close[0]}?)" if close else f"; known: {', '.join(sorted(known))}"
+            )
+            raise ConfigError(f"{where + '.' if where else ''}{key}: unknown key{hint}")
+
+
+_NAMES = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "true or false",
+    list: "a list",
+    dict: "a table",
+    tuple: "a list",
+    frozenset: "a list",
+}
+
+
+def _typed(where: str, value: Any, hint: Any) -> Any:
+    """``value`` if it fits the annotation ``hint`` (ints accepted for floats), else ConfigError."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for option in options:
+        if option is type(None) and value is None:
+            return value
+        kind = typing.get_origin(option) or option
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if kind is int and isinstance(value, bool):
+            continue
+        if isinstance(kind, type) and isinstance(value, kind):
+            return value
+        if kind in (tuple, frozenset) and isinstance(value, list):
+            return value
+    expected = " or ".join(
+        _NAMES.get(typing.get_origin(o) or o, str(o)) for o in options if o is not type(None)
+    )
+    raise ConfigError(f"{where}: expected {expected}, got {value!r}")

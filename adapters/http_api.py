@@ -1,0 +1,598 @@
+"""deo's status and control HTTP API: a Starlette app served by uvicorn.
+
+Reads are open and need no token (they change nothing): ``GET /global-status``, ``GET /metrics``
+(Prometheus text format) and ``GET /v1/workers``. Because they are open, :func:`serve` binds to
+loopback (127.0.0.1) by default; expose it further only behind something that authenticates.
+
+Writes need ``Authorization: Bearer <token>``: the operator token for operator actions (pause,
+resume, pin, drain, cordon, uncordon, pressure), the operator or the worker token for
+``POST /v1/workers/{id}/heartbeat``. A missing token is 401, a wrong one 403.
+
+Every write is turned into one core event and handed to :meth:`Runner.submit`, which answers with
+the commands it produced or the reducer's refusal. The request is checked (auth, size, JSON,
+field types) and its event constructed *before* it is submitted, because the runner logs every
+event it is given: a malformed request must leave no trace in the event log, while a refusal by
+the reducer (an unknown pool, a pin outside the bounds) is a real input and is logged as rejected.
+
+Errors are JSON ``{"error": "..."}`` naming what was wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import socket
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any
+
+import anyio
+import orjson
+import uvicorn
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from adapters.describe import pool_summary
+from adapters.runner import Rejected, Runner
+from core import (
+    AutoscalingPaused,
+    AutoscalingResumed,
+    Command,
+    DrainRequested,
+    Event,
+    GpuCordonRequested,
+    GpuUncordonRequested,
+    InvalidEvent,
+    LoadSampled,
+    PoolPinned,
+    QueueSampled,
+    State,
+    WorkerHeartbeat,
+    WorkerState,
+)
+from core.state import PoolState, Worker, split_worker_id
+
+__all__ = ["build_app", "serve"]
+
+#: How long a cancelled server waits for requests in flight before cutting them off.
+SHUTDOWN_GRACE_S = 5
+
+#: Worker states reported per pool; exited workers are forgotten by the core, so never counted.
+_LIVE_STATES: tuple[WorkerState, ...] = tuple(s for s in WorkerState if s is not WorkerState.EXITED)
+
+_QUEUE_FIELDS = ("queued_sequences", "batch_size_seqs", "trainer_step")
+
+
+# --- responses and errors ------------------------------------------------------------------------
+
+
+class _ApiError(Exception):
+    """A request deo refuses, answered as ``{"error": message}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers
+
+
+def _json(content: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    # orjson rather than Starlette's JSONResponse: a NaN reading (a GPU temperature from a broken
+    # sensor) becomes null instead of failing the whole status page.
+    return Response(orjson.dumps(content), status, headers, media_type="application/json")
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, _ApiError)
+    return _json({"error": exc.message}, exc.status, exc.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    # Starlette's own refusals (no such route, wrong method) in the same JSON shape as ours.
+    assert isinstance(exc, HTTPException)
+    message = f"{exc.detail}: {request.method} {request.url.path}"
+    return _json({"error": message}, exc.status_code, exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return _json({"error": f"internal error: {type(exc).__name__}"}, 500)
+
+
+def _commands_json(commands: list[Command]) -> dict[str, Any]:
+    return {"commands": [{"type": type(c).__name__, "reason": c.reason} for c in commands]}
+
+
+# --- request checks ------------------------------------------------------------------------------
+
+
+def _authorize(request: Request, accepted: tuple[bytes, ...]) -> None:
+    """Return if the request carries one of the ``accepted`` bearer tokens, else raise 401/403."""
+    header = request.headers.get("authorization")
+    if header is None:
+        raise _ApiError(
+            401,
+            "missing Authorization header: send 'Authorization: Bearer <token>'",
+            {"WWW-Authenticate": "Bearer"},
+        )
+    scheme, _, credential = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not credential.strip():
+        raise _ApiError(
+            401,
+            "Authorization header is not of the form 'Bearer <token>'",
+            {"WWW-Authenticate": "Bearer"},
+        )
+    # Header values arrive decoded as latin-1, so encoding them back gives the bytes sent.
+    given = credential.strip().encode("latin-1")
+    # Compare against every accepted token (no early exit), each in constant time.
+    matches = [hmac.compare_digest(given, token) for token in accepted]
+    if not any(matches):
+        raise _ApiError(403, "the bearer token is not accepted for this endpoint")
+
+
+def _json_kind(value: object) -> str:
+    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    return kinds.get(type(value), "a number")
+
+
+async def _read_object(request: Request, max_body_bytes: int) -> dict[str, Any]:
+    """The request body as a JSON object ({} when empty); 413, 400 or 422 if it is not one."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            declared_bytes = int(declared)
+        except ValueError:
+            raise _ApiError(400, f"Content-Length {declared!r} is not a number") from None
+        if declared_bytes > max_body_bytes:
+            raise _ApiError(
+                413,
+                f"request body of {declared_bytes} bytes exceeds the {max_body_bytes}-byte limit",
+            )
+    # Count what actually arrives too: a chunked body declares no length.
+    chunks: list[bytes] = []
+    received_bytes = 0
+    async for chunk in request.stream():
+        received_bytes += len(chunk)
+        if received_bytes > max_body_bytes:
+            raise _ApiError(413, f"request body exceeds the {max_body_bytes}-byte limit")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        return {}
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise _ApiError(422, f"request body must be a JSON object, got {_json_kind(value)}")
+    return value
+
+
+def _only(body: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    for name in body:
+        if name not in allowed:
+            expected = ", ".join(allowed) or "no fields"
+            raise _ApiError(422, f"unexpected field {name!r} (expected: {expected})")
+
+
+def _int_field(body: dict[str, Any], name: str, *, nullable: bool = False) -> int | None:
+    if name not in body:
+        raise _ApiError(422, f"missing field {name!r}")
+    value = body[name]
+    if value is None and nullable:
+        return None
+    # bool is an int to Python but not to a JSON client; 2.0 is not a count either.
+    if not isinstance(value, int) or isinstance(value, bool):
+        wanted = "an integer or null" if nullable else "an integer"
+        raise _ApiError(422, f"field {name!r} must be {wanted}, got {_json_kind(value)}")
+    return value
+
+
+def _optional_str_field(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _ApiError(422, f"field {name!r} must be a string or null, got {_json_kind(value)}")
+    return value
+
+
+def _pressure_event(pool: str, body: dict[str, Any], t: float) -> Event:
+    """A QueueSampled or LoadSampled from a pressure push, whichever shape the body has."""
+    _only(body, (*_QUEUE_FIELDS, "in_flight_requests"))
+    queue_given = [name for name in _QUEUE_FIELDS if name in body]
+    if "in_flight_requests" in body:
+        if queue_given:
+            raise _ApiError(
+                422,
+                f"give either {', '.join(_QUEUE_FIELDS)} or in_flight_requests, not both "
+                f"(got {', '.join([*queue_given, 'in_flight_requests'])})",
+            )
+        in_flight = _int_field(body, "in_flight_requests")
+        assert in_flight is not None
+        return LoadSampled(t=t, pool=pool, in_flight_requests=in_flight)
+    if not queue_given:
+        raise _ApiError(
+            422,
+            f"missing fields: give {', '.join(_QUEUE_FIELDS)} (a trainer queue) "
+            f"or in_flight_requests (request load)",
+        )
+    queued, batch, step = (_int_field(body, name) for name in _QUEUE_FIELDS)
+    assert queued is not None and batch is not None and step is not None
+    return QueueSampled(
+        t=t, pool=pool, queued_sequences=queued, batch_size_seqs=batch, trainer_step=step
+    )
+
+
+# --- status --------------------------------------------------------------------------------------
+
+
+def _command_pool(command: Command, state: State) -> str | None:
+    """The pool a decision concerns, if any (GPU-only decisions concern none)."""
+    pool = getattr(command, "pool", None)
+    if isinstance(pool, str):
+        return pool
+    subject = getattr(command, "worker_id", None) or getattr(command, "subject", None)
+    if not isinstance(subject, str):
+        return None
+    if subject in state.pools:
+        return subject
+    parsed = split_worker_id(subject)
+    # Only a pool that exists: a GPU UUID such as "GPU-ab-1" also splits like a worker id.
+    return parsed[0] if parsed is not None and parsed[0] in state.pools else None
+
+
+def _pool_json(runner: Runner, state: State, name: str, pool: PoolState) -> dict[str, Any]:
+    workers = state.workers_of(name)
+    ids = {s.value: [w.worker_id for w in workers if w.state is s] for s in _LIVE_STATES}
+    spec = pool.spec
+    queue = pool.queue
+    load = pool.load
+    return {
+        "target": pool.target,
+        "desired": pool.desired,
+        "pinned": pool.pinned,
+        "paused": pool.paused,
+        "removed": pool.removed,
+        "min_workers": spec.min_workers,
+        "max_workers": spec.max_workers,
+        "gpus_per_worker": spec.gpus_per_worker,
+        "policy": spec.policy.name,
+        "workers_by_state": {state_name: len(found) for state_name, found in ids.items()},
+        "worker_ids_by_state": ids,
+        "queue": None
+        if queue is None
+        else {
+            "t": queue.t,
+            "queued_sequences": queue.queued_sequences,
+            "batch_size_seqs": queue.batch_size_seqs,
+            "trainer_step": queue.trainer_step,
+            "queued_batches": queue.queued_sequences / queue.batch_size_seqs,
+        },
+        "load": None
+        if load is None
+        else {"t": load.t, "in_flight_requests": load.in_flight_requests},
+        "last_sample_t": pool.last_sample_t,
+        "source_error": pool.source_error,
+        "failures": pool.failures,
+        "last_failure_t": pool.last_failure_t,
+        "backoff_until_t": pool.backoff_until_t,
+        "last_scale_up_t": pool.last_scale_up_t,
+        "decisions": [
+            {"t": d.t, "type": type(d.command).__name__, "reason": d.command.reason}
+            for d in runner.decisions
+            if _command_pool(d.command, state) == name
+        ],
+        "summary": pool_summary(state, name),
+    }
+
+
+def _global_status(runner: Runner) -> dict[str, Any]:
+    state = runner.state  # one immutable snapshot: the page is consistent
+    holders: dict[str, list[str]] = {}
+    for worker in state.workers.values():
+        for gpu_id in worker.gpus:
+            holders.setdefault(gpu_id, []).append(worker.worker_id)
+    return {
+        "now": state.now,
+        "paused_all": state.paused_all,
+        "events_handled": runner.events_handled,
+        "pools": {
+            name: _pool_json(runner, state, name, pool)
+            for name, pool in sorted(state.pools.items())
+        },
+        "gpus": [
+            {
+                "id": gpu.gpu_id,
+                "cordoned": gpu.cordoned,
+                "causes": sorted(gpu.causes),
+                "temperature_c": gpu.temperature_c,
+                "memory_used_bytes": gpu.memory_used_bytes,
+                "memory_total_bytes": gpu.memory_total_bytes,
+                "workers": sorted(holders.get(gpu.gpu_id, [])),
+            }
+            for gpu in state.gpus.values()
+        ],
+        "alerts": [{"alert": a, "subject": s} for a, s in sorted(state.alerts)],
+    }
+
+
+def _worker_json(worker: Worker, state: State) -> dict[str, Any]:
+    return {
+        "id": worker.worker_id,
+        "pool": worker.pool,
+        "state": worker.state.value,
+        "pid": worker.pid,
+        "gpus": list(worker.gpus),
+        "requested_t": worker.requested_t,
+        "started_t": worker.started_t,
+        "last_seen": state.last_seen.get(worker.worker_id),
+        "deadline_t": worker.deadline_t,
+        "stop_cause": worker.stop_cause,
+    }
+
+
+class _StateCollector:
+    """Prometheus metrics computed from the runner's state at each scrape (nothing to keep in
+    sync: the state is the single source of truth)."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+
+    def collect(self) -> Iterator[Metric]:
+        state = self.runner.state
+        workers = GaugeMetricFamily(
+            "deo_pool_workers",
+            "Live workers per pool and lifecycle state",
+            labels=["pool", "state"],
+        )
+        target = GaugeMetricFamily("deo_pool_target", "Target worker count", labels=["pool"])
+        queued = GaugeMetricFamily(
+            "deo_pool_queued_batches",
+            "Queued sequences over the batch size, from the last queue sample",
+            labels=["pool"],
+        )
+        for name, pool in sorted(state.pools.items()):
+            counts = dict.fromkeys(_LIVE_STATES, 0)
+            for worker in state.workers_of(name):
+                counts[worker.state] += 1
+            for worker_state, count in counts.items():
+                workers.add_metric([name, worker_state.value], count)
+            target.add_metric([name], pool.target)
+            if pool.queue is not None:
+                queue = pool.queue
+                queued.add_metric([name], queue.queued_sequences / queue.batch_size_seqs)
+        cordoned = GaugeMetricFamily("deo_gpu_cordoned", "1 if the GPU is cordoned", labels=["gpu"])
+        for gpu in state.gpus.values():
+            cordoned.add_metric([gpu.gpu_id], 1.0 if gpu.cordoned else 0.0)
+        alerts = GaugeMetricFamily(
+            "deo_alerts_active", "1 per active alert", labels=["alert", "subject"]
+        )
+        for alert, subject in sorted(state.alerts):
+            alerts.add_metric([alert, subject], 1.0)
+        handled = CounterMetricFamily(
+            "deo_events_handled", "Events the runner handled (accepted or refused)"
+        )
+        handled.add_metric([], self.runner.events_handled)
+        yield from (workers, target, queued, cordoned, alerts, handled)
+
+
+def _subject_known(event: Event, state: State) -> bool:
+    """Whether the pool, worker or GPU an event names exists: a refusal of an event whose subject
+    is unknown is a 404, any other refusal (a pin outside the bounds, ...) a 409."""
+    pool = getattr(event, "pool", None)
+    if pool is not None and pool not in state.pools:
+        return False
+    worker_id = getattr(event, "worker_id", None)
+    if worker_id is not None and worker_id not in state.workers:
+        return False
+    gpu_id = getattr(event, "gpu_id", None)
+    return gpu_id is None or gpu_id in state.gpus
+
+
+# --- the app -------------------------------------------------------------------------------------
+
+_Build = Callable[[Request, dict[str, Any], float], Event]
+
+
+def build_app(
+    runner: Runner, *, token: str, worker_token: str, max_body_bytes: int = 65_536
+) -> Starlette:
+    """The API app for ``runner``. ``token`` authorizes operator actions; ``worker_token``
+    (or ``token``) authorizes heartbeats. Serve it with :func:`serve`."""
+    if not token or not worker_token:
+        raise ValueError("token and worker_token must be non-empty")
+    if hmac.compare_digest(token.encode(), worker_token.encode()):
+        raise ValueError("worker_token must differ from token, or any worker could act as operator")
+    if max_body_bytes < 0:
+        raise ValueError(f"max_body_bytes must be >= 0, got {max_body_bytes}")
+    operator_only = (token.encode(),)
+    operator_or_worker = (token.encode(), worker_token.encode())
+    registry = CollectorRegistry()
+    registry.register(_StateCollector(runner))
+
+    def action(
+        accepted: tuple[bytes, ...], build: _Build
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """An endpoint that turns a request into one event and answers with its commands."""
+
+        async def endpoint(request: Request) -> Response:
+            _authorize(request, accepted)
+            body = await _read_object(request, max_body_bytes)
+            try:
+                event = build(request, body, runner.clock())
+            except InvalidEvent as exc:
+                raise _ApiError(422, str(exc)) from None
+            try:
+                commands = await runner.submit(event)
+            except Rejected as exc:
+                status = 409 if _subject_known(event, runner.state) else 404
+                raise _ApiError(status, str(exc)) from None
+            return _json(_commands_json(commands))
+
+        return endpoint
+
+    def path(request: Request, name: str) -> str:
+        value = request.path_params[name]
+        assert isinstance(value, str)
+        return value
+
+    def build_pause(cls: type[AutoscalingPaused] | type[AutoscalingResumed]) -> _Build:
+        def build(request: Request, body: dict[str, Any], t: float) -> Event:
+            _only(body, ("pool",))
+            return cls(t=t, pool=_optional_str_field(body, "pool"))
+
+        return build
+
+    def build_pin(request: Request, body: dict[str, Any], t: float) -> Event:
+        _only(body, ("count",))
+        count = _int_field(body, "count", nullable=True)
+        return PoolPinned(t=t, pool=path(request, "pool"), count=count)
+
+    def build_pressure(request: Request, body: dict[str, Any], t: float) -> Event:
+        return _pressure_event(path(request, "pool"), body, t)
+
+    def no_body(make: Callable[[str, float], Event], name: str) -> _Build:
+        def build(request: Request, body: dict[str, Any], t: float) -> Event:
+            _only(body, ())
+            return make(path(request, name), t)
+
+        return build
+
+    async def global_status(request: Request) -> Response:
+        return _json(_global_status(runner))
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def workers(request: Request) -> Response:
+        state = runner.state
+        live = sorted(state.workers.values(), key=lambda w: (w.pool, w.index))
+        return _json({"workers": [_worker_json(w, state) for w in live]})
+
+    async def stop(request: Request) -> Response:
+        # Not an event: stopping is the runtime's business. A drain first goes through the log
+        # as the configuration with every pool removed.
+        _authorize(request, operator_only)
+        body = await _read_object(request, max_body_bytes)
+        _only(body, ("drain",))
+        drain = body.get("drain", False)
+        if not isinstance(drain, bool):
+            raise _ApiError(422, f"drain: expected true or false, got {drain!r}")
+        runner.request_stop(drain=drain)
+        return _json({"stopping": True, "drain": drain})
+
+    def post(route: str, build: _Build, accepted: tuple[bytes, ...] = operator_only) -> Route:
+        return Route(route, action(accepted, build), methods=["POST"])
+
+    routes = [
+        Route("/global-status", global_status, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/workers", workers, methods=["GET"]),
+        Route("/v1/stop", stop, methods=["POST"]),
+        post(
+            "/v1/workers/{worker_id}/heartbeat",
+            no_body(lambda w, t: WorkerHeartbeat(t=t, worker_id=w), "worker_id"),
+            operator_or_worker,
+        ),
+        post("/v1/pause", build_pause(AutoscalingPaused)),
+        post("/v1/resume", build_pause(AutoscalingResumed)),
+        post("/v1/pools/{pool}/pin", build_pin),
+        post("/v1/pools/{pool}/pressure", build_pressure),
+        post(
+            "/v1/workers/{worker_id}/drain",
+            no_body(lambda w, t: DrainRequested(t=t, worker_id=w), "worker_id"),
+        ),
+        post(
+            "/v1/gpus/{gpu_id}/cordon",
+            no_body(lambda g, t: GpuCordonRequested(t=t, gpu_id=g), "gpu_id"),
+        ),
+        post(
+            "/v1/gpus/{gpu_id}/uncordon",
+            no_body(lambda g, t: GpuUncordonRequested(t=t, gpu_id=g), "gpu_id"),
+        ),
+    ]
+    return Starlette(
+        routes=routes,
+        exception_handlers={
+            _ApiError: _api_error,
+            HTTPException: _http_error,
+            Exception: _server_error,
+        },
+    )
+
+
+# --- serving -------------------------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handling, reporting its port once it listens."""
+
+    def __init__(self, config: uvicorn.Config, started: Callable[[int], None] | None) -> None:
+        super().__init__(config)
+        self._on_started = started
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # deo owns SIGINT/SIGTERM (stopping may drain workers first); uvicorn must not take them.
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self._on_started is not None:
+            self._on_started(self.servers[0].sockets[0].getsockname()[1])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+async def serve(
+    app: Starlette,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8787,
+    started: Callable[[int], None] | None = None,
+) -> None:
+    """Serve ``app`` until cancelled, then shut down gracefully. Needs the asyncio backend.
+
+    Loopback by default because the GET endpoints are open. ``port=0`` picks a free port;
+    ``started(port)`` is called with the actual one once the server listens.
+    """
+    # Bind here rather than in uvicorn: a port in use then raises OSError to the caller, where
+    # uvicorn would log it and call sys.exit.
+    sock = _listen(host, port)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        # None keeps uvicorn from replacing the process's logging configuration with its own.
+        log_config=None,
+        lifespan="off",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
+    server = _Server(config, started)
+    finished = anyio.Event()
+
+    async def run() -> None:
+        # Shielded, so that cancelling serve() makes uvicorn stop in order (close the listener and
+        # idle connections, let requests in flight finish) instead of abandoning it mid-loop.
+        with anyio.CancelScope(shield=True):
+            try:
+                await server.serve(sockets=[sock])
+            finally:
+                finished.set()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            try:
+                await finished.wait()
+            finally:
+                server.should_exit = True  # uvicorn polls this every 0.1 s
+    finally:
+        sock.close()

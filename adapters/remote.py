@@ -1,0 +1,71 @@
+"""``deo status`` and ``deo stop``: clients of a running deo's HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import httpx
+
+__all__ = ["status", "stop"]
+
+
+def _get(url: str) -> Any:
+    response = httpx.get(url, timeout=5.0)
+    response.raise_for_status()
+    return response.json()
+
+
+def status(args: argparse.Namespace) -> int:
+    """Print the pools, workers, GPUs and alerts of the deo at ``args.url``."""
+    try:
+        body = _get(f"{args.url}/global-status")
+    except httpx.HTTPError as exc:
+        print(f"deo status: {args.url}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return 0
+    print(
+        f"t={body.get('now', 0):.1f}" + ("  (autoscaling paused)" if body.get("paused_all") else "")
+    )
+    print(f"{'pool':<14}{'target':>7}{'workers':>9}  by state")
+    for name, pool in sorted(body.get("pools", {}).items()):
+        states = pool.get("workers_by_state", {})
+        counts = ", ".join(f"{n} {s}" for s, n in sorted(states.items()) if n)
+        print(f"{name:<14}{pool.get('target', '?'):>7}{sum(states.values()):>9}  {counts}")
+        for decision in pool.get("decisions", [])[-3:]:
+            what = f"{decision.get('type')}: {decision.get('reason')}"
+            print(f"{'':<14}t={decision.get('t', 0):.1f} {what}")
+    for gpu in body.get("gpus", []):
+        causes = ", ".join(gpu.get("causes", [])) or "ok"
+        print(f"GPU {gpu.get('id')}: {causes}")
+    for alert in body.get("alerts", []):
+        print(f"ALERT {alert.get('alert')} {alert.get('subject')}")
+    return 0
+
+
+def stop(args: argparse.Namespace) -> int:
+    """Ask the deo at ``args.url`` to stop, draining its workers first with ``--drain``."""
+    token = os.environ.get(args.token_env)
+    if not token:
+        print(f"deo stop: set ${args.token_env} to the operator token", file=sys.stderr)
+        return 2
+    try:
+        response = httpx.post(
+            f"{args.url}/v1/stop",
+            json={"drain": bool(args.drain)},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=10.0,
+        )
+    except httpx.HTTPError as exc:
+        print(f"deo stop: {args.url}: {exc}", file=sys.stderr)
+        return 2
+    if response.status_code != 200:
+        print(f"deo stop: {response.status_code}: {response.text}", file=sys.stderr)
+        return 2
+    print("deo stop: " + ("draining every worker, then stopping" if args.drain else "stopping"))
+    return 0

@@ -1,0 +1,215 @@
+"""``deo run``: the local runtime, assembled.
+
+Start-up: open the log (snapshot + tail rebuild the state), reconcile with the processes that are
+really there (adopt a worker whose pid still has its recorded start time, record the rest lost),
+apply the configuration file if it changed, then run the runner, the process executor, the HTTP
+API and the sources in one task group. SIGINT/SIGTERM stop deo and leave the workers running; a
+restart adopts them. ``deo stop --drain`` drains every worker first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import attrs
+
+from adapters.config_file import RunSettings
+from adapters.log import EventLog
+from adapters.processes import LocalProcesses, process_start_time
+from adapters.runner import Runner
+from adapters.sources import HEARTBEAT_ENV, heartbeat_files, heartbeat_path, poll_json
+from core import (
+    Command,
+    Configured,
+    Event,
+    Reducer,
+    SpawnWorker,
+    State,
+    WorkerAdopted,
+    WorkerLost,
+    WorkerStarted,
+)
+
+__all__ = ["find_spawned", "reconcile", "run"]
+
+log = logging.getLogger("deo.run")
+
+#: Variables deo adds for workers besides the core's (CUDA_VISIBLE_DEVICES, DEO_WORKER_ID, ...).
+API_URL_ENV = "DEO_API_URL"
+WORKER_TOKEN_ENV = "DEO_WORKER_TOKEN"
+
+
+def find_spawned(worker_id: str) -> tuple[int, int] | None:
+    """(pid, start time) of a process of ours started as ``worker_id``, found by its environment.
+
+    A crash between starting a worker and logging ``WorkerStarted`` leaves a process the log
+    does not name; it carries ``DEO_WORKER_ID`` in its environment, which is how it is found.
+    """
+    needle = f"DEO_WORKER_ID={worker_id}".encode()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = Path(entry.path, "environ").read_bytes()
+        except OSError:
+            continue  # gone, or not ours to read
+        if needle in environ.split(b"\0"):
+            pid = int(entry.name)
+            start = process_start_time(pid)
+            if start is not None:
+                return pid, start
+    return None
+
+
+async def reconcile(
+    state: State, processes: LocalProcesses, clock: Callable[[], float]
+) -> list[Event]:
+    """Events that bring a recovered state in line with the processes really running."""
+    events: list[Event] = []
+    for worker in state.workers.values():
+        pid, start = worker.pid, worker.start_time
+        if pid is None:
+            found = find_spawned(worker.worker_id)
+            if found is None:
+                events.append(
+                    WorkerLost(t=clock(), worker_id=worker.worker_id, reason="never started")
+                )
+                continue
+            pid, start = found
+            events.append(
+                WorkerStarted(t=clock(), worker_id=worker.worker_id, pid=pid, start_time=start)
+            )
+        assert start is not None
+        if await processes.adopt(worker.worker_id, pid, start):
+            events.append(WorkerAdopted(t=clock(), worker_id=worker.worker_id))
+        else:
+            why = f"pid {pid} is gone or now belongs to another process"
+            events.append(WorkerLost(t=clock(), worker_id=worker.worker_id, reason=why))
+    return events
+
+
+@attrs.define
+class _WorkerEnv:
+    """Adds the runtime's variables to every spawn before the process executor sees it."""
+
+    inner: LocalProcesses
+    env: dict[str, str]
+    heartbeats: Path
+
+    async def execute(self, command: Command) -> None:
+        if isinstance(command, SpawnWorker):
+            extra = {
+                **self.env,
+                HEARTBEAT_ENV: str(heartbeat_path(self.heartbeats, command.worker_id)),
+            }
+            command = attrs.evolve(command, env={**command.env, **extra})
+        await self.inner.execute(command)
+
+
+async def run(settings: RunSettings, *, out: Callable[[str], None] = print) -> int:
+    """Run until SIGINT/SIGTERM or a stop request; returns the exit status."""
+    from adapters.http_api import build_app, serve
+
+    token = os.environ.get(settings.api.token_env) or secrets.token_urlsafe(24)
+    if settings.api.token_env not in os.environ:
+        out(f"deo: no ${settings.api.token_env}; operator token for this run: {token}")
+    worker_token = secrets.token_urlsafe(24)
+    clock = time.time  # wall time: it must keep meaning the same across restarts
+    event_log, recovery = EventLog.open(
+        settings.log, fsync=settings.fsync, snapshot_every=settings.snapshot_every
+    )
+    for problem in recovery.problems:
+        out(f"deo: {settings.log}: {problem}")
+    if recovery.replayed:
+        out(f"deo: rebuilt state from {settings.log} ({recovery.replayed} records after snapshot)")
+    settings.worker_logs.mkdir(parents=True, exist_ok=True)
+    send, receive = anyio.create_memory_object_stream[Event](float("inf"))
+    processes = LocalProcesses(send, clock=clock, log_dir=settings.worker_logs)
+    executor = _WorkerEnv(processes, {}, settings.worker_logs)
+    runner = Runner(
+        event_log,
+        Reducer(recovery.state),
+        executor,
+        clock=clock,
+        tick_interval_s=settings.tick_interval_s,
+    )
+    app = build_app(runner, token=token, worker_token=worker_token)
+
+    def api_started(port: int) -> None:
+        executor.env.update(
+            {
+                API_URL_ENV: f"http://{settings.api.host}:{port}",
+                WORKER_TOKEN_ENV: worker_token,
+            }
+        )
+        out(f"deo: API on http://{settings.api.host}:{port} (log {settings.log})")
+
+    async def forward() -> None:
+        async for event in receive:
+            runner.emit(event)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(processes.run)
+            tg.start_soon(forward)
+            for event in await reconcile(recovery.state, processes, clock):
+                runner.emit(event)
+            if recovery.state.config != settings.config:
+                runner.emit(Configured(t=clock(), config=settings.config))
+            tg.start_soon(runner.run)
+            tg.start_soon(
+                lambda: serve(
+                    app, host=settings.api.host, port=settings.api.port, started=api_started
+                )
+            )
+            tg.start_soon(
+                heartbeat_files, settings.worker_logs, lambda: runner.state, runner.emit, clock
+            )
+            for source in settings.sources:
+                tg.start_soon(poll_json, source, runner.emit, clock)
+            tg.start_soon(_stop_on_signal, tg.cancel_scope, out)
+            tg.start_soon(_stop_on_request, runner, tg.cancel_scope, out)
+    finally:
+        with anyio.CancelScope(shield=True):
+            event_log.close()
+    live = len(runner.state.workers)
+    out(
+        f"deo: stopped; {live} worker(s) left running"
+        + (" (a restart adopts them)" if live else "")
+    )
+    return 0
+
+
+async def _stop_on_signal(scope: anyio.CancelScope, out: Callable[[str], None]) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            out(f"deo: {signal.Signals(signum).name}: stopping (workers keep running)")
+            scope.cancel()
+            return
+
+
+async def _stop_on_request(
+    runner: Runner, scope: anyio.CancelScope, out: Callable[[str], None]
+) -> None:
+    await runner.stop_requested.wait()
+    if runner.drain_on_stop:
+        # Removing every pool makes the core drain (and escalate) every worker.
+        out("deo: stop requested: draining every worker first")
+        drained = attrs.evolve(runner.state.config, pools=())
+        await runner.submit(Configured(t=runner.clock(), config=drained))
+        while runner.state.workers:
+            await anyio.sleep(0.2)
+    out("deo: stop requested")
+    scope.cancel()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use `deo run --config FILE`")

@@ -1,0 +1,156 @@
+"""The runner: one loop that logs each event, reduces it and hands the commands to an executor.
+
+Sources (ticks, pressure pollers, the HTTP API, the process executor's reports) send events into
+one channel; the runner is the only writer of the log:
+
+    event -> log (write-ahead) -> Reducer.step -> log the commands -> flush -> executor.execute
+
+Operator actions arrive through :meth:`Runner.submit`, which waits for the reducer's answer so an
+API caller learns whether its request was accepted. Cancelling :meth:`Runner.run` stops the loop
+and leaves workers running: the control plane's death must not kill work.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+import anyio
+import attrs
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from adapters.log import EventLog
+from core import Command, DeoError, Event, Reducer, State, Tick
+
+__all__ = ["Decision", "Executor", "Rejected", "Runner"]
+
+log = logging.getLogger("deo.runner")
+
+#: How many recent decisions the runner keeps for status pages.
+RECENT_DECISIONS = 50
+
+
+class Executor(Protocol):
+    """Carries commands out; reports results as events through the channel it was given."""
+
+    async def execute(self, command: Command) -> None: ...
+
+
+@attrs.frozen(slots=True)
+class Decision:
+    """A command the runner produced, with the time of the event that caused it."""
+
+    t: float
+    command: Command
+
+
+class Rejected(Exception):
+    """The reducer refused a submitted event; the message says why (it is also in the log)."""
+
+
+@attrs.define(slots=True)
+class _Item:
+    event: Event
+    reply: MemoryObjectSendStream[list[Command] | DeoError] | None = None
+
+
+class Runner:
+    """The loop around the core. Build it, then ``await runner.run()`` in a task group."""
+
+    def __init__(
+        self,
+        log_: EventLog,
+        reducer: Reducer,
+        executor: Executor,
+        *,
+        clock: Callable[[], float],
+        tick_interval_s: float = 1.0,
+    ) -> None:
+        self.log = log_
+        self.reducer = reducer
+        self.executor = executor
+        self.clock = clock
+        self.tick_interval_s = tick_interval_s
+        self.decisions: deque[Decision] = deque(maxlen=RECENT_DECISIONS)
+        send, receive = anyio.create_memory_object_stream[_Item](math.inf)
+        self._send: MemoryObjectSendStream[_Item] = send
+        self._receive: MemoryObjectReceiveStream[_Item] = receive
+        self.events_handled = 0
+        #: Set by :meth:`request_stop`; ``deo run`` watches it.
+        self.stop_requested = anyio.Event()
+        self.drain_on_stop = False
+
+    def request_stop(self, *, drain: bool) -> None:
+        """Ask ``deo run`` to stop, after draining every worker when ``drain`` is true."""
+        self.drain_on_stop = self.drain_on_stop or drain
+        self.stop_requested.set()
+
+    @property
+    def state(self) -> State:
+        """The state after the last event handled."""
+        return self.reducer.state
+
+    def emit(self, event: Event) -> None:
+        """Queue an event from a source; never blocks (the channel is unbounded)."""
+        self._send.send_nowait(_Item(event))
+
+    async def submit(self, event: Event) -> list[Command]:
+        """Queue an event and wait for the commands it produced; :class:`Rejected` if refused."""
+        reply_send, reply_receive = anyio.create_memory_object_stream[list[Command] | DeoError](1)
+        await self._send.send(_Item(event, reply_send))
+        async with reply_receive:
+            answer = await reply_receive.receive()
+        if isinstance(answer, DeoError):
+            raise Rejected(str(answer))
+        return answer
+
+    async def run(self) -> None:
+        """Handle events until cancelled; ticks every ``tick_interval_s``."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._ticks)
+            try:
+                await self._loop()
+            finally:
+                tg.cancel_scope.cancel()
+                self._send.close()
+                self._receive.close()
+
+    async def _ticks(self) -> None:
+        while True:
+            await anyio.sleep(self.tick_interval_s)
+            self.emit(Tick(t=self.clock()))
+
+    async def _loop(self) -> None:
+        async for item in self._receive:
+            batch = [item]
+            # Everything already waiting shares one flush (one fsync per batch of records).
+            while True:
+                try:
+                    batch.append(self._receive.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            outcomes = [self._step(queued.event) for queued in batch]
+            self.log.flush()
+            self.log.maybe_snapshot(self.reducer.state)
+            for queued, outcome in zip(batch, outcomes, strict=True):
+                if queued.reply is not None:
+                    async with queued.reply:
+                        await queued.reply.send(outcome)
+                if isinstance(outcome, list):
+                    for command in outcome:
+                        await self.executor.execute(command)
+
+    def _step(self, event: Event) -> list[Command] | DeoError:
+        self.events_handled += 1
+        try:
+            commands = self.log.record(self.reducer, event)
+        except DeoError as exc:
+            log.warning("refused %s: %s", type(event).__name__, exc)
+            return exc
+        for command in commands:
+            self.decisions.append(Decision(t=self.reducer.state.now, command=command))
+            log.info("%s: %s", type(command).__name__, command.reason)
+        return commands

@@ -1,0 +1,105 @@
+"""The TOML configuration: read into the core's Config, every problem named by its key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from adapters.config_file import load
+from core import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local.toml"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "deo.toml"
+    path.write_text(text)
+    return path
+
+
+GOOD = """
+[deo]
+log = "run.jsonl"
+gpus = ["0", 1]
+[pools.envs]
+argv = ["python3", "env.py", "{index}"]
+min_workers = 1
+max_workers = 4
+gpus_per_worker = 1
+heartbeat_grace_s = 10
+env = { MODE = "train" }
+[pools.envs.policy]
+name = "buffer"
+target_batches = 2
+[pools.envs.crash_loop]
+backoff_cap_s = 60
+[pools.envs.source]
+url = "http://127.0.0.1:9000/status"
+queued_sequences = "queue.seqs"
+batch_size_seqs = "batch"
+trainer_step = "step"
+"""
+
+
+def test_the_example_config_loads() -> None:
+    settings = load(EXAMPLE)
+    assert [p.name for p in settings.config.pools] == ["envs", "judges"]
+    assert settings.api.host == "127.0.0.1"
+
+
+def test_a_full_config_becomes_the_cores_config(tmp_path: Path) -> None:
+    settings = load(write(tmp_path, GOOD))
+    [pool] = settings.config.pools
+    assert pool.argv == ("python3", "env.py", "{index}")
+    assert pool.policy.params == {"target_batches": 2}
+    assert pool.heartbeat_grace_s == 10.0 and pool.crash_loop.backoff_cap_s == 60.0
+    assert settings.config.gpus == ("0", "1")
+    assert settings.log == tmp_path / "run.jsonl"
+    [source] = settings.sources
+    assert (source.pool, source.queued_sequences) == ("envs", "queue.seqs")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            ("max_workers = 4", "max_worker = 4"),
+            r"pools\.envs\.max_worker: unknown key \(did you mean max_workers\?\)",
+        ),
+        (
+            ("max_workers = 4", 'max_workers = "4"'),
+            r"pools\.envs\.max_workers: expected an integer, got '4'",
+        ),
+        (
+            ("min_workers = 1", "min_workers = 9"),
+            r"pools\.envs\.max_workers \(4\) must be >= min_workers \(9\)",
+        ),
+        (('name = "buffer"', 'name = "magic"'), r"policy\.name: unknown policy 'magic'"),
+        (
+            ("target_batches = 2", "target_batch = 2"),
+            r"policy\.target_batch: 'buffer' has no such parameter",
+        ),
+        (("backoff_cap_s = 60", "backoff_cap_s = -1"), r"crash_loop\.backoff_cap_s"),
+        (('trainer_step = "step"', ""), r"pools\.envs\.source: give either"),
+        (('url = "http://127.0.0.1:9000/status"', 'url = "ftp://x"'), r"pools\.envs\.source\.url"),
+        (
+            ('argv = ["python3", "env.py", "{index}"]', 'argv = "python3 env.py"'),
+            r"pools\.envs\.argv",
+        ),
+        (("[deo]", "[deo]\nfsync = 1"), r"deo\.fsync: expected true or false"),
+        (("[deo]", "[deo]\nlogg = 1"), r"deo\.logg: unknown key \(did you mean log\?\)"),
+        (("[deo]", "[dep]"), r"dep: unknown key"),
+        (("max_workers = 4", "max_workers = 4 ="), r"not valid TOML"),
+    ],
+)
+def test_problems_are_named_by_key(tmp_path: Path, change: tuple[str, str], message: str) -> None:
+    old, new = change
+    assert old in GOOD
+    with pytest.raises(ConfigError, match=message):
+        load(write(tmp_path, GOOD.replace(old, new, 1)))
+
+
+def test_a_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="No such file"):
+        load(tmp_path / "nope.toml")

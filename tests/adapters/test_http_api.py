@@ -1,0 +1,601 @@
+"""adapters/http_api.py: a real uvicorn server around a real Runner, Reducer and EventLog."""
+
+from __future__ import annotations
+
+import functools
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from adapters.http_api import build_app, serve
+from adapters.log import EventLog
+from adapters.runner import Runner
+from core import (
+    Command,
+    Config,
+    Configured,
+    PolicySpec,
+    PoolSpec,
+    Reducer,
+    SourceDown,
+    WorkerStarted,
+)
+
+TOKEN = "operator-secret"
+WORKER_TOKEN = "worker-secret"
+MAX_BODY_BYTES = 1024
+OPERATOR = {"Authorization": f"Bearer {TOKEN}"}
+WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class ManualClock:
+    """The runner's clock, moved by the test so event times are known."""
+
+    def __init__(self) -> None:
+        self.t_s = 0.0
+
+    def __call__(self) -> float:
+        return self.t_s
+
+
+class RecordingExecutor:
+    def __init__(self) -> None:
+        self.commands: list[Command] = []
+
+    async def execute(self, command: Command) -> None:
+        self.commands.append(command)
+
+
+@attrs.define
+class Harness:
+    client: httpx.AsyncClient
+    runner: Runner
+    clock: ManualClock
+    executor: RecordingExecutor
+    log_path: Path
+    port: int
+
+    def log_bytes(self) -> bytes:
+        self.runner.log.flush()
+        return self.log_path.read_bytes()
+
+
+POOLS = [
+    PoolSpec(
+        name="envs",
+        argv=["python", "env.py", "{index}"],
+        min_workers=0,
+        max_workers=4,
+        gpus_per_worker=1,
+        policy=PolicySpec(name="static", params={"count": 2}),
+    ),
+    PoolSpec(
+        name="infer",
+        argv=["python", "serve.py"],
+        min_workers=1,
+        max_workers=8,
+        policy=PolicySpec(name="hpa", params={"target_per_worker": 4.0}),
+    ),
+    PoolSpec(
+        name="rollouts",
+        argv=["python", "rollout.py"],
+        min_workers=1,
+        max_workers=8,
+        policy=PolicySpec(name="buffer"),
+    ),
+]
+
+
+@asynccontextmanager
+async def running(tmp_path: Path) -> AsyncIterator[Harness]:
+    """Runner, configured with three pools and two GPUs, and the API on a free loopback port."""
+    log_path = tmp_path / "deo.jsonl"
+    log, _ = EventLog.open(log_path, fsync=False)
+    clock = ManualClock()
+    executor = RecordingExecutor()
+    # No ticks during a test: every record in the log comes from something the test did.
+    runner = Runner(log, Reducer(), executor, clock=clock, tick_interval_s=3600.0)
+    app = build_app(runner, token=TOKEN, worker_token=WORKER_TOKEN, max_body_bytes=MAX_BODY_BYTES)
+    ports: list[int] = []
+    listening = anyio.Event()
+
+    def started(port: int) -> None:
+        ports.append(port)
+        listening.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run)
+        await runner.submit(Configured(t=0.0, config=Config(pools=POOLS, gpus=["0", "1"])))
+        # The default host: the loopback test below checks what that binds to.
+        tg.start_soon(functools.partial(serve, app, port=0, started=started))
+        with anyio.fail_after(10):
+            await listening.wait()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports[0]}") as client:
+            yield Harness(client, runner, clock, executor, log_path, ports[0])
+        tg.cancel_scope.cancel()
+    log.close()
+
+
+async def start_worker(h: Harness, worker_id: str, pid: int) -> None:
+    h.clock.t_s += 1.0
+    await h.runner.submit(WorkerStarted(t=h.clock(), worker_id=worker_id, pid=pid, start_time=1))
+
+
+# --- reads ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_global_status_reports_pools_workers_gpus_and_alerts(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        await start_worker(h, "envs-0", 4242)
+        await h.runner.submit(SourceDown(t=2.0, pool="rollouts", error="connection refused"))
+
+        response = await h.client.get("/global-status")  # no token: reads are open
+
+        assert response.status_code == 200
+        status = response.json()
+        envs = status["pools"]["envs"]
+        assert (envs["target"], envs["desired"], envs["pinned"], envs["paused"]) == (
+            2,
+            2,
+            None,
+            False,
+        )
+        assert (envs["min_workers"], envs["max_workers"]) == (0, 4)
+        assert envs["workers_by_state"]["active"] == 1
+        assert envs["workers_by_state"]["requested"] == 1
+        assert envs["worker_ids_by_state"]["active"] == ["envs-0"]
+        assert envs["worker_ids_by_state"]["requested"] == ["envs-1"]
+        assert envs["queue"] is None and envs["load"] is None
+        assert (envs["failures"], envs["source_error"]) == (0, None)
+        types = [d["type"] for d in envs["decisions"]]
+        assert types.count("ScalePool") == 1 and types.count("SpawnWorker") == 2
+        assert all(d["reason"] and d["t"] == 0.0 for d in envs["decisions"])
+        assert status["pools"]["rollouts"]["source_error"] == "connection refused"
+        assert [g["id"] for g in status["gpus"]] == ["0", "1"]
+        assert all(g["causes"] == [] and g["cordoned"] is False for g in status["gpus"])
+        assert {"alert": "source_down", "subject": "rollouts"} in status["alerts"]
+        assert any(d["type"] == "RaiseAlert" for d in status["pools"]["rollouts"]["decisions"])
+        assert status["now"] == 2.0
+        assert status["paused_all"] is False
+        assert status["events_handled"] == h.runner.events_handled == 3
+
+
+@pytest.mark.anyio
+async def test_workers_lists_live_workers(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        await start_worker(h, "envs-0", 4242)
+
+        response = await h.client.get("/v1/workers")
+
+        assert response.status_code == 200
+        workers = {w["id"]: w for w in response.json()["workers"]}
+        assert set(workers) == {"envs-0", "envs-1", "infer-0", "rollouts-0"}
+        started = workers["envs-0"]
+        assert (started["pool"], started["state"], started["pid"]) == ("envs", "active", 4242)
+        assert (started["started_t"], started["last_seen"]) == (1.0, 1.0)
+        assert len(started["gpus"]) == 1
+        waiting = workers["envs-1"]
+        assert (waiting["state"], waiting["pid"], waiting["last_seen"]) == ("requested", None, None)
+        assert waiting["gpus"] != started["gpus"]
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+@pytest.mark.anyio
+async def test_metrics_are_prometheus_text_computed_from_state(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        await start_worker(h, "envs-0", 4242)
+        await h.runner.submit(SourceDown(t=2.0, pool="infer", error="timeout"))
+        pushed = await h.client.post(
+            "/v1/pools/rollouts/pressure",
+            json={"queued_sequences": 96, "batch_size_seqs": 64, "trainer_step": 3},
+            headers=OPERATOR,
+        )
+        assert pushed.status_code == 200
+        cordoned = await h.client.post("/v1/gpus/1/cordon", headers=OPERATOR)
+        assert cordoned.status_code == 200
+
+        response = await h.client.get("/metrics")
+
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/plain")
+        found = samples(response.text)
+        assert found[("deo_pool_workers", (("pool", "envs"), ("state", "active")))] == 1
+        assert found[("deo_pool_workers", (("pool", "envs"), ("state", "requested")))] == 1
+        assert found[("deo_pool_workers", (("pool", "envs"), ("state", "draining")))] == 0
+        assert found[("deo_pool_target", (("pool", "envs"),))] == 2
+        assert found[("deo_pool_target", (("pool", "infer"),))] == 1
+        assert found[("deo_pool_queued_batches", (("pool", "rollouts"),))] == 1.5
+        assert ("deo_pool_queued_batches", (("pool", "envs"),)) not in found
+        assert found[("deo_gpu_cordoned", (("gpu", "0"),))] == 0
+        assert found[("deo_gpu_cordoned", (("gpu", "1"),))] == 1
+        assert found[("deo_alerts_active", (("alert", "source_down"), ("subject", "infer")))] == 1
+        assert found[("deo_events_handled_total", ())] == h.runner.events_handled
+
+
+# --- operator actions ----------------------------------------------------------------------------
+
+
+def paused_all(runner: Runner) -> bool:
+    return runner.state.paused_all
+
+
+@pytest.mark.anyio
+async def test_pause_and_resume_all_pools_and_one_pool(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        response = await h.client.post("/v1/pause", headers=OPERATOR)
+        assert response.status_code == 200, response.text
+        assert response.json() == {"commands": []}
+        assert paused_all(h.runner) is True
+        assert (await h.client.get("/global-status")).json()["paused_all"] is True
+
+        response = await h.client.post("/v1/resume", headers=OPERATOR)
+        assert response.status_code == 200
+        assert paused_all(h.runner) is False
+
+        response = await h.client.post("/v1/pause", json={"pool": "infer"}, headers=OPERATOR)
+        assert response.status_code == 200
+        assert h.runner.state.pools["infer"].paused is True
+        assert h.runner.state.pools["envs"].paused is False
+        status = (await h.client.get("/global-status")).json()
+        assert status["pools"]["infer"]["paused"] is True
+
+        response = await h.client.post("/v1/resume", json={"pool": "infer"}, headers=OPERATOR)
+        assert response.status_code == 200
+        assert h.runner.state.pools["infer"].paused is False
+
+
+@pytest.mark.anyio
+async def test_pin_and_unpin_change_the_target(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        response = await h.client.post("/v1/pools/envs/pin", json={"count": 1}, headers=OPERATOR)
+
+        assert response.status_code == 200, response.text
+        commands = response.json()["commands"]
+        assert commands[0]["type"] == "ScalePool"
+        assert "pinned envs at 1" in commands[0]["reason"]
+        assert {"type", "reason"} == set(commands[0])
+        envs = (await h.client.get("/global-status")).json()["pools"]["envs"]
+        assert (envs["target"], envs["pinned"]) == (1, 1)
+
+        response = await h.client.post("/v1/pools/envs/pin", json={"count": None}, headers=OPERATOR)
+        assert response.status_code == 200
+        assert h.runner.state.pools["envs"].pinned is None
+
+
+@pytest.mark.anyio
+async def test_pin_outside_the_bounds_is_a_conflict(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        response = await h.client.post("/v1/pools/envs/pin", json={"count": 9}, headers=OPERATOR)
+
+        assert response.status_code == 409
+        assert "outside pool 'envs' bounds [0, 4]" in response.json()["error"]
+        assert h.runner.state.pools["envs"].target == 2
+
+
+@pytest.mark.anyio
+async def test_drain_a_worker(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        await start_worker(h, "envs-0", 4242)
+
+        response = await h.client.post("/v1/workers/envs-0/drain", headers=OPERATOR)
+
+        assert response.status_code == 200, response.text
+        types = [c["type"] for c in response.json()["commands"]]
+        assert "DrainWorker" in types
+        assert h.runner.state.workers["envs-0"].state.value == "draining"
+        assert any(type(c).__name__ == "DrainWorker" for c in h.executor.commands)
+
+
+@pytest.mark.anyio
+async def test_cordon_and_uncordon_a_gpu(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        response = await h.client.post("/v1/gpus/1/cordon", headers=OPERATOR)
+
+        assert response.status_code == 200, response.text
+        assert [c["type"] for c in response.json()["commands"]] == ["CordonGpu"]
+        gpus = {g["id"]: g for g in (await h.client.get("/global-status")).json()["gpus"]}
+        assert "operator" in gpus["1"]["causes"] and gpus["1"]["cordoned"] is True
+        assert gpus["0"]["causes"] == []
+
+        response = await h.client.post("/v1/gpus/1/uncordon", headers=OPERATOR)
+        assert response.status_code == 200
+        assert h.runner.state.gpus["1"].causes == frozenset()
+
+
+@pytest.mark.anyio
+async def test_load_pressure_push_drives_the_hpa_policy(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        h.clock.t_s = 5.0
+        response = await h.client.post(
+            "/v1/pools/infer/pressure", json={"in_flight_requests": 20}, headers=OPERATOR
+        )
+
+        assert response.status_code == 200, response.text
+        assert "ScalePool" in [c["type"] for c in response.json()["commands"]]
+        infer = (await h.client.get("/global-status")).json()["pools"]["infer"]
+        assert infer["load"] == {"t": 5.0, "in_flight_requests": 20}
+        assert infer["target"] == 5  # ceil(1 worker x 20 in flight / 4 per worker)
+        scale = [d for d in infer["decisions"] if d["type"] == "ScalePool" and d["t"] == 5.0]
+        assert len(scale) == 1
+
+
+@pytest.mark.anyio
+async def test_queue_pressure_push_reaches_the_buffer_policy(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        await start_worker(h, "rollouts-0", 5151)  # the policy doubles what is producing
+        h.clock.t_s = 5.0
+        response = await h.client.post(
+            "/v1/pools/rollouts/pressure",
+            json={"queued_sequences": 0, "batch_size_seqs": 64, "trainer_step": 0},
+            headers=OPERATOR,
+        )
+
+        assert response.status_code == 200, response.text
+        rollouts = (await h.client.get("/global-status")).json()["pools"]["rollouts"]
+        assert rollouts["queue"] == {
+            "t": 5.0,
+            "queued_sequences": 0,
+            "batch_size_seqs": 64,
+            "trainer_step": 0,
+            "queued_batches": 0.0,
+        }
+        assert rollouts["last_sample_t"] == 5.0
+        # An empty queue is short of its target: the buffer policy doubles the pool.
+        assert rollouts["target"] == 2
+        assert "ScalePool" in [c["type"] for c in response.json()["commands"]]
+        assert any(d["type"] == "ScalePool" and d["t"] == 5.0 for d in rollouts["decisions"])
+
+
+# --- heartbeats and auth -------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_heartbeat_with_the_worker_token(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        await start_worker(h, "envs-0", 4242)
+        h.clock.t_s = 7.5
+
+        response = await h.client.post("/v1/workers/envs-0/heartbeat", headers=WORKER)
+
+        assert response.status_code == 200, response.text
+        assert response.json() == {"commands": []}
+        assert h.runner.state.last_seen["envs-0"] == 7.5
+        # The operator token is accepted as well.
+        response = await h.client.post("/v1/workers/envs-0/heartbeat", headers=OPERATOR)
+        assert response.status_code == 200
+
+
+@pytest.mark.anyio
+async def test_heartbeat_auth_and_unknown_workers(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        await start_worker(h, "envs-0", 4242)
+
+        missing = await h.client.post("/v1/workers/envs-0/heartbeat")
+        assert missing.status_code == 401
+        assert "Authorization" in missing.json()["error"]
+        assert missing.headers["www-authenticate"] == "Bearer"
+        wrong = await h.client.post(
+            "/v1/workers/envs-0/heartbeat", headers={"Authorization": "Bearer nope"}
+        )
+        assert wrong.status_code == 403
+        assert "token" in wrong.json()["error"]
+
+        for unknown in ("ghost", "envs-99"):
+            response = await h.client.post(f"/v1/workers/{unknown}/heartbeat", headers=WORKER)
+            assert response.status_code == 404
+            assert f"unknown worker {unknown!r}" in response.json()["error"]
+
+
+@pytest.mark.anyio
+async def test_the_worker_token_cannot_act_as_operator(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        response = await h.client.post("/v1/pools/envs/pin", json={"count": 1}, headers=WORKER)
+
+        assert response.status_code == 403
+        assert h.runner.state.pools["envs"].target == 2
+
+
+def test_tokens_must_be_set_and_distinct(tmp_path: Path) -> None:
+    log, _ = EventLog.open(tmp_path / "deo.jsonl", fsync=False)
+    with log:
+        runner = Runner(log, Reducer(), RecordingExecutor(), clock=lambda: 0.0)
+        with pytest.raises(ValueError, match="non-empty"):
+            build_app(runner, token="", worker_token="w")
+        with pytest.raises(ValueError, match="differ"):
+            build_app(runner, token="same", worker_token="same")
+
+
+# --- bad requests --------------------------------------------------------------------------------
+
+
+async def chunked(total_bytes: int) -> AsyncIterator[bytes]:
+    for _ in range(total_bytes // 256):
+        yield b" " * 256
+
+
+BAD_REQUESTS: list[tuple[str, str, dict[str, Any], int, str]] = [
+    ("malformed JSON", "/v1/pools/envs/pin", {"content": b'{"count": 1'}, 400, "not valid JSON"),
+    (
+        "oversized by Content-Length",
+        "/v1/pools/envs/pin",
+        {"content": b'{"count": 1}'.ljust(MAX_BODY_BYTES + 1)},
+        413,
+        f"{MAX_BODY_BYTES}-byte limit",
+    ),
+    ("missing field", "/v1/pools/envs/pin", {"json": {}}, 422, "missing field 'count'"),
+    ("wrong type", "/v1/pools/envs/pin", {"json": {"count": "1"}}, 422, "field 'count'"),
+    ("bool count", "/v1/pools/envs/pin", {"json": {"count": True}}, 422, "field 'count'"),
+    ("negative count", "/v1/pools/envs/pin", {"json": {"count": -1}}, 422, "count must be"),
+    ("not an object", "/v1/pools/envs/pin", {"json": [1]}, 422, "JSON object"),
+    ("unexpected field", "/v1/pools/envs/pin", {"json": {"cnt": 1}}, 422, "'cnt'"),
+    (
+        "negative load",
+        "/v1/pools/infer/pressure",
+        {"json": {"in_flight_requests": -1}},
+        422,
+        "in_flight_requests must be",
+    ),
+    (
+        "zero batch",
+        "/v1/pools/rollouts/pressure",
+        {"json": {"queued_sequences": 0, "batch_size_seqs": 0, "trainer_step": 0}},
+        422,
+        "batch_size_seqs must be >= 1",
+    ),
+    (
+        "incomplete queue sample",
+        "/v1/pools/rollouts/pressure",
+        {"json": {"queued_sequences": 5}},
+        422,
+        "missing field 'batch_size_seqs'",
+    ),
+    (
+        "both pressure shapes",
+        "/v1/pools/rollouts/pressure",
+        {
+            "json": {
+                "queued_sequences": 0,
+                "batch_size_seqs": 64,
+                "trainer_step": 0,
+                "in_flight_requests": 1,
+            }
+        },
+        422,
+        "not both",
+    ),
+    ("empty pressure", "/v1/pools/infer/pressure", {"json": {}}, 422, "in_flight_requests"),
+    ("pool not a string", "/v1/pause", {"json": {"pool": 3}}, 422, "field 'pool'"),
+    ("body on drain", "/v1/workers/envs-0/drain", {"json": {"now": True}}, 422, "'now'"),
+    ("no token", "/v1/pools/envs/pin", {"json": {"count": 1}, "headers": {}}, 401, "Bearer"),
+    (
+        "wrong token",
+        "/v1/pools/envs/pin",
+        {"json": {"count": 1}, "headers": {"Authorization": "Bearer x"}},
+        403,
+        "token",
+    ),
+    (
+        "not a bearer token",
+        "/v1/gpus/0/cordon",
+        {"headers": {"Authorization": f"Basic {TOKEN}"}},
+        401,
+        "Bearer",
+    ),
+]
+
+
+@pytest.mark.anyio
+async def test_bad_requests_are_refused_and_never_logged(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        await start_worker(h, "envs-0", 4242)
+        state = h.runner.state
+        before = h.log_bytes()
+
+        for what, url, kwargs, status, message in BAD_REQUESTS:
+            kwargs = {"headers": OPERATOR, **kwargs}
+            response = await h.client.post(url, **kwargs)
+            assert response.status_code == status, (what, response.text)
+            assert message in response.json()["error"], (what, response.json())
+            assert h.log_bytes() == before, what
+
+        # A chunked body declares no length: its size is counted as it arrives.
+        response = await h.client.post(
+            "/v1/pools/envs/pin", content=chunked(4 * MAX_BODY_BYTES), headers=OPERATOR
+        )
+        assert response.status_code == 413
+        assert response.request.headers["transfer-encoding"] == "chunked"
+        assert "content-length" not in response.request.headers
+        assert h.log_bytes() == before
+        assert h.runner.state is state  # nothing reached the reducer either
+
+
+@pytest.mark.anyio
+async def test_unknown_subjects_are_404_and_logged_as_rejected(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        cases: list[tuple[str, dict[str, Any], str]] = [
+            ("/v1/pools/nope/pin", {"json": {"count": 1}}, "unknown pool 'nope'"),
+            ("/v1/pools/nope/pressure", {"json": {"in_flight_requests": 1}}, "unknown pool"),
+            ("/v1/pause", {"json": {"pool": "nope"}}, "unknown pool 'nope'"),
+            ("/v1/workers/ghost/drain", {}, "unknown worker 'ghost'"),
+            ("/v1/gpus/7/cordon", {}, "unknown GPU '7'"),
+        ]
+        for url, kwargs, message in cases:
+            before = h.log_bytes()
+            response = await h.client.post(url, headers=OPERATOR, **kwargs)
+            assert response.status_code == 404, (url, response.text)
+            assert message in response.json()["error"]
+            # A refusal by the reducer is a real input: the runner logs it as rejected.
+            assert b'"kind":"rejected"' in h.log_bytes()[len(before) :]
+
+
+@pytest.mark.anyio
+async def test_unknown_routes_and_methods_answer_json(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        missing = await h.client.get("/v1/nothing")
+        assert missing.status_code == 404
+        assert "/v1/nothing" in missing.json()["error"]
+        wrong_method = await h.client.get("/v1/pause")
+        assert wrong_method.status_code == 405
+        assert "error" in wrong_method.json()
+
+
+# --- serving -------------------------------------------------------------------------------------
+
+
+def listening_addresses(port: int) -> list[str]:
+    """Local addresses of the TCP sockets listening on ``port`` (Linux /proc/net/tcp{,6})."""
+    found = []
+    for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+        if not table.exists():
+            continue
+        for line in table.read_text().splitlines()[1:]:
+            fields = line.split()
+            address, port_hex = fields[1].split(":")
+            if int(port_hex, 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                found.append(address)
+    return found
+
+
+@pytest.mark.anyio
+async def test_serves_on_loopback_by_default_and_stops_when_cancelled(tmp_path: Path) -> None:
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("reads the bound address from Linux's /proc/net/tcp")
+    async with running(tmp_path) as h:
+        # 127.0.0.1, little-endian hex, and nothing else listening on the port.
+        assert listening_addresses(h.port) == ["0100007F"]
+        port = h.port
+    # The task group was cancelled: the server shut down and the port is free again.
+    assert listening_addresses(port) == []
+    with pytest.raises(OSError):
+        await anyio.connect_tcp("127.0.0.1", port)
+
+
+@pytest.mark.anyio
+async def test_a_port_in_use_raises_oserror(tmp_path: Path) -> None:
+    log, _ = EventLog.open(tmp_path / "deo.jsonl", fsync=False)
+    runner = Runner(log, Reducer(), RecordingExecutor(), clock=lambda: 0.0)
+    app = build_app(runner, token=TOKEN, worker_token=WORKER_TOKEN)
+    # uvicorn would log this and call sys.exit; serve() binds itself and raises instead.
+    with log, socket.create_server(("127.0.0.1", 0)) as taken, pytest.raises(OSError):
+        await serve(app, port=taken.getsockname()[1])

@@ -1,0 +1,389 @@
+"""adapters/processes.py: the local process executor, with real processes and real signals."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from adapters.processes import LocalProcesses, process_start_time
+from core import (
+    DrainWorker,
+    Event,
+    KillWorker,
+    SpawnFailed,
+    SpawnWorker,
+    TerminateWorker,
+    WorkerExited,
+    WorkerStarted,
+)
+
+POLL_S = 0.05
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+Track = Callable[[int], None]
+
+
+@pytest.fixture
+def track() -> Iterator[Track]:
+    """Register a pid to be SIGKILLed (with its group, if it leads one) when the test ends."""
+    tracked: list[tuple[int, int | None]] = []
+
+    def add(pid: int) -> None:
+        tracked.append((pid, process_start_time(pid)))
+
+    yield add
+    for pid, start_time in tracked:
+        # Checked like the executor does, so a recycled pid is never hit.
+        if start_time is None or process_start_time(pid) != start_time:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        # Reap our own children (the executor's included) so no zombie outlives the test.
+        deadline = time.monotonic() + 2.0
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie is dead, only not reaped)."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return data[data.rindex(b")") + 1 :].split()[0] != b"Z"
+
+
+async def wait_dead(pid: int, timeout_s: float = 5.0) -> None:
+    with anyio.fail_after(timeout_s):
+        while alive(pid):
+            await anyio.sleep(0.02)
+
+
+async def next_event(events: MemoryObjectReceiveStream[Event], timeout_s: float = 5.0) -> Event:
+    with anyio.fail_after(timeout_s):
+        return await events.receive()
+
+
+async def no_event(events: MemoryObjectReceiveStream[Event], wait_s: float = 0.3) -> None:
+    await anyio.sleep(wait_s)
+    with pytest.raises(anyio.WouldBlock):
+        events.receive_nowait()
+
+
+async def log_line(path: Path, prefix: str, timeout_s: float = 5.0) -> str:
+    """Wait for a line starting with ``prefix`` in a worker's log and return the rest of it."""
+    with anyio.fail_after(timeout_s):
+        while True:
+            if path.exists():
+                for line in path.read_text().splitlines():
+                    if line.startswith(prefix):
+                        return line[len(prefix) :]
+            await anyio.sleep(0.02)
+
+
+def python(script: str) -> list[str]:
+    return [sys.executable, "-c", script]
+
+
+def spawn(worker_id: str, argv: list[str]) -> SpawnWorker:
+    return SpawnWorker(
+        worker_id=worker_id,
+        pool="envs",
+        argv=argv,
+        gpus=(),
+        env={"CUDA_VISIBLE_DEVICES": "", "DEO_WORKER_ID": worker_id, "DEO_POOL": "envs"},
+        reason="test",
+    )
+
+
+def drain(worker_id: str, pid: int | None) -> DrainWorker:
+    return DrainWorker(
+        worker_id=worker_id, pid=pid, signal="SIGUSR1", deadline_t=1e9, reason="test"
+    )
+
+
+Running = tuple[LocalProcesses, MemoryObjectReceiveStream[Event]]
+
+
+@contextlib.asynccontextmanager
+async def running(log_dir: Path) -> AsyncIterator[Running]:
+    """An executor with run() going, and the stream its events arrive on."""
+    send, receive = anyio.create_memory_object_stream[Event](100)
+    executor = LocalProcesses(send, clock=time.monotonic, log_dir=log_dir, poll_interval_s=POLL_S)
+    async with send, receive, anyio.create_task_group() as tg:
+        tg.start_soon(executor.run)
+        yield executor, receive
+        tg.cancel_scope.cancel()
+
+
+async def started(events: MemoryObjectReceiveStream[Event], track: Track) -> WorkerStarted:
+    event = await next_event(events)
+    assert isinstance(event, WorkerStarted), event
+    track(event.pid)
+    return event
+
+
+SLEEPER = "import time; print('ready', flush=True); time.sleep(60)"
+
+DRAINABLE = """
+import signal, sys, time
+signal.signal(signal.SIGUSR1, lambda *_: sys.exit(0))
+print('ready', flush=True)
+time.sleep(60)
+"""
+
+# Ignores drain and terminate; so does its child, which inherits the ignored dispositions.
+STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+print('child', child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+# --- scenarios -------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_spawn_reports_identity_env_and_exit_code(
+    tmp_path: Path, track: Track, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    go = tmp_path / "go"
+    script = f"""
+import os, sys, time
+print('env', os.environ['DEO_WORKER_ID'], os.environ['DEO_POOL'],
+      repr(os.environ['CUDA_VISIBLE_DEVICES']), os.environ['FROM_PARENT'], flush=True)
+print('stdin', repr(sys.stdin.read()), flush=True)
+print('stderr too', file=sys.stderr, flush=True)
+while not os.path.exists({str(go)!r}):
+    time.sleep(0.01)
+sys.exit(3)
+"""
+    monkeypatch.setenv("FROM_PARENT", "inherited")
+    async with running(tmp_path / "logs") as (executor, events):
+        await executor.execute(spawn("envs-0", python(script)))
+        event = await started(events, track)
+        assert event.worker_id == "envs-0"
+        assert event.start_time == process_start_time(event.pid)
+        assert os.getpgid(event.pid) == event.pid  # its own process group
+        log = tmp_path / "logs" / "envs-0.log"
+        assert await log_line(log, "env ") == "envs-0 envs '' inherited"
+        assert await log_line(log, "stdin ") == "''"  # /dev/null
+        await log_line(log, "stderr too")
+        go.touch()
+        exited = await next_event(events)
+        assert exited == WorkerExited(t=exited.t, worker_id="envs-0", exit_code=3)
+        assert exited.t >= event.t
+        assert not alive(event.pid)  # reaped, not left a zombie
+
+
+@pytest.mark.anyio
+async def test_external_sigkill_is_reported_once(tmp_path: Path, track: Track) -> None:
+    async with running(tmp_path) as (executor, events):
+        await executor.execute(spawn("envs-0", python(SLEEPER)))
+        event = await started(events, track)
+        os.kill(event.pid, signal.SIGKILL)
+        exited = await next_event(events)
+        assert exited == WorkerExited(t=exited.t, worker_id="envs-0", signal=signal.SIGKILL)
+        # Late commands for an exited worker are ignored, and nothing else is reported.
+        await executor.execute(KillWorker(worker_id="envs-0", pid=event.pid, reason="late"))
+        await no_event(events)
+
+
+@pytest.mark.anyio
+async def test_drain_signal_lets_the_worker_exit_cleanly(tmp_path: Path, track: Track) -> None:
+    async with running(tmp_path) as (executor, events):
+        await executor.execute(spawn("envs-0", python(DRAINABLE)))
+        event = await started(events, track)
+        await log_line(tmp_path / "envs-0.log", "ready")
+        await executor.execute(drain("envs-0", event.pid))
+        exited = await next_event(events)
+        assert exited == WorkerExited(t=exited.t, worker_id="envs-0", exit_code=0)
+
+
+@pytest.mark.anyio
+async def test_kill_takes_the_whole_group(tmp_path: Path, track: Track) -> None:
+    async with running(tmp_path) as (executor, events):
+        await executor.execute(spawn("envs-0", python(STUBBORN)))
+        event = await started(events, track)
+        child = int(await log_line(tmp_path / "envs-0.log", "child "))
+        track(child)
+        await executor.execute(drain("envs-0", event.pid))
+        await no_event(events)
+        terminate = TerminateWorker(worker_id="envs-0", pid=event.pid, deadline_t=1e9, reason="t")
+        await executor.execute(terminate)
+        await no_event(events)
+        assert alive(event.pid) and alive(child)
+        await executor.execute(KillWorker(worker_id="envs-0", pid=event.pid, reason="test"))
+        exited = await next_event(events)
+        assert exited == WorkerExited(t=exited.t, worker_id="envs-0", signal=signal.SIGKILL)
+        await wait_dead(child)
+
+
+@pytest.mark.anyio
+async def test_spawn_failures_are_events_not_exceptions(tmp_path: Path) -> None:
+    not_executable = tmp_path / "script.sh"
+    not_executable.write_text("#!/bin/sh\n")
+    async with running(tmp_path / "logs") as (executor, events):
+        await executor.execute(spawn("envs-0", ["/nonexistent/binary", "--flag"]))
+        failed = await next_event(events)
+        assert isinstance(failed, SpawnFailed) and failed.worker_id == "envs-0"
+        assert "'/nonexistent/binary'" in failed.error
+        assert "No such file or directory" in failed.error
+
+        await executor.execute(spawn("envs-1", [str(not_executable)]))
+        failed = await next_event(events)
+        assert isinstance(failed, SpawnFailed) and failed.worker_id == "envs-1"
+        assert str(not_executable) in failed.error and "Permission denied" in failed.error
+
+        # Commands for a worker that never started are ignored.
+        await executor.execute(KillWorker(worker_id="envs-0", pid=None, reason="test"))
+        await no_event(events, 0.1)
+
+
+@pytest.mark.anyio
+async def test_adopt_watches_a_stranger_until_it_is_gone(tmp_path: Path, track: Track) -> None:
+    # Started here, so it is not the executor's child: the executor can only poll /proc.
+    proc = subprocess.Popen(python(SLEEPER), stdout=subprocess.DEVNULL, start_new_session=True)
+    track(proc.pid)
+    start_time = process_start_time(proc.pid)
+    assert start_time is not None
+    async with running(tmp_path) as (executor, events):
+        assert await executor.adopt("envs-7", proc.pid, start_time)
+        await no_event(events, 2 * POLL_S)
+        proc.kill()
+        await anyio.to_thread.run_sync(proc.wait)  # reap it: a zombie must also count as gone
+        exited = await next_event(events, timeout_s=10 * POLL_S)
+        assert exited == WorkerExited(t=exited.t, worker_id="envs-7")
+        assert exited.exit_code is None and exited.signal is None
+
+
+@pytest.mark.anyio
+async def test_adopt_sees_a_zombie_as_gone(tmp_path: Path, track: Track) -> None:
+    proc = subprocess.Popen(python(SLEEPER), stdout=subprocess.DEVNULL, start_new_session=True)
+    track(proc.pid)
+    start_time = process_start_time(proc.pid)
+    assert start_time is not None
+    try:
+        async with running(tmp_path) as (executor, events):
+            assert await executor.adopt("envs-7", proc.pid, start_time)
+            proc.kill()  # not reaped until the finally: a zombie the whole time
+            exited = await next_event(events, timeout_s=10 * POLL_S)
+            assert exited == WorkerExited(t=exited.t, worker_id="envs-7")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.anyio
+async def test_adopt_with_a_wrong_start_time_touches_nothing(tmp_path: Path, track: Track) -> None:
+    proc = subprocess.Popen(python(SLEEPER), stdout=subprocess.DEVNULL, start_new_session=True)
+    track(proc.pid)
+    start_time = process_start_time(proc.pid)
+    assert start_time is not None
+    try:
+        async with running(tmp_path) as (executor, events):
+            assert not await executor.adopt("envs-7", proc.pid, start_time + 1)
+            assert not await executor.adopt("envs-8", 2**22 + 12345, start_time)  # no such pid
+            await executor.execute(KillWorker(worker_id="envs-7", pid=proc.pid, reason="test"))
+            await no_event(events)
+            assert alive(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.anyio
+async def test_cancelling_run_leaves_workers_running(tmp_path: Path, track: Track) -> None:
+    send, events = anyio.create_memory_object_stream[Event](100)
+    executor = LocalProcesses(send, clock=time.monotonic, log_dir=tmp_path, poll_interval_s=POLL_S)
+    async with send, events:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(executor.run)
+            await executor.execute(spawn("envs-0", python(SLEEPER)))
+            event = await started(events, track)
+            tg.cancel_scope.cancel()
+        await anyio.sleep(0.2)
+        assert alive(event.pid)
+        # The exit that happens while nobody watches is reported once run() is back.
+        os.kill(event.pid, signal.SIGKILL)
+        await no_event(events, 0.1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(executor.run)
+            exited = await next_event(events)
+            assert exited == WorkerExited(t=exited.t, worker_id="envs-0", signal=signal.SIGKILL)
+            tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_commands_before_the_spawn_are_applied_once_it_starts(
+    tmp_path: Path, track: Track
+) -> None:
+    async with running(tmp_path) as (executor, events):
+        # The core sends pid=None when it decided to drain a worker it has not seen start.
+        await executor.execute(drain("envs-0", None))
+        await executor.execute(spawn("envs-0", python(DRAINABLE)))
+        await started(events, track)
+        exited = await next_event(events)
+        # The drain may land before the worker installed its handler; SIGUSR1's default action
+        # then ends it. Either way it was delivered: otherwise the worker sleeps for a minute.
+        assert isinstance(exited, WorkerExited) and exited.worker_id == "envs-0"
+        assert (exited.exit_code, exited.signal) in {(0, None), (None, signal.SIGUSR1)}
+
+        await executor.execute(KillWorker(worker_id="envs-1", pid=None, reason="test"))
+        await executor.execute(spawn("envs-1", python(SLEEPER)))
+        await started(events, track)
+        exited = await next_event(events)
+        assert exited == WorkerExited(t=exited.t, worker_id="envs-1", signal=signal.SIGKILL)
+
+
+@pytest.mark.anyio
+async def test_a_recycled_pid_is_never_signalled(
+    tmp_path: Path, track: Track, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proc = subprocess.Popen(python(SLEEPER), stdout=subprocess.DEVNULL, start_new_session=True)
+    track(proc.pid)
+    start_time = process_start_time(proc.pid)
+    assert start_time is not None
+    try:
+        async with running(tmp_path) as (executor, events):
+            assert await executor.adopt("envs-7", proc.pid, start_time)
+            # As if the worker had died and a stranger had been given its pid since.
+            real = process_start_time
+            monkeypatch.setattr(
+                "adapters.processes.process_start_time",
+                lambda pid: start_time + 1 if pid == proc.pid else real(pid),
+            )
+            await executor.execute(KillWorker(worker_id="envs-7", pid=proc.pid, reason="test"))
+            await anyio.sleep(0.1)
+            assert alive(proc.pid)
+            monkeypatch.undo()
+            await executor.execute(KillWorker(worker_id="envs-7", pid=proc.pid, reason="test"))
+            exited = await next_event(events, timeout_s=10 * POLL_S)
+            assert exited == WorkerExited(t=exited.t, worker_id="envs-7")
+    finally:
+        proc.kill()
+        proc.wait()
