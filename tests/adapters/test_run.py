@@ -1,0 +1,371 @@
+"""``deo run`` end to end: the real program, real worker processes, real signals, the real API.
+
+Each test starts ``deo run`` as a process of its own (so it can be SIGKILLed like a crashed
+orchestrator), drives it over HTTP, watches /proc, and ends by checking that ``tools/replay``
+verifies the log it wrote. Every worker carries a marker in its environment so that cleanup finds
+and kills whatever a failed test leaves behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "test-operator-token"
+
+WELL_BEHAVED = ROOT / "examples" / "worker.py"
+CRASHER = "import sys; sys.exit(3)"
+STUBBORN = """
+import os, signal, subprocess, sys, time
+for s in (signal.SIGUSR1, signal.SIGTERM):
+    signal.signal(s, signal.SIG_IGN)
+IGNORE = ("import signal, time\\n"
+          "for s in (signal.SIGUSR1, signal.SIGTERM): signal.signal(s, signal.SIG_IGN)")
+child = subprocess.Popen([sys.executable, "-c", IGNORE + "\\ntime.sleep(600)"])
+print("child", child.pid, flush=True)
+while True:
+    time.sleep(1)
+"""
+SILENT = "import time; time.sleep(600)"
+
+
+def marked_processes(marker: str) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                environ = Path(entry.path, "environ").read_bytes()
+            except OSError:
+                continue
+            if f"DEO_TEST_MARKER={marker}".encode() in environ.split(b"\0"):
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+class Deo:
+    """One ``deo run`` process with its config, log and API."""
+
+    def __init__(self, tmp_path: Path, pools: str) -> None:
+        self.dir = tmp_path
+        self.marker = uuid.uuid4().hex
+        self.config = tmp_path / "deo.toml"
+        self.log = tmp_path / "run.jsonl"
+        self.config.write_text(
+            f'[deo]\nlog = "run.jsonl"\ntick_interval_s = 0.2\n[api]\nport = 0\n{pools}'.replace(
+                "@MARK@", self.marker
+            )
+        )
+        self.process: subprocess.Popen[bytes] | None = None
+        self.url = ""
+        self.outputs: list[Path] = []
+
+    def start(self) -> None:
+        out = self.dir / f"deo-{len(self.outputs)}.out"
+        self.outputs.append(out)
+        env = {**os.environ, "DEO_TOKEN": TOKEN}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "adapters.cli", "run", "--config", str(self.config)],
+            cwd=self.dir,
+            env=env,
+            stdout=out.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        found = wait_for("the API", lambda: re.search(r"API on (http://\S+)", out.read_text()))
+        self.url = found.group(1)
+
+    def output(self) -> str:
+        return "".join(p.read_text() for p in self.outputs)
+
+    def status(self) -> dict[str, Any]:
+        body: dict[str, Any] = httpx.get(f"{self.url}/global-status", timeout=5).json()
+        return body
+
+    def workers(self, *states: str) -> list[dict[str, Any]]:
+        body = httpx.get(f"{self.url}/v1/workers", timeout=5).json()
+        return [w for w in body["workers"] if not states or w["state"] in states]
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        return httpx.post(
+            f"{self.url}{path}",
+            json=body or {},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=10,
+        )
+
+    def kill9(self) -> None:
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=20)
+
+    def replay(self) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(ROOT / "tools" / "replay"), "-q", str(self.log)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    def cleanup(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        for pid in marked_processes(self.marker):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def deo(tmp_path: Path) -> Iterator[Callable[[str], Deo]]:
+    made: list[Deo] = []
+
+    def make(pools: str) -> Deo:
+        instance = Deo(tmp_path, pools)
+        made.append(instance)
+        return instance
+
+    yield make
+    for instance in made:
+        instance.cleanup()
+
+
+def pool(name: str, argv: list[str], **fields: Any) -> str:
+    lines = [
+        f"[pools.{name}]",
+        f"argv = {argv!r}".replace("'", '"'),
+        'env = { DEO_TEST_MARKER = "@MARK@" }',
+    ]
+    policy = fields.pop("policy", 'name = "static"\ncount = 1')
+    lines += [f"{k} = {v!r}".replace("'", '"') for k, v in fields.items()]
+    lines += [f"[pools.{name}.policy]", policy]
+    return "\n".join(lines) + "\n"
+
+
+def script(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def verified(instance: Deo) -> None:
+    instance.stop()
+    proc = instance.replay()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verified:" in proc.stdout
+
+
+# --- scenarios ---------------------------------------------------------------------------------
+
+
+def test_scales_up_and_down_on_pushed_pressure(deo: Callable[[str], Deo]) -> None:
+    hpa = 'name = "hpa"\ntarget_per_worker = 4.0\nscale_down_stabilization_s = 0.0'
+    d = deo(
+        pool(
+            "envs",
+            [sys.executable, str(WELL_BEHAVED), "0.2"],
+            min_workers=1,
+            max_workers=4,
+            stabilization_s=1.0,
+            policy=hpa,
+        )
+    )
+    d.start()
+    wait_for("one worker", lambda: len(d.workers("active")) == 1)
+    response = d.post("/v1/pools/envs/pressure", {"in_flight_requests": 14})
+    assert response.status_code == 200, response.text
+    wait_for("four workers", lambda: len(d.workers("active")) == 4)
+    pids = [w["pid"] for w in d.workers()]
+    assert all(alive(pid) for pid in pids)
+    time.sleep(1.2)  # past the stabilization window
+    assert d.post("/v1/pools/envs/pressure", {"in_flight_requests": 0}).status_code == 200
+    wait_for("back to one worker", lambda: len(d.workers()) == 1)
+    gone = [pid for pid in pids if not alive(pid)]
+    assert len(gone) == 3  # drained workers exited on SIGUSR1
+    assert "drained" in "".join(p.read_text() for p in (d.dir / "deo-workers").glob("*.log"))
+    verified(d)
+
+
+def test_a_killed_worker_is_replaced(deo: Callable[[str], Deo]) -> None:
+    d = deo(pool("envs", [sys.executable, str(WELL_BEHAVED), "0.2"], min_workers=1, max_workers=2))
+    d.start()
+    [first] = wait_for("a worker", lambda: d.workers("active"))
+    os.kill(first["pid"], signal.SIGKILL)
+    [second] = wait_for(
+        "a replacement", lambda: [w for w in d.workers("active") if w["id"] != first["id"]]
+    )
+    assert second["pid"] != first["pid"] and alive(second["pid"])
+    assert f'"worker_id":"{first["id"]}","exit_code":null,"signal":9' in d.log.read_text()
+    verified(d)
+
+
+def test_a_crash_loop_backs_off_and_alerts_without_a_spawn_storm(
+    deo: Callable[[str], Deo], tmp_path: Path
+) -> None:
+    crasher = script(tmp_path, "crash.py", CRASHER)
+    policy = 'name = "static"\ncount = 1'
+    d = deo(
+        pool("envs", [sys.executable, crasher], min_workers=1, max_workers=1, policy=policy)
+        + "[pools.envs.crash_loop]\nbackoff_base_s = 0.5\nbackoff_cap_s = 4.0\nalert_after = 3\n"
+    )
+    d.start()
+    wait_for(
+        "the crash_loop alert",
+        lambda: {"alert": "crash_loop", "subject": "envs"} in d.status()["alerts"],
+    )
+    time.sleep(3)
+    failures = d.status()["pools"]["envs"]["failures"]
+    # 0.5 + 1 + 2 + 4 + 4 ... seconds apart: a handful of spawns, not hundreds.
+    spawns = d.output().count("SpawnWorker")
+    assert 3 <= failures <= 8, failures
+    assert spawns <= failures + 1, (spawns, failures)
+    verified(d)
+
+
+def test_a_worker_ignoring_the_drain_is_terminated_then_killed_with_its_group(
+    deo: Callable[[str], Deo], tmp_path: Path
+) -> None:
+    stubborn = script(tmp_path, "stubborn.py", STUBBORN)
+    d = deo(
+        pool(
+            "envs",
+            [sys.executable, stubborn],
+            min_workers=0,
+            max_workers=1,
+            drain_timeout_s=1.0,
+            stop_timeout_s=1.0,
+        )
+    )
+    d.start()
+    [worker] = wait_for("the worker", lambda: d.workers("active"))
+    log = d.dir / "deo-workers" / f"{worker['id']}.log"
+    child = int(wait_for("its child", lambda: re.search(r"child (\d+)", log.read_text())).group(1))
+    assert alive(child)
+    started = time.monotonic()
+    assert d.post("/v1/pools/envs/pin", {"count": 0}).status_code == 200
+    wait_for("the worker gone", lambda: not alive(worker["pid"]), timeout_s=10)
+    elapsed = time.monotonic() - started
+    wait_for("its child gone", lambda: not alive(child), timeout_s=5)
+    assert 1.5 <= elapsed <= 6, elapsed  # drain 1 s, then SIGTERM, 1 s, then SIGKILL
+    output = d.output()
+    assert (
+        output.index("DrainWorker") < output.index("TerminateWorker") < output.index("KillWorker")
+    )
+    verified(d)
+
+
+def test_an_orchestrator_killed_during_a_drain_adopts_its_workers_on_restart(
+    deo: Callable[[str], Deo], tmp_path: Path
+) -> None:
+    stubborn = script(tmp_path, "stubborn.py", STUBBORN)
+    slow = [sys.executable, str(WELL_BEHAVED), "0.2"]
+    d = deo(
+        pool("envs", slow, min_workers=1, max_workers=3, policy='name = "static"\ncount = 2')
+        + pool(
+            "stubborn",
+            [sys.executable, stubborn],
+            min_workers=0,
+            max_workers=1,
+            drain_timeout_s=3.0,
+            stop_timeout_s=1.0,
+        )
+    )
+    d.start()
+    wait_for("three workers", lambda: len(d.workers("active")) == 3)
+    before = {w["id"]: w["pid"] for w in d.workers()}
+    assert d.post("/v1/pools/stubborn/pin", {"count": 0}).status_code == 200
+    wait_for("the drain", lambda: d.workers("draining"))
+    d.kill9()  # the orchestrator dies mid-drain
+    assert all(alive(pid) for pid in before.values())  # its death killed no work
+    d.start()
+    wait_for("the adoption", lambda: "WorkerAdopted" in d.log.read_text())
+    stubborn_pid = before["stubborn-0"]
+    wait_for("the drain completed", lambda: not alive(stubborn_pid), timeout_s=15)
+    wait_for("its exit seen", lambda: all(w["id"] != "stubborn-0" for w in d.workers()))
+    after = {w["id"]: w["pid"] for w in d.workers()}
+    assert after == {k: v for k, v in before.items() if k != "stubborn-0"}  # adopted, no duplicate
+    assert len(marked_processes(d.marker)) == 2  # no orphan: the two envs workers only
+    verified(d)
+
+
+def test_a_silent_worker_is_replaced_after_its_grace_period(
+    deo: Callable[[str], Deo], tmp_path: Path
+) -> None:
+    silent = script(tmp_path, "silent.py", SILENT)
+    d = deo(
+        pool(
+            "envs",
+            [sys.executable, silent],
+            min_workers=1,
+            max_workers=1,
+            heartbeat_grace_s=1.0,
+            stop_timeout_s=1.0,
+        )
+    )
+    d.start()
+    [first] = wait_for("a worker", lambda: d.workers("active"))
+    wait_for(
+        "its replacement",
+        lambda: [w for w in d.workers("active", "starting") if w["id"] != first["id"]],
+        timeout_s=10,
+    )
+    wait_for("the silent worker gone", lambda: not alive(first["pid"]), timeout_s=10)
+    assert "hung" in d.log.read_text()
+    verified(d)
+
+
+def test_bad_and_unauthorized_requests_change_nothing(deo: Callable[[str], Deo]) -> None:
+    d = deo(pool("envs", [sys.executable, str(WELL_BEHAVED), "0.2"], min_workers=1, max_workers=2))
+    d.start()
+    wait_for("a worker", lambda: d.workers("active"))
+    time.sleep(0.5)
+    d.post("/v1/pause")  # one accepted action, so the log has settled before we compare
+    size = d.log.stat().st_size
+    url = f"{d.url}/v1/pools/envs/pin"
+    assert httpx.post(url, json={"count": 2}).status_code == 401
+    assert (
+        httpx.post(url, json={"count": 2}, headers={"Authorization": "Bearer no"}).status_code
+        == 403
+    )
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    assert httpx.post(url, content=b"{not json", headers=bearer).status_code == 400
+    assert httpx.post(url, json={"count": "two"}, headers=bearer).status_code == 422
+    assert httpx.post(url, content=b"x" * 100_000, headers=bearer).status_code == 413
+    lines = d.log.read_bytes()[size:].splitlines()
+    assert all(b'"Tick"' in line for line in lines), lines  # only time passed
+    verified(d)
