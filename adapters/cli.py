@@ -83,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(path: Path) -> int:
+    import functools
     import logging
 
     import anyio
@@ -96,10 +97,14 @@ def _run(path: Path) -> int:
     except ConfigError as exc:
         print(f"deo run: {path}: {exc}", file=sys.stderr)
         return 2
+    live = sys.stdout.isatty()
     logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
+        # On a terminal the live view shows the decisions; elsewhere they are log lines.
+        level=logging.WARNING if live else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
-    return anyio.run(run, settings)
+    return anyio.run(functools.partial(run, settings, live=live))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import anyio
 import attrs
 
 from adapters.config_file import RunSettings
+from adapters.live import live_view
 from adapters.log import EventLog
 from adapters.processes import LocalProcesses, process_start_time
 from adapters.runner import Runner
@@ -114,8 +115,14 @@ class _WorkerEnv:
         await self.inner.execute(command)
 
 
-async def run(settings: RunSettings, *, out: Callable[[str], None] = print) -> int:
-    """Run until SIGINT/SIGTERM or a stop request; returns the exit status."""
+async def run(
+    settings: RunSettings, *, out: Callable[[str], None] = print, live: bool = False
+) -> int:
+    """Run until SIGINT/SIGTERM or a stop request; returns the exit status.
+
+    ``live`` redraws a compact view of pools, workers, GPUs and decisions (for a terminal);
+    otherwise decisions go out as log lines.
+    """
     from adapters.http_api import build_app, serve
 
     token = os.environ.get(settings.api.token_env) or secrets.token_urlsafe(24)
@@ -175,17 +182,24 @@ async def run(settings: RunSettings, *, out: Callable[[str], None] = print) -> i
             )
             for source in settings.sources:
                 tg.start_soon(poll_json, source, runner.emit, clock)
+            if live:
+                tg.start_soon(live_view, runner, _write)
             tg.start_soon(_stop_on_signal, tg.cancel_scope, out)
             tg.start_soon(_stop_on_request, runner, tg.cancel_scope, out)
     finally:
         with anyio.CancelScope(shield=True):
             event_log.close()
-    live = len(runner.state.workers)
+    left = len(runner.state.workers)
     out(
-        f"deo: stopped; {live} worker(s) left running"
-        + (" (a restart adopts them)" if live else "")
+        f"deo: stopped; {left} worker(s) left running"
+        + (" (a restart adopts them)" if left else "")
     )
     return 0
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 async def _stop_on_signal(scope: anyio.CancelScope, out: Callable[[str], None]) -> None:
