@@ -55,6 +55,7 @@ def find_spawned(worker_id: str) -> tuple[int, int] | None:
     does not name; it carries ``DEO_WORKER_ID`` in its environment, which is how it is found.
     """
     needle = f"DEO_WORKER_ID={worker_id}".encode()
+    matches: list[int] = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -63,11 +64,20 @@ def find_spawned(worker_id: str) -> tuple[int, int] | None:
         except OSError:
             continue  # gone, or not ours to read
         if needle in environ.split(b"\0"):
-            pid = int(entry.name)
-            start = process_start_time(pid)
-            if start is not None:
-                return pid, start
+            matches.append(int(entry.name))
+    # The worker's own children inherit its environment; the worker leads its process group.
+    for pid in sorted(matches, key=lambda p: (_group_of(p) != p, p)):
+        start = process_start_time(pid)
+        if start is not None:
+            return pid, start
     return None
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 async def reconcile(

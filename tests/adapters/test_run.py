@@ -369,3 +369,37 @@ def test_bad_and_unauthorized_requests_change_nothing(deo: Callable[[str], Deo])
     lines = d.log.read_bytes()[size:].splitlines()
     assert all(b'"Tick"' in line for line in lines), lines  # only time passed
     verified(d)
+
+
+def test_status_and_stop_drain_from_the_command_line(deo: Callable[[str], Deo]) -> None:
+    d = deo(
+        pool(
+            "envs",
+            [sys.executable, str(WELL_BEHAVED), "0.2"],
+            min_workers=2,
+            max_workers=2,
+            policy='name = "static"\ncount = 2',
+        )
+    )
+    d.start()
+    wait_for("two workers", lambda: len(d.workers("active")) == 2)
+    pids = [w["pid"] for w in d.workers()]
+    cli = [sys.executable, "-m", "adapters.cli"]
+    status = subprocess.run(
+        [*cli, "status", "--url", d.url], capture_output=True, text=True, timeout=30
+    )
+    assert status.returncode == 0, status.stderr
+    assert re.search(r"^envs\s+2\s+2\s+2 active$", status.stdout, re.M), status.stdout
+    stop = subprocess.run(
+        [*cli, "stop", "--drain", "--url", d.url],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "DEO_TOKEN": TOKEN},
+    )
+    assert stop.returncode == 0, stop.stderr
+    assert d.process is not None
+    assert d.process.wait(timeout=30) == 0
+    assert not any(alive(pid) for pid in pids)  # drained, not abandoned
+    assert "0 worker(s) left running" in d.output()
+    verified(d)

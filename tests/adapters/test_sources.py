@@ -1,0 +1,141 @@
+"""Pressure from a JSON endpoint (a real HTTP server), heartbeat files, finding a spawned worker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from adapters.config_file import JsonSource
+from adapters.http_api import serve
+from adapters.run import find_spawned
+from adapters.sources import heartbeat_files, heartbeat_path, poll_json, read_pressure
+from core import (
+    Config,
+    Configured,
+    Event,
+    LoadSampled,
+    PoolSpec,
+    QueueSampled,
+    Reducer,
+    SourceDown,
+    WorkerHeartbeat,
+    WorkerStarted,
+)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+QUEUE = JsonSource(
+    pool="envs",
+    url="http://127.0.0.1:1/status",
+    queued_sequences="queue.seqs",
+    batch_size_seqs="info.batch",
+    trainer_step="step",
+)
+
+
+def test_read_pressure_follows_the_field_paths() -> None:
+    body = {"queue": {"seqs": 96}, "info": {"batch": 64}, "step": 7}
+    assert read_pressure(QUEUE, body, 1.0) == QueueSampled(
+        t=1.0, pool="envs", queued_sequences=96, batch_size_seqs=64, trainer_step=7
+    )
+    load = JsonSource(pool="engines", url="http://x/", in_flight_requests="load")
+    assert read_pressure(load, {"load": 3}, 2.0) == LoadSampled(
+        t=2.0, pool="engines", in_flight_requests=3
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"info": {"batch": 64}, "step": 7}, "no field 'queue.seqs'"),
+        ({"queue": {"seqs": -1}, "info": {"batch": 64}, "step": 7}, "queued_sequences"),
+        ([1, 2], "no field"),
+    ],
+)
+def test_a_body_without_usable_pressure_is_a_source_outage(body: Any, message: str) -> None:
+    event = read_pressure(QUEUE, body, 1.0)
+    assert isinstance(event, SourceDown) and message in event.error
+
+
+@pytest.mark.anyio
+async def test_poll_json_reads_a_real_server_and_reports_it_down_when_it_errs() -> None:
+    answers = iter([{"queue": {"seqs": 10}, "info": {"batch": 8}, "step": 1}, None])
+
+    async def status(request: Request) -> JSONResponse:
+        body = next(answers, None)
+        return JSONResponse(body) if body is not None else JSONResponse({}, status_code=500)
+
+    app = Starlette(routes=[Route("/status", status)])
+    events: list[Event] = []
+    ports: list[int] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: serve(app, port=0, started=ports.append))
+        with anyio.fail_after(10):
+            while not ports:
+                await anyio.sleep(0.01)
+        source = JsonSource(
+            pool="envs",
+            url=f"http://127.0.0.1:{ports[0]}/status",
+            interval_s=0.05,
+            queued_sequences="queue.seqs",
+            batch_size_seqs="info.batch",
+            trainer_step="step",
+        )
+        tg.start_soon(poll_json, source, events.append, time.time)
+        with anyio.fail_after(10):
+            while len(events) < 2:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert isinstance(events[0], QueueSampled) and events[0].queued_sequences == 10
+    assert isinstance(events[1], SourceDown) and "500" in events[1].error
+
+
+@pytest.mark.anyio
+async def test_touching_a_heartbeat_file_reports_the_worker_alive(tmp_path: Path) -> None:
+    reducer = Reducer()
+    spec = PoolSpec(name="envs", argv=["w"], min_workers=1)
+    reducer.step(Configured(t=0.0, config=Config(pools=[spec])))
+    reducer.step(WorkerStarted(t=0.0, worker_id="envs-0", pid=1, start_time=1))
+    events: list[Event] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            heartbeat_files, tmp_path, lambda: reducer.state, events.append, time.time, 0.02
+        )
+        await anyio.sleep(0.1)
+        assert events == []  # no file yet
+        heartbeat_path(tmp_path, "envs-0").touch()
+        with anyio.fail_after(5):
+            while not events:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert [type(e) for e in events] == [WorkerHeartbeat]
+
+
+def test_find_spawned_finds_a_worker_by_its_environment() -> None:
+    worker_id = f"probe-{os.getpid()}"
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)"],
+        env={**os.environ, "DEO_WORKER_ID": worker_id},
+    )
+    try:
+        found = find_spawned(worker_id)
+        assert found is not None and found[0] == child.pid
+        assert find_spawned(worker_id + "-other") is None
+    finally:
+        child.kill()
+        child.wait()
