@@ -33,6 +33,11 @@ PLANNED_STOPS = frozenset({"scale_down", "operator", "pool_removed", "gpu_lost",
 STICKY_CAUSES = frozenset({"operator", "errors", "lost", "unkillable_worker"})
 
 
+#: The last workers dict counted and its counts (see _Step.pool_counts); holding the dict keeps
+#: its identity from being reused by another.
+_counted_for: tuple[object, dict[str, tuple[int, int]]] = (None, {})
+
+
 def reduce(state: State, event: e.Event) -> tuple[State, list[c.Command]]:
     """One step of the fold.
 
@@ -404,11 +409,7 @@ class _Step:
         if policy.reacts_to is not type(event):
             self.put_pool(replace(pool, **changes))
             return
-        counted = active = 0
-        for w in self.workers.values():
-            if w.pool == name:
-                counted += w.state in COUNTED
-                active += w.state is S.ACTIVE
+        counted, active = self.pool_counts().get(name, (0, 0))
         decision = policy.decide(
             PolicyContext(
                 t=self.t,
@@ -426,6 +427,22 @@ class _Step:
         if not (self.paused_all or pool.paused or pool.pinned is not None or pool.removed):
             pool = self.set_desired(pool, decision.target, "policy", decision.reason)
         self.put_pool(pool)
+
+    def pool_counts(self) -> dict[str, tuple[int, int]]:
+        """(counted, active) workers per pool. Samples arrive far more often than workers change
+        (heartbeats no longer touch the worker records), so the counts of a state's workers are
+        remembered by the identity of its dict: it is never mutated once a step has finished."""
+        global _counted_for
+        workers = self.workers
+        if "workers" not in self._owned and _counted_for[0] is workers:
+            return _counted_for[1]
+        counts: dict[str, tuple[int, int]] = {}
+        for w in workers.values():
+            counted, active = counts.get(w.pool, (0, 0))
+            counts[w.pool] = (counted + (w.state in COUNTED), active + (w.state is S.ACTIVE))
+        if "workers" not in self._owned:
+            _counted_for = (workers, counts)
+        return counts
 
     # --- GPUs ------------------------------------------------------------------------------------
 
@@ -466,9 +483,14 @@ class _Step:
 def _tick(step: _Step, event: e.Tick) -> None:
     t = step.t
     last_seen = step.last_seen
+    grace = {name: pool.spec.heartbeat_grace_s for name, pool in step.pools.items()}
     for worker in tuple(step.workers.values()):  # dict order is deterministic: spawn order
-        spec = step.pools[worker.pool].spec
         state = worker.state
+        if state is S.ACTIVE:  # the common case, settled here without further lookups
+            limit = grace[worker.pool]
+            if limit is None or t - last_seen.get(worker.worker_id, t) <= limit:
+                continue
+        spec = step.pools[worker.pool].spec
         if state in (S.DRAINING, S.STOPPING):
             assert worker.deadline_t is not None
             if t < worker.deadline_t:
