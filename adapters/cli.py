@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+import orjson
 
 from adapters import postmortem
 from adapters.log import VERSION
@@ -82,9 +85,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise AssertionError(args.command)
 
 
+class _JsonLines(logging.Formatter):
+    """One JSON object per log record, for log collectors."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        return orjson.dumps(line).decode()
+
+
 def _run(path: Path) -> int:
     import functools
-    import logging
 
     import anyio
 
@@ -98,12 +113,10 @@ def _run(path: Path) -> int:
         print(f"deo run: {path}: {exc}", file=sys.stderr)
         return 2
     live = sys.stdout.isatty()
-    logging.basicConfig(
-        # On a terminal the live view shows the decisions; elsewhere they are log lines.
-        level=logging.WARNING if live else logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonLines())
+    # On a terminal the live view shows the decisions; elsewhere they are JSON log lines.
+    logging.basicConfig(level=logging.WARNING if live else logging.INFO, handlers=[handler])
     return anyio.run(functools.partial(run, settings, live=live))
 
 
