@@ -12,6 +12,7 @@ and leaves workers running: the control plane's death must not kill work.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import deque
@@ -138,7 +139,10 @@ class Runner:
             for queued, outcome in zip(batch, outcomes, strict=True):
                 if queued.reply is not None:
                     async with queued.reply:
-                        await queued.reply.send(outcome)
+                        # The caller may have gone (an HTTP client hung up): its answer is in
+                        # the log either way, and the loop must not die of it.
+                        with contextlib.suppress(anyio.BrokenResourceError):
+                            await queued.reply.send(outcome)
                 if isinstance(outcome, list):
                     for command in outcome:
                         await self.executor.execute(command)

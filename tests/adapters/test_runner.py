@@ -1,0 +1,72 @@
+"""The runner loop: every event logged before it is reduced, answers to submitters, survival."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import orjson
+import pytest
+
+from adapters.log import EventLog
+from adapters.runner import Rejected, Runner
+from core import Command, Config, Configured, PolicySpec, PoolPinned, PoolSpec, Reducer
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.commands: list[Command] = []
+
+    async def execute(self, command: Command) -> None:
+        self.commands.append(command)
+
+
+def make(tmp_path: Path) -> tuple[Runner, Recorder]:
+    log, _ = EventLog.open(tmp_path / "run.jsonl", fsync=False)
+    executor = Recorder()
+    clock = iter(range(1, 10_000)).__next__
+    return Runner(
+        log, Reducer(), executor, clock=lambda: float(clock()), tick_interval_s=60
+    ), executor
+
+
+SPEC = PoolSpec(
+    name="envs", argv=["w"], max_workers=4, policy=PolicySpec(name="static", params={"count": 2})
+)
+
+
+@pytest.mark.anyio
+async def test_submitted_events_are_logged_reduced_and_executed(tmp_path: Path) -> None:
+    runner, executor = make(tmp_path)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run)
+        commands = await runner.submit(Configured(t=0.0, config=Config(pools=[SPEC])))
+        assert [type(c).__name__ for c in commands] == ["ScalePool", "SpawnWorker", "SpawnWorker"]
+        with pytest.raises(Rejected, match="outside pool 'envs' bounds"):
+            await runner.submit(PoolPinned(t=1.0, pool="envs", count=9))
+        with anyio.fail_after(5):
+            while len(executor.commands) < 3:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    records = [orjson.loads(line) for line in (tmp_path / "run.jsonl").read_bytes().splitlines()]
+    assert [r["kind"] for r in records] == ["header", "event", "commands", "event", "rejected"]
+    assert executor.commands == commands
+
+
+@pytest.mark.anyio
+async def test_a_submitter_that_gives_up_does_not_kill_the_loop(tmp_path: Path) -> None:
+    runner, _ = make(tmp_path)
+    async with anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as impatient:
+            impatient.start_soon(runner.submit, Configured(t=0.0, config=Config(pools=[SPEC])))
+            await anyio.wait_all_tasks_blocked()  # queued, waiting for an answer
+            impatient.cancel_scope.cancel()  # ... and gone before the runner answers
+        tg.start_soon(runner.run)
+        commands = await runner.submit(PoolPinned(t=1.0, pool="envs", count=3))
+        assert [type(c).__name__ for c in commands] == ["ScalePool", "SpawnWorker"]
+        tg.cancel_scope.cancel()
