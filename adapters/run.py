@@ -25,7 +25,7 @@ from adapters.config_file import RunSettings
 from adapters.live import live_view
 from adapters.log import EventLog
 from adapters.processes import LocalProcesses, process_start_time
-from adapters.runner import Runner
+from adapters.runner import Rejected, Runner
 from adapters.sources import HEARTBEAT_ENV, heartbeat_files, heartbeat_path, poll_json
 from core import (
     Command,
@@ -173,15 +173,22 @@ async def run(
         async for event in receive:
             runner.emit(event)
 
+    refused = False
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(processes.run)
             tg.start_soon(forward)
             for event in await reconcile(recovery.state, processes, clock):
                 runner.emit(event)
-            if recovery.state.config != settings.config:
-                runner.emit(Configured(t=clock(), config=settings.config))
             tg.start_soon(runner.run)
+            if recovery.state.config != settings.config:
+                try:
+                    await runner.submit(Configured(t=clock(), config=settings.config))
+                except Rejected as exc:
+                    # e.g. a GPU removed from the file while a worker still holds it
+                    out(f"deo: the configuration was refused: {exc}")
+                    refused = True
+                    tg.cancel_scope.cancel()
             tg.start_soon(
                 lambda: serve(
                     app, host=settings.api.host, port=settings.api.port, started=api_started
@@ -204,7 +211,7 @@ async def run(
         f"deo: stopped; {left} worker(s) left running"
         + (" (a restart adopts them)" if left else "")
     )
-    return 0
+    return 2 if refused else 0
 
 
 def _write(text: str) -> None:

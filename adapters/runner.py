@@ -95,8 +95,13 @@ class Runner:
         return self.reducer.state
 
     def emit(self, event: Event) -> None:
-        """Queue an event from a source; never blocks (the channel is unbounded)."""
-        self._send.send_nowait(_Item(event))
+        """Queue an event from a source; never blocks (the channel is unbounded).
+
+        Once the loop has stopped, an event from a source still winding down is dropped: it
+        could no longer be logged, and the sources must not fail the shutdown.
+        """
+        with contextlib.suppress(anyio.ClosedResourceError):
+            self._send.send_nowait(_Item(event))
 
     async def submit(self, event: Event) -> list[Command]:
         """Queue an event and wait for the commands it produced; :class:`Rejected` if refused."""

@@ -403,3 +403,37 @@ def test_status_and_stop_drain_from_the_command_line(deo: Callable[[str], Deo]) 
     assert not any(alive(pid) for pid in pids)  # drained, not abandoned
     assert "0 worker(s) left running" in d.output()
     verified(d)
+
+
+def test_a_configuration_the_core_refuses_stops_deo_with_the_reason(
+    deo: Callable[[str], Deo],
+) -> None:
+    d = deo(
+        pool(
+            "envs",
+            [sys.executable, str(WELL_BEHAVED), "0.2"],
+            min_workers=1,
+            max_workers=1,
+            gpus_per_worker=1,
+        )
+    )
+    d.config.write_text(d.config.read_text().replace("[deo]\n", '[deo]\ngpus = ["0"]\n'))
+    d.start()
+    [worker] = wait_for("a worker on GPU 0", lambda: d.workers("active"))
+    assert worker["gpus"] == ["0"]
+    d.stop()  # the worker keeps GPU 0
+    d.config.write_text(d.config.read_text().replace('gpus = ["0"]', 'gpus = ["1"]'))
+    out = d.dir / "refused.out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "adapters.cli", "run", "--config", str(d.config)],
+        cwd=d.dir,
+        env={**os.environ, "DEO_TOKEN": TOKEN},
+        stdout=out.open("wb"),
+        stderr=subprocess.STDOUT,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "the configuration was refused" in out.read_text()
+    assert "GPU '0' is held by worker envs-0" in out.read_text()
+    assert alive(worker["pid"])  # refusing a configuration touches no worker
+    verified(d)

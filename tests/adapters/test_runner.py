@@ -70,3 +70,13 @@ async def test_a_submitter_that_gives_up_does_not_kill_the_loop(tmp_path: Path) 
         commands = await runner.submit(PoolPinned(t=1.0, pool="envs", count=3))
         assert [type(c).__name__ for c in commands] == ["ScalePool", "SpawnWorker"]
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_sources_may_emit_after_the_loop_stopped(tmp_path: Path) -> None:
+    runner, _ = make(tmp_path)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run)
+        await anyio.wait_all_tasks_blocked()
+        tg.cancel_scope.cancel()
+    runner.emit(Configured(t=0.0, config=Config()))  # dropped, not raised
