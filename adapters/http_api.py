@@ -547,7 +547,8 @@ class _Server(uvicorn.Server):
             self._on_started(self.servers[0].sockets[0].getsockname()[1])
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket for :func:`serve`; bind it early to learn the port before serving."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     return socket.create_server((host, port), family=family)
 
@@ -558,15 +559,18 @@ async def serve(
     host: str = "127.0.0.1",
     port: int = 8787,
     started: Callable[[int], None] | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
     """Serve ``app`` until cancelled, then shut down gracefully. Needs the asyncio backend.
 
     Loopback by default because the GET endpoints are open. ``port=0`` picks a free port;
-    ``started(port)`` is called with the actual one once the server listens.
+    ``started(port)`` is called with the actual one once the server listens. ``sock``, from
+    :func:`listen`, replaces ``host`` and ``port``.
     """
     # Bind here rather than in uvicorn: a port in use then raises OSError to the caller, where
     # uvicorn would log it and call sys.exit.
-    sock = _listen(host, port)
+    if sock is None:
+        sock = listen(host, port)
     config = uvicorn.Config(
         app,
         log_level="warning",

@@ -20,11 +20,13 @@ reported and skipped, never silently dropped.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import attrs
 import orjson
@@ -34,6 +36,7 @@ from core import Command, DeoError, Event, Reducer, State, decode, encode
 __all__ = [
     "SCHEMA_VERSION",
     "EventLog",
+    "LogInUse",
     "LogProblem",
     "Recovery",
     "read_lines",
@@ -42,6 +45,10 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 VERSION = "0.1.0"
+
+
+class LogInUse(DeoError):
+    """Another process holds the log open for writing."""
 
 
 @attrs.frozen(slots=True)
@@ -123,12 +130,19 @@ class EventLog:
     """The single writer of one log file. Use :meth:`open`; it recovers what is already there."""
 
     def __init__(
-        self, path: Path, *, seq: int, lines: int, fsync: bool, snapshot_every: int
+        self,
+        path: Path,
+        file: BinaryIO,
+        *,
+        seq: int,
+        lines: int,
+        fsync: bool,
+        snapshot_every: int,
     ) -> None:
         self.path = path
         self.fsync = fsync
         self.snapshot_every = snapshot_every
-        self._file = path.open("ab")
+        self._file = file
         self._buffer: list[bytes] = []
         self._seq = seq
         self._lines = lines
@@ -141,12 +155,24 @@ class EventLog:
         """Open ``path`` for appending, creating it with a header if needed, and rebuild the state
         it records (from the snapshot, then the records after it)."""
         path = Path(path)
+        file = path.open("ab")
+        try:
+            # One writer per log, locked before recovery touches it: a second deo on the same
+            # log would interleave records (the lock goes with the file when the process dies).
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.close()
+            raise LogInUse(f"{path} is in use by another deo (one writer per log)") from None
         recovery = Recovery(state=State(), replayed=0, problems=())
         seq = lines = 0
-        if path.exists() and path.stat().st_size > 0:
-            state, seq, lines, replayed, problems, set_aside = _recover(path)
+        if path.stat().st_size > 0:
+            try:
+                state, seq, lines, replayed, problems, set_aside = _recover(path)
+            except BaseException:
+                file.close()
+                raise
             recovery = Recovery(state, replayed, problems, set_aside)
-        if not path.exists() or path.stat().st_size == 0:
+        if path.stat().st_size == 0:
             # A new log (or one whose only line, a torn header, was set aside).
             snapshot_path(path).unlink(missing_ok=True)  # it would belong to another log
             header = {
@@ -160,7 +186,7 @@ class EventLog:
                 f.flush()
                 os.fsync(f.fileno())
             seq, lines = 0, 1
-        log = cls(path, seq=seq, lines=lines, fsync=fsync, snapshot_every=snapshot_every)
+        log = cls(path, file, seq=seq, lines=lines, fsync=fsync, snapshot_every=snapshot_every)
         return log, recovery
 
     @property
@@ -291,14 +317,22 @@ def _recover(
             if problem is not None:
                 raise DeoError(f"{path}: {problem}")
             continue
-        seq = max(seq, int(record.get("seq", seq)))
+        number = record.get("seq")
+        if not isinstance(number, int):
+            problems.append(LogProblem(item.number, "record without an integer seq; skipped"))
+            continue
+        seq = max(seq, number)
         if record.get("kind") != "event":
             continue
         try:
             event = decode(record["event"])
+            if not isinstance(event, Event):
+                raise DeoError(f"{type(event).__name__} is not an event")
+        except (DeoError, KeyError, TypeError) as exc:
+            problems.append(LogProblem(item.number, f"unreadable event ({exc}); skipped"))
+            continue
+        with contextlib.suppress(DeoError):  # refused at run time too: a "rejected" record follows
             reducer.step(event)
-        except (DeoError, KeyError, TypeError):
-            pass  # refused at run time too (a "rejected" record follows), or unreadable
         replayed += 1
     set_aside = None
     if torn is not None:

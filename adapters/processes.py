@@ -31,10 +31,11 @@ pidfd (polled where the kernel has none) without blocking the event loop.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -55,6 +56,8 @@ from core import (
 )
 
 __all__ = ["LocalProcesses", "process_start_time"]
+
+log = logging.getLogger("deo.processes")
 
 _Signalling = DrainWorker | TerminateWorker | KillWorker
 
@@ -126,7 +129,9 @@ def _signal_for(command: _Signalling) -> tuple[signal.Signals, bool]:
     return signal.SIGKILL, True
 
 
-def _start(command: SpawnWorker, log_path: Path) -> subprocess.Popen[bytes] | str:
+def _start(
+    command: SpawnWorker, log_path: Path, environ: dict[str, str]
+) -> subprocess.Popen[bytes] | str:
     """Start the worker's process, or say why it could not be started."""
     argv = list(command.argv)  # a list, so Popen executes it directly: never a shell
     if not argv:
@@ -145,7 +150,7 @@ def _start(command: SpawnWorker, log_path: Path) -> subprocess.Popen[bytes] | st
             stdin=subprocess.DEVNULL,
             stdout=log_fd,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **command.env},
+            env={**environ, **command.env},
             start_new_session=True,  # its own process group, and no terminal's signals
         )
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
@@ -177,12 +182,16 @@ class LocalProcesses:
         clock: Callable[[], float],
         log_dir: Path,
         poll_interval_s: float = 0.5,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
+        """``environ`` is what workers inherit (default: this process's environment); each
+        spawn's own variables are added to it."""
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
         self._events = events
         self._clock = clock
         self._log_dir = log_dir
+        self._environ = dict(os.environ if environ is None else environ)
         self._poll_interval_s = poll_interval_s
         self._workers: dict[str, _Worker] = {}
         #: Workers whose exit was reported; worker ids are never reused, so later commands for
@@ -253,7 +262,7 @@ class LocalProcesses:
         worker_id = command.worker_id
         if worker_id in self._workers or worker_id in self._finished:
             return  # worker ids are never reused: this is a duplicate, and one process is enough
-        started = _start(command, self._log_dir / f"{worker_id}.log")
+        started = _start(command, self._log_dir / f"{worker_id}.log", self._environ)
         if isinstance(started, str):
             self._pending.pop(worker_id, None)
             await self._events.send(
@@ -303,6 +312,10 @@ class LocalProcesses:
                 os.kill(worker.pid, sig)
         except ProcessLookupError:
             pass  # it exited just now; its watcher reports it
+        except PermissionError as exc:
+            # e.g. a worker that switched user: deo cannot signal it. The drain deadline still
+            # escalates, and the core raises an alert if the worker never exits.
+            log.warning("cannot signal %s (pid %d): %s", worker.worker_id, worker.pid, exc)
 
     def _watch(self, worker: _Worker) -> None:
         if self._task_group is None or worker.watched or not worker.announced:

@@ -9,6 +9,7 @@ restart adopts them. ``deo stop --drain`` drains every worker first.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -30,6 +31,7 @@ from adapters.sources import HEARTBEAT_ENV, heartbeat_files, heartbeat_path, pol
 from core import (
     Command,
     Configured,
+    DeoError,
     Event,
     Reducer,
     SpawnWorker,
@@ -46,15 +48,44 @@ log = logging.getLogger("deo.run")
 #: Variables deo adds for workers besides the core's (CUDA_VISIBLE_DEVICES, DEO_WORKER_ID, ...).
 API_URL_ENV = "DEO_API_URL"
 WORKER_TOKEN_ENV = "DEO_WORKER_TOKEN"
+#: Names the log a worker belongs to, so a restart never takes another deo's worker for its own.
+RUN_ID_ENV = "DEO_RUN_ID"
 
 
-def find_spawned(worker_id: str) -> tuple[int, int] | None:
-    """(pid, start time) of a process of ours started as ``worker_id``, found by its environment.
+def run_id_of(log_path: Path) -> str:
+    """A stable id for one log: a digest of its header line (which holds its creation time)."""
+    with log_path.open("rb") as f:
+        return hashlib.sha256(f.readline()).hexdigest()[:16]
+
+
+def worker_token_for(log_path: Path) -> str:
+    """The workers' API token, kept beside the log (mode 0600) so adopted workers keep theirs."""
+    path = log_path.with_name(log_path.name + ".worker-token")
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        token = secrets.token_urlsafe(24)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+        return token
+
+
+def worker_environ(token_env: str) -> dict[str, str]:
+    """What workers inherit: deo's environment without the operator token or deo's own
+    variables (a worker holding the operator token could act as the operator)."""
+    return {k: v for k, v in os.environ.items() if k != token_env and not k.startswith("DEO_")}
+
+
+def find_spawned(worker_id: str, run_id: str) -> tuple[int, int] | None:
+    """(pid, start time) of a process of this log's started as ``worker_id``, by its environment.
 
     A crash between starting a worker and logging ``WorkerStarted`` leaves a process the log
-    does not name; it carries ``DEO_WORKER_ID`` in its environment, which is how it is found.
+    does not name; it carries ``DEO_WORKER_ID`` and its log's ``DEO_RUN_ID`` in its environment,
+    which is how it is found (worker ids alone repeat across logs). Two candidates leading their
+    own process groups are ambiguous: none is taken.
     """
-    needle = f"DEO_WORKER_ID={worker_id}".encode()
+    wanted = {f"DEO_WORKER_ID={worker_id}".encode(), f"{RUN_ID_ENV}={run_id}".encode()}
     matches: list[int] = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -63,10 +94,14 @@ def find_spawned(worker_id: str) -> tuple[int, int] | None:
             environ = Path(entry.path, "environ").read_bytes()
         except OSError:
             continue  # gone, or not ours to read
-        if needle in environ.split(b"\0"):
+        if wanted <= set(environ.split(b"\0")):
             matches.append(int(entry.name))
     # The worker's own children inherit its environment; the worker leads its process group.
-    for pid in sorted(matches, key=lambda p: (_group_of(p) != p, p)):
+    leaders = [pid for pid in matches if _group_of(pid) == pid]
+    if len(leaders) > 1:
+        log.warning("%s: %d processes claim to be it; adopting none", worker_id, len(leaders))
+        return None
+    for pid in leaders or sorted(matches):
         start = process_start_time(pid)
         if start is not None:
             return pid, start
@@ -81,14 +116,14 @@ def _group_of(pid: int) -> int | None:
 
 
 async def reconcile(
-    state: State, processes: LocalProcesses, clock: Callable[[], float]
+    state: State, processes: LocalProcesses, clock: Callable[[], float], run_id: str
 ) -> list[Event]:
     """Events that bring a recovered state in line with the processes really running."""
     events: list[Event] = []
     for worker in state.workers.values():
         pid, start = worker.pid, worker.start_time
         if pid is None:
-            found = find_spawned(worker.worker_id)
+            found = find_spawned(worker.worker_id, run_id)
             if found is None:
                 events.append(
                     WorkerLost(t=clock(), worker_id=worker.worker_id, reason="never started")
@@ -133,24 +168,44 @@ async def run(
     ``live`` redraws a compact view of pools, workers, GPUs and decisions (for a terminal);
     otherwise decisions go out as log lines.
     """
-    from adapters.http_api import build_app, serve
+    from adapters.http_api import build_app, listen, serve
 
     token = os.environ.get(settings.api.token_env) or secrets.token_urlsafe(24)
     if settings.api.token_env not in os.environ:
         out(f"deo: no ${settings.api.token_env}; operator token for this run: {token}")
-    worker_token = secrets.token_urlsafe(24)
     clock = time.time  # wall time: it must keep meaning the same across restarts
-    event_log, recovery = EventLog.open(
-        settings.log, fsync=settings.fsync, snapshot_every=settings.snapshot_every
-    )
+    # Everything that can fail at start-up fails before any worker is touched.
+    try:
+        sock = listen(settings.api.host, settings.api.port)
+    except OSError as exc:
+        out(f"deo: cannot listen on {settings.api.host}:{settings.api.port}: {exc.strerror}")
+        return 2
+    try:
+        event_log, recovery = EventLog.open(
+            settings.log, fsync=settings.fsync, snapshot_every=settings.snapshot_every
+        )
+    except DeoError as exc:
+        sock.close()
+        out(f"deo: {exc}")
+        return 2
     for problem in recovery.problems:
         out(f"deo: {settings.log}: {problem}")
     if recovery.replayed:
         out(f"deo: rebuilt state from {settings.log} ({recovery.replayed} records after snapshot)")
+    run_id = run_id_of(settings.log)
+    worker_token = worker_token_for(settings.log)
+    port = sock.getsockname()[1]
+    url = f"http://{settings.api.host}:{port}"
     settings.worker_logs.mkdir(parents=True, exist_ok=True)
     send, receive = anyio.create_memory_object_stream[Event](float("inf"))
-    processes = LocalProcesses(send, clock=clock, log_dir=settings.worker_logs)
-    executor = _WorkerEnv(processes, {}, settings.worker_logs)
+    processes = LocalProcesses(
+        send,
+        clock=clock,
+        log_dir=settings.worker_logs,
+        environ=worker_environ(settings.api.token_env),
+    )
+    runtime_env = {API_URL_ENV: url, WORKER_TOKEN_ENV: worker_token, RUN_ID_ENV: run_id}
+    executor = _WorkerEnv(processes, runtime_env, settings.worker_logs)
     runner = Runner(
         event_log,
         Reducer(recovery.state),
@@ -160,15 +215,6 @@ async def run(
     )
     app = build_app(runner, token=token, worker_token=worker_token)
 
-    def api_started(port: int) -> None:
-        executor.env.update(
-            {
-                API_URL_ENV: f"http://{settings.api.host}:{port}",
-                WORKER_TOKEN_ENV: worker_token,
-            }
-        )
-        out(f"deo: API on http://{settings.api.host}:{port} (log {settings.log})")
-
     async def forward() -> None:
         async for event in receive:
             runner.emit(event)
@@ -176,9 +222,11 @@ async def run(
     refused = False
     try:
         async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: serve(app, sock=sock))
+            out(f"deo: API on {url} (log {settings.log})")
             tg.start_soon(processes.run)
             tg.start_soon(forward)
-            for event in await reconcile(recovery.state, processes, clock):
+            for event in await reconcile(recovery.state, processes, clock, run_id):
                 runner.emit(event)
             tg.start_soon(runner.run)
             if recovery.state.config != settings.config:
@@ -189,11 +237,6 @@ async def run(
                     out(f"deo: the configuration was refused: {exc}")
                     refused = True
                     tg.cancel_scope.cancel()
-            tg.start_soon(
-                lambda: serve(
-                    app, host=settings.api.host, port=settings.api.port, started=api_started
-                )
-            )
             tg.start_soon(
                 heartbeat_files, settings.worker_logs, lambda: runner.state, runner.emit, clock
             )
@@ -236,8 +279,13 @@ async def _stop_on_request(
         out("deo: stop requested: draining every worker first")
         drained = attrs.evolve(runner.state.config, pools=())
         await runner.submit(Configured(t=runner.clock(), config=drained))
-        while runner.state.workers:
-            await anyio.sleep(0.2)
+        # Drain, SIGTERM, SIGKILL and the give-up after it each have their deadline; past the
+        # longest of them the core has ended every worker, so this wait is bounded too.
+        specs = [p.spec for p in runner.state.pools.values()]
+        bound_s = max((p.drain_timeout_s + 2 * p.stop_timeout_s for p in specs), default=0)
+        with anyio.move_on_after(bound_s + 10 * runner.tick_interval_s):
+            while runner.state.workers:
+                await anyio.sleep(0.2)
     out("deo: stop requested")
     scope.cancel()
 

@@ -46,9 +46,15 @@ def _check_time(name: str, t: float) -> None:
         raise InvalidEvent(f"{name}.t must be a finite number of seconds >= 0, got {t!r}")
 
 
+#: Counts must fit the log's JSON integers (64-bit signed).
+MAX_COUNT = 2**63 - 1
+
+
 def _check_count(event: object, field: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidEvent(f"{type(event).__name__}.{field} must be an integer >= 0, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
+        raise InvalidEvent(
+            f"{type(event).__name__}.{field} must be an integer in [0, 2**63), got {value!r}"
+        )
 
 
 @attrs.frozen(slots=True, kw_only=True)

@@ -566,3 +566,30 @@ def test_line_numbers_stay_right_across_recovery_and_snapshot(
     assert recovery.set_aside == tmp_path / f"log.jsonl.torn-{line_count + 1}"
     assert recovery.state == reducer.state
     assert replays_cleanly(path) == 400
+
+
+def test_one_writer_per_log(tmp_path: Path) -> None:
+    from adapters.log import LogInUse
+
+    path = tmp_path / "one.jsonl"
+    log, _ = EventLog.open(path)
+    with pytest.raises(LogInUse, match="in use by another deo"):
+        EventLog.open(path)
+    log.close()
+    again, _ = EventLog.open(path)  # free once the first writer is gone
+    again.close()
+
+
+def test_records_that_cannot_be_replayed_are_reported_not_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "odd.jsonl"
+    log, _ = EventLog.open(path)
+    log.close()
+    with path.open("ab") as f:
+        f.write(b'{"kind":"event","seq":"x","event":{"@":"Tick","t":1.0}}\n')
+        f.write(b'{"kind":"event","seq":2,"event":{"@":"NoSuchEvent","t":1.0}}\n')
+        f.write(b'{"kind":"event","seq":3,"event":{"@":"Tick","t":2.0}}\n')
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert [(p.line, "seq" in p.message) for p in recovery.problems] == [(2, True), (3, False)]
+    assert "NoSuchEvent" in recovery.problems[1].message
+    assert recovery.state.now == 2.0

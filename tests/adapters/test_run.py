@@ -437,3 +437,53 @@ def test_a_configuration_the_core_refuses_stops_deo_with_the_reason(
     assert "GPU '0' is held by worker envs-0" in out.read_text()
     assert alive(worker["pid"])  # refusing a configuration touches no worker
     verified(d)
+
+
+def test_workers_get_the_runtime_variables_but_never_the_operator_token(
+    deo: Callable[[str], Deo],
+) -> None:
+    d = deo(
+        pool(
+            "envs",
+            [sys.executable, str(WELL_BEHAVED), "0.2"],
+            min_workers=1,
+            max_workers=1,
+            heartbeat_grace_s=30.0,
+        )
+    )
+    d.start()
+    [worker] = wait_for("a worker", lambda: d.workers("active"))
+    raw = Path(f"/proc/{worker['pid']}/environ").read_bytes().split(b"\0")
+    env = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+    assert "DEO_TOKEN" not in env  # a worker holding it could act as the operator
+    assert env["DEO_API_URL"] == d.url and env["DEO_RUN_ID"] and env["DEO_WORKER_ID"] == "envs-0"
+    beat = f"{d.url}/v1/workers/envs-0/heartbeat"
+    bearer = {"Authorization": f"Bearer {env['DEO_WORKER_TOKEN']}"}
+    assert httpx.post(beat, headers=bearer).status_code == 200
+    d.stop()
+    d.start()  # a restart adopts the worker; its token must still be accepted
+    wait_for("the adoption", lambda: "WorkerAdopted" in d.log.read_text())
+    assert httpx.post(f"{d.url}/v1/workers/envs-0/heartbeat", headers=bearer).status_code == 200
+    verified(d)
+
+
+def test_a_second_deo_on_the_same_log_is_refused(deo: Callable[[str], Deo]) -> None:
+    d = deo(pool("envs", [sys.executable, str(WELL_BEHAVED), "0.2"], min_workers=1, max_workers=1))
+    d.start()
+    wait_for("a worker", lambda: d.workers("active"))
+    before = d.log.read_bytes()
+    second = subprocess.run(
+        [sys.executable, "-m", "adapters.cli", "run", "--config", str(d.config)],
+        cwd=d.dir,
+        env={**os.environ, "DEO_TOKEN": TOKEN},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode == 2
+    assert "in use by another deo" in second.stdout + second.stderr
+    assert len(d.workers()) == 1  # nothing adopted or spawned twice
+    after = d.log.read_bytes()
+    assert after.startswith(before)
+    assert all(b'"Tick"' in line for line in after[len(before) :].splitlines())  # no 2nd writer
+    verified(d)

@@ -126,16 +126,34 @@ async def test_touching_a_heartbeat_file_reports_the_worker_alive(tmp_path: Path
     assert [type(e) for e in events] == [WorkerHeartbeat]
 
 
-def test_find_spawned_finds_a_worker_by_its_environment() -> None:
+def test_find_spawned_finds_this_logs_worker_by_its_environment() -> None:
     worker_id = f"probe-{os.getpid()}"
-    child = subprocess.Popen(
+    env = {**os.environ, "DEO_WORKER_ID": worker_id}
+    ours = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(30)"],
-        env={**os.environ, "DEO_WORKER_ID": worker_id},
+        env={**env, "DEO_RUN_ID": "ours"},
+        start_new_session=True,
+    )
+    theirs = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)"],
+        env={**env, "DEO_RUN_ID": "theirs"},
+        start_new_session=True,
     )
     try:
-        found = find_spawned(worker_id)
-        assert found is not None and found[0] == child.pid
-        assert find_spawned(worker_id + "-other") is None
+        found = find_spawned(worker_id, "ours")
+        assert found is not None and found[0] == ours.pid  # not the other log's namesake
+        assert find_spawned(worker_id + "-other", "ours") is None
+        twin = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(30)"],
+            env={**env, "DEO_RUN_ID": "ours"},
+            start_new_session=True,
+        )
+        try:
+            assert find_spawned(worker_id, "ours") is None  # ambiguous: adopt neither
+        finally:
+            twin.kill()
+            twin.wait()
     finally:
-        child.kill()
-        child.wait()
+        for child in (ours, theirs):
+            child.kill()
+            child.wait()
