@@ -7,6 +7,7 @@ Every problem is reported with its key (``pools.envs.max_workers: expected an in
 from __future__ import annotations
 
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -14,8 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 
-from core import Config, ConfigError, CordonRules, CrashLoopRules, PolicySpec, PoolSpec
+from core import (
+    Config,
+    ConfigError,
+    CordonRules,
+    CrashLoopRules,
+    LoadSampled,
+    PolicySpec,
+    PoolSpec,
+    QueueSampled,
+)
 from core.policies import build
 
 __all__ = ["ApiSettings", "JsonSource", "RunSettings", "load"]
@@ -29,6 +40,14 @@ class ApiSettings:
     port: int = 8787
     #: The name of the environment variable holding the operator token.
     token_env: str = "DEO_TOKEN"
+
+    def __attrs_post_init__(self) -> None:
+        if not self.host:
+            raise ConfigError("api.host: empty (it would listen on every interface)")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"api.port: {self.port} is not in 0-65535 (0 picks a free port)")
+        if not self.token_env:
+            raise ConfigError("api.token_env: empty")
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -46,6 +65,12 @@ class JsonSource:
 
     def __attrs_post_init__(self) -> None:
         where = f"pools.{self.pool}.source"
+        try:
+            port = httpx.URL(self.url).port
+        except (httpx.InvalidURL, ValueError) as exc:
+            raise ConfigError(f"{where}.url: {exc}") from None
+        if port is not None and not 0 < port < 65536:
+            raise ConfigError(f"{where}.url: port {port} is not in 1-65535")
         queue = (self.queued_sequences, self.batch_size_seqs, self.trainer_step)
         if all(queue) == (self.in_flight_requests is not None) or (any(queue) and not all(queue)):
             raise ConfigError(
@@ -71,16 +96,38 @@ class RunSettings:
     api: ApiSettings = attrs.field(factory=ApiSettings)
     sources: tuple[JsonSource, ...] = ()
 
+    def __attrs_post_init__(self) -> None:
+        if not (math.isfinite(self.tick_interval_s) and self.tick_interval_s > 0):
+            raise ConfigError(f"deo.tick_interval_s must be > 0, got {self.tick_interval_s}")
+        if self.snapshot_every < 1:
+            raise ConfigError(f"deo.snapshot_every must be >= 1, got {self.snapshot_every}")
+        policies = {pool.name: build(pool.policy) for pool in self.config.pools}
+        for source in self.sources:
+            wanted = policies[source.pool].reacts_to
+            given = LoadSampled if source.in_flight_requests is not None else QueueSampled
+            if wanted is not given:
+                needs = (
+                    "nothing"
+                    if wanted is None
+                    else ("in_flight_requests" if wanted is LoadSampled else "a trainer queue")
+                )
+                raise ConfigError(
+                    f"pools.{source.pool}.source: its policy reads {needs}; this source gives "
+                    f"{'in_flight_requests' if given is LoadSampled else 'a trainer queue'}"
+                )
+
 
 def load(path: Path) -> RunSettings:
     """Read ``path``; :class:`ConfigError` naming the key on any problem."""
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"{path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    base = path.parent
+    base = path.parent.resolve()  # absolute: workers get these paths and may change directory
     deo = _table(
         data, "deo", {"log", "fsync", "snapshot_every", "tick_interval_s", "worker_logs", "gpus"}
     )
@@ -135,6 +182,7 @@ def _pool(name: str, raw: dict[str, Any]) -> tuple[PoolSpec, JsonSource | None]:
     source = None
     if "source" in raw:
         table = _typed(f"{where}.source", raw["source"], dict)
+        _known(table, f"{where}.source", {f.name for f in attrs.fields(JsonSource)} - {"pool"})
         source = _build(JsonSource, f"{where}.source", {**table, "pool": name}, skip={"pool"})
     return PoolSpec(name=name, **fields), source
 

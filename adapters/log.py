@@ -195,9 +195,10 @@ class EventLog:
         return self._seq
 
     def _append(self, record: dict[str, Any]) -> int:
+        record["seq"] = self._seq + 1
+        line = orjson.dumps(record) + b"\n"  # may raise: then nothing is buffered, no seq used
         self._seq += 1
-        record["seq"] = self._seq
-        self._buffer.append(orjson.dumps(record) + b"\n")
+        self._buffer.append(line)
         return self._seq
 
     def append_event(self, event: Event) -> int:

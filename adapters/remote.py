@@ -23,8 +23,10 @@ def status(args: argparse.Namespace) -> int:
     """Print the pools, workers, GPUs and alerts of the deo at ``args.url``."""
     try:
         body = _get(f"{args.url}/global-status")
-    except httpx.HTTPError as exc:
-        print(f"deo status: {args.url}: {exc}", file=sys.stderr)
+        if not isinstance(body, dict):
+            raise ValueError("the answer is not a JSON object")
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
+        print(f"deo status: {args.url}: {exc} (is deo running there?)", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(body, indent=2))
@@ -39,7 +41,7 @@ def status(args: argparse.Namespace) -> int:
         print(f"{name:<14}{pool.get('target', '?'):>7}{sum(states.values()):>9}  {counts}")
         for decision in pool.get("decisions", [])[-3:]:
             what = f"{decision.get('type')}: {decision.get('reason')}"
-            print(f"{'':<14}t={decision.get('t', 0):.1f} {what}")
+            print(f"{'':<14}t={decision.get('t') or 0:.1f} {what}")
     for gpu in body.get("gpus", []):
         causes = ", ".join(gpu.get("causes", [])) or "ok"
         print(f"GPU {gpu.get('id')}: {causes}")
@@ -61,7 +63,7 @@ def stop(args: argparse.Namespace) -> int:
             headers={"Authorization": f"Bearer {token}"},
             timeout=10.0,
         )
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
         print(f"deo stop: {args.url}: {exc}", file=sys.stderr)
         return 2
     if response.status_code != 200:

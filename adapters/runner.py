@@ -21,6 +21,7 @@ from typing import Protocol
 
 import anyio
 import attrs
+import orjson
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from adapters.log import EventLog
@@ -159,6 +160,10 @@ class Runner:
         except DeoError as exc:
             log.warning("refused %s: %s", type(event).__name__, exc)
             return exc
+        except orjson.JSONEncodeError as exc:
+            # Nothing was written for it (records are encoded before they are buffered).
+            log.error("cannot log %s: %s", type(event).__name__, exc)
+            return DeoError(f"{type(event).__name__} cannot be logged: {exc}")
         for command in commands:
             self.decisions.append(Decision(t=self.reducer.state.now, command=command))
             log.info("%s: %s", type(command).__name__, command.reason)

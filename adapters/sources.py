@@ -64,8 +64,10 @@ async def poll_json(
                 response = await client.get(source.url)
                 response.raise_for_status()
                 event = read_pressure(source, response.json(), clock())
-            except (httpx.HTTPError, ValueError) as exc:
-                event = SourceDown(t=clock(), pool=source.pool, error=f"{source.url}: {exc}")
+            except Exception as exc:
+                # A source never takes deo down: any failure is an outage the core holds through.
+                what = f"{type(exc).__name__}: {exc}"
+                event = SourceDown(t=clock(), pool=source.pool, error=f"{source.url}: {what}")
             emit(event)
             await anyio.sleep(source.interval_s)
 
@@ -92,7 +94,7 @@ async def heartbeat_files(
         for worker_id in live:
             try:
                 mtime = os.stat(heartbeat_path(directory, worker_id)).st_mtime
-            except FileNotFoundError:
+            except OSError:  # not touched yet, or unreadable: no sign of life
                 continue
             if seen.get(worker_id) != mtime:
                 seen[worker_id] = mtime

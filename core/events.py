@@ -263,6 +263,11 @@ class GpuSampled(Event):
         _check_count(self, "memory_used_bytes", self.memory_used_bytes)
         _check_count(self, "memory_total_bytes", self.memory_total_bytes)
         _check_count(self, "new_errors", self.new_errors)
+        if not (isinstance(self.temperature_c, (int, float)) and math.isfinite(self.temperature_c)):
+            raise InvalidEvent(
+                f"GpuSampled.temperature_c must be a finite number, got {self.temperature_c!r} "
+                f"on GPU {self.gpu_id!r}"
+            )
         if self.memory_used_bytes > self.memory_total_bytes:
             raise InvalidEvent(
                 f"GpuSampled.memory_used_bytes ({self.memory_used_bytes}) exceeds "

@@ -91,6 +91,22 @@ def test_a_full_config_becomes_the_cores_config(tmp_path: Path) -> None:
         (("[deo]", "[deo]\nlogg = 1"), r"deo\.logg: unknown key \(did you mean log\?\)"),
         (("[deo]", "[dep]"), r"dep: unknown key"),
         (("max_workers = 4", "max_workers = 4 ="), r"not valid TOML"),
+        (("[deo]", "[deo]\ntick_interval_s = 0"), r"deo\.tick_interval_s must be > 0"),
+        (("[deo]", "[deo]\nsnapshot_every = 0"), r"deo\.snapshot_every must be >= 1"),
+        (("[deo]", "[api]\nport = 70000\n[deo]"), r"api\.port: 70000 is not in 0-65535"),
+        (("[deo]", '[api]\nhost = ""\n[deo]'), r"api\.host: empty"),
+        (
+            ('trainer_step = "step"', 'trainer_step = "step"\npool = "x"'),
+            r"source\.pool: unknown key",
+        ),
+        (("127.0.0.1:9000", "127.0.0.1:99999"), r"source\.url: port 99999"),
+        (
+            (
+                'queued_sequences = "queue.seqs"\nbatch_size_seqs = "batch"\ntrainer_step = "step"',
+                'in_flight_requests = "load"',
+            ),
+            r"source: its policy reads a trainer queue; this source gives in_flight_requests",
+        ),
     ],
 )
 def test_problems_are_named_by_key(tmp_path: Path, change: tuple[str, str], message: str) -> None:
@@ -103,3 +119,10 @@ def test_problems_are_named_by_key(tmp_path: Path, change: tuple[str, str], mess
 def test_a_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="No such file"):
         load(tmp_path / "nope.toml")
+
+
+def test_a_file_that_is_not_utf8_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "deo.toml"
+    path.write_bytes(b'[deo]\nlog = "\xff"\n')
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load(path)
