@@ -109,7 +109,10 @@ class Runner:
         reply_send, reply_receive = anyio.create_memory_object_stream[list[Command] | DeoError](1)
         await self._send.send(_Item(event, reply_send))
         async with reply_receive:
-            answer = await reply_receive.receive()
+            try:
+                answer = await reply_receive.receive()
+            except anyio.EndOfStream:
+                raise Rejected("deo is stopping") from None
         if isinstance(answer, DeoError):
             raise Rejected(str(answer))
         return answer
@@ -123,7 +126,22 @@ class Runner:
             finally:
                 tg.cancel_scope.cancel()
                 self._send.close()
+                self._record_the_rest()
                 self._receive.close()
+
+    def _record_the_rest(self) -> None:
+        """Log (not carry out) what was still queued at the stop, so no observation is lost: a
+        worker exit seen just before stopping stays an exit, not a loss found at restart. Its
+        commands are logged unexecuted, as after a crash; the restart reconciles them."""
+        while True:
+            try:
+                item = self._receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                return
+            if item.reply is not None:
+                item.reply.close()  # the submitter is told deo is stopping
+            else:
+                self._step(item.event)
 
     async def _ticks(self) -> None:
         while True:
@@ -140,8 +158,11 @@ class Runner:
                 except anyio.WouldBlock:
                     break
             outcomes = [self._step(queued.event) for queued in batch]
-            self.log.flush()
-            self.log.maybe_snapshot(self.reducer.state)
+            # fsync and snapshots block: off the event loop, and finished even when cancelled,
+            # because the commands are carried out only once they are durable (write-ahead).
+            state = self.reducer.state
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._persist, state)
             for queued, outcome in zip(batch, outcomes, strict=True):
                 if queued.reply is not None:
                     async with queued.reply:
@@ -152,6 +173,10 @@ class Runner:
                 if isinstance(outcome, list):
                     for command in outcome:
                         await self.executor.execute(command)
+
+    def _persist(self, state: State) -> None:
+        self.log.flush()
+        self.log.maybe_snapshot(state)
 
     def _step(self, event: Event) -> list[Command] | DeoError:
         self.events_handled += 1

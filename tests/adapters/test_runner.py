@@ -80,3 +80,39 @@ async def test_sources_may_emit_after_the_loop_stopped(tmp_path: Path) -> None:
         await anyio.wait_all_tasks_blocked()
         tg.cancel_scope.cancel()
     runner.emit(Configured(t=0.0, config=Config()))  # dropped, not raised
+
+
+@pytest.mark.anyio
+async def test_what_is_queued_at_the_stop_is_still_logged(tmp_path: Path) -> None:
+    runner, executor = make(tmp_path)
+    runner.emit(Configured(t=0.0, config=Config(pools=[SPEC])))
+    runner.emit(PoolPinned(t=1.0, pool="envs", count=3))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run)
+        tg.cancel_scope.cancel()  # before the loop has handled anything
+    runner.log.close()
+    records = [orjson.loads(line) for line in (tmp_path / "run.jsonl").read_bytes().splitlines()]
+    events = [r["event"]["@"] for r in records if r["kind"] == "event"]
+    assert events == ["Configured", "PoolPinned"]
+    assert executor.commands == []  # logged, not carried out: a restart reconciles them
+    assert runner.state.pools["envs"].target == 3
+
+
+@pytest.mark.anyio
+async def test_a_submitter_waiting_at_the_stop_is_told_deo_is_stopping(tmp_path: Path) -> None:
+    runner, _ = make(tmp_path)
+    answers: list[str] = []
+
+    async def submit() -> None:
+        try:
+            await runner.submit(Configured(t=0.0, config=Config(pools=[SPEC])))
+        except Rejected as exc:
+            answers.append(str(exc))
+
+    async with anyio.create_task_group() as outer:
+        outer.start_soon(submit)
+        await anyio.wait_all_tasks_blocked()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(runner.run)
+            tg.cancel_scope.cancel()
+    assert answers == ["deo is stopping"]
