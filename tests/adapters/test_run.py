@@ -90,20 +90,34 @@ class Deo:
         self.url = ""
         self.outputs: list[Path] = []
 
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "adapters.cli", "run", "--config", str(self.config)]
+
     def start(self) -> None:
         out = self.dir / f"deo-{len(self.outputs)}.out"
         self.outputs.append(out)
-        env = {**os.environ, "DEO_TOKEN": TOKEN}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "adapters.cli", "run", "--config", str(self.config)],
+            self.argv(),
             cwd=self.dir,
-            env=env,
+            env={**os.environ, "DEO_TOKEN": TOKEN},
             stdout=out.open("wb"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         found = wait_for("the API", lambda: re.search(r"API on (http://\S+)", out.read_text()))
         self.url = found.group(1)
+
+    def run_to_end(self) -> subprocess.CompletedProcess[str]:
+        """Another ``deo run`` on the same config, expected to exit by itself (a refused start)."""
+        return subprocess.run(
+            self.argv(),
+            cwd=self.dir,
+            env={**os.environ, "DEO_TOKEN": TOKEN},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=60,
+        )
 
     def output(self) -> str:
         return "".join(p.read_text() for p in self.outputs)
@@ -423,18 +437,10 @@ def test_a_configuration_the_core_refuses_stops_deo_with_the_reason(
     assert worker["gpus"] == ["0"]
     d.stop()  # the worker keeps GPU 0
     d.config.write_text(d.config.read_text().replace('gpus = ["0"]', 'gpus = ["1"]'))
-    out = d.dir / "refused.out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "adapters.cli", "run", "--config", str(d.config)],
-        cwd=d.dir,
-        env={**os.environ, "DEO_TOKEN": TOKEN},
-        stdout=out.open("wb"),
-        stderr=subprocess.STDOUT,
-        timeout=60,
-    )
+    proc = d.run_to_end()
     assert proc.returncode == 2
-    assert "the configuration was refused" in out.read_text()
-    assert "GPU '0' is held by worker envs-0" in out.read_text()
+    assert "the configuration was refused" in proc.stdout
+    assert "GPU '0' is held by worker envs-0" in proc.stdout
     assert alive(worker["pid"])  # refusing a configuration touches no worker
     verified(d)
 
@@ -472,16 +478,9 @@ def test_a_second_deo_on_the_same_log_is_refused(deo: Callable[[str], Deo]) -> N
     d.start()
     wait_for("a worker", lambda: d.workers("active"))
     before = d.log.read_bytes()
-    second = subprocess.run(
-        [sys.executable, "-m", "adapters.cli", "run", "--config", str(d.config)],
-        cwd=d.dir,
-        env={**os.environ, "DEO_TOKEN": TOKEN},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    second = d.run_to_end()
     assert second.returncode == 2
-    assert "in use by another deo" in second.stdout + second.stderr
+    assert "in use by another deo" in second.stdout
     assert len(d.workers()) == 1  # nothing adopted or spawned twice
     after = d.log.read_bytes()
     assert after.startswith(before)
