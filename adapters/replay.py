@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import orjson
 
 from adapters.log import Line, LogProblem, check_header, read_lines
 from core import Command, Configured, DeoError, Event, State, decode, encode, reduce
@@ -159,8 +160,6 @@ def parse_setting(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise ValueError(f"--set {text!r}: expected key=value, e.g. pools.envs.max_workers=4")
-    import orjson
-
     try:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError:
