@@ -62,6 +62,24 @@ def build_parser() -> argparse.ArgumentParser:
         "and print a timeline. Exit 0: verified; 1: diverged; 2: unreadable lines.",
     )
     postmortem.add_arguments(replay)
+
+    from adapters.sim import cli as sim_cli
+    from bench import cli as bench_cli
+
+    sim_cli.add_arguments(
+        commands.add_parser(
+            "simulate",
+            help="run one scenario in the simulator and print its metrics",
+            description=sim_cli.__doc__,
+        )
+    )
+    bench_cli.add_arguments(
+        commands.add_parser(
+            "bench",
+            help="run every scenario under every policy; write docs/benchmarks.md",
+            description=bench_cli.__doc__,
+        )
+    )
     return parser
 
 
@@ -77,6 +95,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from adapters import remote
 
         return remote.status(args) if args.command == "status" else remote.stop(args)
+    if args.command == "simulate":
+        from adapters.sim import cli as sim_cli
+
+        return sim_cli.main(args)
+    if args.command == "bench":
+        from bench import cli as bench_cli
+
+        return bench_cli.main(args)
     if args.command == "replay":
         try:
             return postmortem.run(args)

@@ -1,0 +1,1 @@
+"""The controller benchmark: baselines, scenarios and the harness behind ``deo bench``."""

@@ -1,0 +1,1 @@
+"""Worker-side helpers: drain on deo's signal and send heartbeats, for any worker process."""
