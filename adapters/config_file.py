@@ -12,11 +12,11 @@ import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import httpx
 
+from adapters.atropos import AtroposSource, check_url
 from core import (
     Config,
     ConfigError,
@@ -29,7 +29,10 @@ from core import (
 )
 from core.policies import build
 
-__all__ = ["ApiSettings", "JsonSource", "RunSettings", "load"]
+if TYPE_CHECKING:
+    from adapters.nvml import NvmlSettings
+
+__all__ = ["ApiSettings", "JsonSource", "RunSettings", "Source", "load"]
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -65,22 +68,23 @@ class JsonSource:
 
     def __attrs_post_init__(self) -> None:
         where = f"pools.{self.pool}.source"
-        try:
-            port = httpx.URL(self.url).port
-        except (httpx.InvalidURL, ValueError) as exc:
-            raise ConfigError(f"{where}.url: {exc}") from None
-        if port is not None and not 0 < port < 65536:
-            raise ConfigError(f"{where}.url: port {port} is not in 1-65535")
+        check_url(where, self.url)
         queue = (self.queued_sequences, self.batch_size_seqs, self.trainer_step)
         if all(queue) == (self.in_flight_requests is not None) or (any(queue) and not all(queue)):
             raise ConfigError(
                 f"{where}: give either queued_sequences, batch_size_seqs and trainer_step "
                 f"(a trainer queue) or in_flight_requests (a request load)"
             )
-        if not self.url.startswith(("http://", "https://")):
-            raise ConfigError(f"{where}.url: expected an http(s) URL, got {self.url!r}")
         if not self.interval_s > 0 or not self.timeout_s > 0:
             raise ConfigError(f"{where}: interval_s and timeout_s must be > 0")
+
+
+#: Where a pool's pressure comes from: ``kind = "json"`` (the default) or ``kind = "atropos"``.
+Source = JsonSource | AtroposSource
+_SOURCE_KINDS: dict[str, type[JsonSource] | type[AtroposSource]] = {
+    "json": JsonSource,
+    "atropos": AtroposSource,
+}
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -94,7 +98,9 @@ class RunSettings:
     tick_interval_s: float = 1.0
     worker_logs: Path = Path("deo-workers")
     api: ApiSettings = attrs.field(factory=ApiSettings)
-    sources: tuple[JsonSource, ...] = ()
+    sources: tuple[Source, ...] = ()
+    #: GPU health monitoring (``[nvml]``); None: the default (NVML when a driver answers).
+    nvml: NvmlSettings = attrs.field(factory=lambda: _nvml_settings())
 
     def __attrs_post_init__(self) -> None:
         if not (math.isfinite(self.tick_interval_s) and self.tick_interval_s > 0):
@@ -104,7 +110,11 @@ class RunSettings:
         policies = {pool.name: build(pool.policy) for pool in self.config.pools}
         for source in self.sources:
             wanted = policies[source.pool].reacts_to
-            given = LoadSampled if source.in_flight_requests is not None else QueueSampled
+            given = (
+                LoadSampled
+                if isinstance(source, JsonSource) and source.in_flight_requests is not None
+                else QueueSampled
+            )
             if wanted is not given:
                 needs = (
                     "nothing"
@@ -131,7 +141,7 @@ def load(path: Path) -> RunSettings:
     deo = _table(
         data, "deo", {"log", "fsync", "snapshot_every", "tick_interval_s", "worker_logs", "gpus"}
     )
-    _known(data, "", {"deo", "api", "cordon", "pools"})
+    _known(data, "", {"deo", "api", "cordon", "nvml", "pools"})
     pools_table = _table(data, "pools", None)
     pools, sources = [], []
     for name, raw in pools_table.items():
@@ -156,11 +166,21 @@ def load(path: Path) -> RunSettings:
         worker_logs=base / _typed("deo.worker_logs", deo.get("worker_logs", "deo-workers"), str),
         api=_build(ApiSettings, "api", _table(data, "api", None)),
         sources=tuple(sources),
+        nvml=_nvml_settings(_table(data, "nvml", None), base),
         **settings,
     )
 
 
-def _pool(name: str, raw: dict[str, Any]) -> tuple[PoolSpec, JsonSource | None]:
+def _nvml_settings(table: dict[str, Any] | None = None, base: Path | None = None) -> NvmlSettings:
+    from adapters.nvml import NvmlSettings
+
+    table = dict(table or {})
+    if "file" in table and base is not None:
+        table["file"] = base / _typed("nvml.file", table["file"], str)
+    return _build(NvmlSettings, "nvml", table)  # type: ignore[no-any-return]
+
+
+def _pool(name: str, raw: dict[str, Any]) -> tuple[PoolSpec, Source | None]:
     where = f"pools.{name}"
     fields: dict[str, Any] = {}
     hints = typing.get_type_hints(PoolSpec)
@@ -181,9 +201,15 @@ def _pool(name: str, raw: dict[str, Any]) -> tuple[PoolSpec, JsonSource | None]:
             fields[key] = _typed(f"{where}.{key}", value, hints[key])
     source = None
     if "source" in raw:
-        table = _typed(f"{where}.source", raw["source"], dict)
-        _known(table, f"{where}.source", {f.name for f in attrs.fields(JsonSource)} - {"pool"})
-        source = _build(JsonSource, f"{where}.source", {**table, "pool": name}, skip={"pool"})
+        table = dict(_typed(f"{where}.source", raw["source"], dict))
+        kind = _typed(f"{where}.source.kind", table.pop("kind", "json"), str)
+        cls = _SOURCE_KINDS.get(kind)
+        if cls is None:
+            raise ConfigError(
+                f"{where}.source.kind: unknown kind {kind!r}; known: {', '.join(_SOURCE_KINDS)}"
+            )
+        _known(table, f"{where}.source", {f.name for f in attrs.fields(cls)} - {"pool"} | {"kind"})
+        source = _build(cls, f"{where}.source", {**table, "pool": name}, skip={"pool"})
     return PoolSpec(name=name, **fields), source
 
 

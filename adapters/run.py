@@ -22,6 +22,7 @@ from pathlib import Path
 import anyio
 import attrs
 
+from adapters.atropos import AtroposSource, poll_atropos
 from adapters.config_file import RunSettings
 from adapters.live import live_view
 from adapters.log import EventLog
@@ -50,6 +51,7 @@ API_URL_ENV = "DEO_API_URL"
 WORKER_TOKEN_ENV = "DEO_WORKER_TOKEN"
 #: Names the log a worker belongs to, so a restart never takes another deo's worker for its own.
 RUN_ID_ENV = "DEO_RUN_ID"
+GPU_ENV = "CUDA_VISIBLE_DEVICES"
 
 
 def run_id_of(log_path: Path) -> str:
@@ -149,6 +151,8 @@ class _WorkerEnv:
     inner: LocalProcesses
     env: dict[str, str]
     heartbeats: Path
+    #: Configured GPU id -> the id this machine's CUDA knows it by (see adapters.nvml).
+    physical_gpus: dict[str, str] = attrs.field(factory=dict)
 
     async def execute(self, command: Command) -> None:
         if isinstance(command, SpawnWorker):
@@ -156,6 +160,8 @@ class _WorkerEnv:
                 **self.env,
                 HEARTBEAT_ENV: str(heartbeat_path(self.heartbeats, command.worker_id)),
             }
+            if command.gpus:
+                extra[GPU_ENV] = ",".join(self.physical_gpus.get(g, g) for g in command.gpus)
             command = attrs.evolve(command, env={**command.env, **extra})
         await self.inner.execute(command)
 
@@ -169,12 +175,18 @@ async def run(
     otherwise decisions go out as log lines.
     """
     from adapters.http_api import build_app, listen, serve
+    from adapters.nvml import physical_gpu_ids, poll_gpus
 
     token = os.environ.get(settings.api.token_env) or secrets.token_urlsafe(24)
     if settings.api.token_env not in os.environ:
         out(f"deo: no ${settings.api.token_env}; operator token for this run: {token}")
     clock = time.time  # wall time: it must keep meaning the same across restarts
     # Everything that can fail at start-up fails before any worker is touched.
+    try:
+        physical_gpus = physical_gpu_ids(settings.config.gpus, os.environ.get(GPU_ENV))
+    except DeoError as exc:
+        out(f"deo: {exc}")
+        return 2
     try:
         sock = listen(settings.api.host, settings.api.port)
     except OSError as exc:
@@ -205,7 +217,7 @@ async def run(
         environ=worker_environ(settings.api.token_env),
     )
     runtime_env = {API_URL_ENV: url, WORKER_TOKEN_ENV: worker_token, RUN_ID_ENV: run_id}
-    executor = _WorkerEnv(processes, runtime_env, settings.worker_logs)
+    executor = _WorkerEnv(processes, runtime_env, settings.worker_logs, physical_gpus)
     runner = Runner(
         event_log,
         Reducer(recovery.state),
@@ -241,7 +253,13 @@ async def run(
                 heartbeat_files, settings.worker_logs, lambda: runner.state, runner.emit, clock
             )
             for source in settings.sources:
-                tg.start_soon(poll_json, source, runner.emit, clock)
+                if isinstance(source, AtroposSource):
+                    tg.start_soon(poll_atropos, source, runner.emit, clock)
+                else:
+                    tg.start_soon(poll_json, source, runner.emit, clock)
+            if settings.config.gpus:
+                gpus = settings.config.gpus
+                tg.start_soon(poll_gpus, settings.nvml, gpus, runner.emit, clock, out)
             if live:
                 tg.start_soon(live_view, runner, _write)
             tg.start_soon(_stop_on_signal, tg.cancel_scope, out)

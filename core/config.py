@@ -138,6 +138,9 @@ class PoolSpec:
     metrics_stale_s: float = 30.0
     #: No policy scale-down within this long after a scale-up (no flapping).
     stabilization_s: float = 120.0
+    #: A trainer queue deeper than this many batches is more than the trainer can use before the
+    #: data goes stale (atroposlib's envs stop at max_batches_offpolicy, 3 by default): alert.
+    queue_alert_batches: float = 4.0
     crash_loop: CrashLoopRules = attrs.field(factory=CrashLoopRules)
 
     def __attrs_post_init__(self) -> None:
@@ -179,7 +182,13 @@ class PoolSpec:
             raise ConfigError(
                 f"{where}.drain_signal: {self.drain_signal!r} is not one of {sorted(_SIGNALS)}"
             )
-        for key in ("start_timeout_s", "drain_timeout_s", "stop_timeout_s", "metrics_stale_s"):
+        for key in (
+            "start_timeout_s",
+            "drain_timeout_s",
+            "stop_timeout_s",
+            "metrics_stale_s",
+            "queue_alert_batches",
+        ):
             _positive(f"{where}.{key}", getattr(self, key))
         _non_negative(f"{where}.stabilization_s", self.stabilization_s)
         if self.heartbeat_grace_s is not None:

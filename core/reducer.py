@@ -15,7 +15,7 @@ from typing import Any
 
 from core import commands as c
 from core import events as e
-from core.config import Config
+from core.config import Config, PoolSpec
 from core.errors import ConfigError, InvalidEvent
 from core.invariants import raise_on_violation
 from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
@@ -405,6 +405,8 @@ class _Step:
         changes["queue" if isinstance(event, e.QueueSampled) else "load"] = event
         self.resolve_alert("source_down", name, "pressure source answered again")
         self.resolve_alert("pressure_stale", name, "fresh pressure sample")
+        if isinstance(event, e.QueueSampled):
+            self.check_backlog(pool.spec, event)
         policy = build(pool.spec.policy)
         if policy.reacts_to is not type(event):
             self.put_pool(replace(pool, **changes))
@@ -427,6 +429,21 @@ class _Step:
         if not (self.paused_all or pool.paused or pool.pinned is not None or pool.removed):
             pool = self.set_desired(pool, decision.target, "policy", decision.reason)
         self.put_pool(pool)
+
+    def check_backlog(self, spec: PoolSpec, sample: e.QueueSampled) -> None:
+        """Report a queue growing past what the trainer can use (the policy scales down)."""
+        queued_batches = sample.queued_sequences / sample.batch_size_seqs
+        if queued_batches > spec.queue_alert_batches:
+            self.raise_alert(
+                "queue_backlog",
+                spec.name,
+                f"{queued_batches:.1f} batches queued, more than the {spec.queue_alert_batches:g} "
+                f"the trainer can use before the data goes stale",
+            )
+        else:
+            self.resolve_alert(
+                "queue_backlog", spec.name, f"queue back to {queued_batches:.1f} batches"
+            )
 
     def pool_counts(self) -> dict[str, tuple[int, int]]:
         """(counted, active) workers per pool. Samples arrive far more often than workers change

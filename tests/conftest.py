@@ -1,0 +1,75 @@
+"""Fixtures shared across the test tree: a real atroposlib trajectory API server."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class AtroposApi:
+    """atroposlib's API server (`run-api`) as a real process on a loopback port."""
+
+    def __init__(self, log_path: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> AtroposApi:
+        argv = [sys.executable, "-m", "uvicorn", "atroposlib.api.server:app"]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(self.url + "/status", timeout=1).raise_for_status()
+                return self
+            except httpx.HTTPError:
+                assert self.proc.poll() is None, self.log_path.read_text()
+                time.sleep(0.1)
+        raise AssertionError(f"atroposlib API server did not answer: {self.log_path.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+
+    def register_trainer(self, batch_size_seqs: int) -> None:
+        """POST /register as a trainer would, then GET /batch once (that lets envs register)."""
+        body = {
+            "wandb_group": "test",
+            "wandb_project": "test",
+            "batch_size": batch_size_seqs,
+            "max_token_len": 64,
+            "checkpoint_dir": "",
+            "save_checkpoint_interval": 0,
+            "starting_step": 0,
+            "num_steps": 1000,
+        }
+        httpx.post(self.url + "/register", json=body).raise_for_status()
+        httpx.get(self.url + "/batch").raise_for_status()
+
+
+@pytest.fixture
+def atropos_api(tmp_path: Path) -> Iterator[AtroposApi]:
+    api = AtroposApi(tmp_path / "atropos-api.log").start()
+    try:
+        yield api
+    finally:
+        api.stop()
