@@ -39,6 +39,14 @@ def status(args: argparse.Namespace) -> int:
         states = pool.get("workers_by_state", {})
         counts = ", ".join(f"{n} {s}" for s, n in sorted(states.items()) if n)
         print(f"{name:<14}{pool.get('target', '?'):>7}{sum(states.values()):>9}  {counts}")
+        queue = pool.get("queue")
+        if isinstance(queue, dict):
+            print(
+                f"{'':<14}queue {queue.get('queued_batches', 0):.2f} batches of "
+                f"{queue.get('batch_size_seqs')} sequences, trainer step {queue.get('trainer_step')}"
+            )
+        if pool.get("source_error"):
+            print(f"{'':<14}pressure source down: {pool['source_error']}")
         for decision in pool.get("decisions", [])[-3:]:
             what = f"{decision.get('type')}: {decision.get('reason')}"
             print(f"{'':<14}t={decision.get('t') or 0:.1f} {what}")
