@@ -550,3 +550,18 @@ def test_same_events_same_commands() -> None:
         runs.append([reducer.step(ev) for ev in events_for_determinism()])
     assert runs[0] == runs[1]
     assert any(runs[0])
+
+
+def test_a_queue_deeper_than_the_trainer_can_use_raises_an_alert_until_it_drains() -> None:
+    reducer, _ = make(pool(queue_alert_batches=4.0))
+    # 4 batches of 64 exactly: not more than the trainer can use
+    assert not of(RaiseAlert, reducer.step(queue(1.0, queued=256, step=0)))
+    # 4.5 batches: alert, once
+    [alert] = of(RaiseAlert, reducer.step(queue(2.0, queued=288, step=0)))
+    assert (alert.alert, alert.subject) == ("queue_backlog", "envs")
+    assert "4.5 batches queued" in alert.reason
+    assert not of(RaiseAlert, reducer.step(queue(3.0, queued=300, step=0)))
+    # back to 1 batch: resolved
+    [resolved] = of(ResolveAlert, reducer.step(queue(4.0, queued=64, step=3)))
+    assert resolved.alert == "queue_backlog"
+    assert ("queue_backlog", "envs") not in reducer.state.alerts
