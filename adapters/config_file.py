@@ -227,6 +227,11 @@ def _build(
         key: value if key in skip else _typed(f"{where}.{key}", value, hints[key])
         for key, value in table.items()
     }
+    missing = [
+        f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING and f.name not in values
+    ]
+    if missing:
+        raise ConfigError(f"{where}.{missing[0]}: required")
     return cls(**values)
 
 
