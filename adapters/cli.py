@@ -23,11 +23,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"deo {VERSION}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    demo = commands.add_parser("demo", help="run a short simulated training loop scaled by deo")
+    demo = commands.add_parser(
+        "demo",
+        help="run a real Atropos loop on this machine, scaled by deo (about a minute)",
+        description="Start atroposlib's API server, a small trainer whose step time changes, and "
+        "deo scaling env workers; print progress and a summary; verify the log.",
+    )
     demo.add_argument(
         "--log", type=Path, default=Path("deo-demo.jsonl"), help="where to write the event log"
     )
-    demo.add_argument("--seed", type=int, default=7, help="random seed of the simulated world")
+    demo.add_argument(
+        "--duration-s", type=float, default=60.0, help="how long the trainer runs (default 60)"
+    )
 
     run = commands.add_parser(
         "run",
@@ -88,7 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from adapters.demo import DemoSettings, run_demo
 
-        return run_demo(args.log, DemoSettings(seed=args.seed))
+        try:
+            settings = DemoSettings(duration_s=args.duration_s)
+        except ValueError as exc:
+            print(f"deo demo: {exc}", file=sys.stderr)
+            return 2
+        return run_demo(args.log, settings)
     if args.command == "run":
         return _run(args.config)
     if args.command in ("status", "stop"):

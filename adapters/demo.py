@@ -1,242 +1,333 @@
-"""``deo demo``: an Atropos-style training loop in simulated time, run by the real core and log.
+"""``deo demo``: a real Atropos loop on this machine, scaled by deo, in about a minute.
 
-A trainer pulls batches of 64 sequences at a step time that changes during the run (fast, then
-faster, then slow); environment workers produce groups of 8 sequences with random latency, stop
-producing while three batches are queued (atroposlib's ``max_batches_offpolicy``), start after a
-delay, drain on request and sometimes crash. deo's default buffer policy scales them. Every event
-and command goes through :class:`adapters.log.EventLog`, so the run ends with a log that
-``deo replay`` verifies. Same seed, same run.
+It starts, all on loopback:
+
+* atroposlib's trajectory API server (``uvicorn atroposlib.api.server:app``, what ``run-api`` runs);
+* a small trainer (:mod:`adapters.demo_trainer`) that registers and pulls 32-sequence batches with a
+  step time that changes: 1.0 s, then 0.4 s (it outruns the envs: deo scales up), then 2.5 s (the
+  queue fills: deo scales down and the drained envs disconnect);
+* deo itself (:func:`adapters.run.run`) with one pool of stand-in env workers
+  (:mod:`deo_worker.demo_env`: groups of 8 sequences, heavy-tailed latency, atroposlib's own
+  backpressure, drain on SIGUSR1), its default ``buffer`` policy and the Atropos source.
+
+It prints progress every few seconds, then drains every worker, stops, and prints a summary (trainer
+waiting time, workers over time, decisions) and the command that replays its log.
 """
 
 from __future__ import annotations
 
-import heapq
-import random
+import contextlib
+import json
+import os
+import secrets
+import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
+import anyio
 import attrs
+import httpx
 
-from adapters.log import EventLog
+from adapters.atropos import AtroposSource
+from adapters.config_file import ApiSettings, RunSettings
+from adapters.nvml import NvmlSettings
 from adapters.replay import replay
-from core import (
-    Command,
-    Config,
-    Configured,
-    DrainWorker,
-    Event,
-    KillWorker,
-    PolicySpec,
-    PoolSpec,
-    QueueSampled,
-    Reducer,
-    ScalePool,
-    SpawnWorker,
-    TerminateWorker,
-    Tick,
-    WorkerExited,
-    WorkerStarted,
-)
+from core import Config, PolicySpec, PoolSpec, ScalePool
 
 __all__ = ["DemoSettings", "run_demo"]
+
+_TOKEN_ENV = "DEO_DEMO_TOKEN"
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class DemoSettings:
-    duration_s: float = 900.0
-    batch_size_seqs: int = 64
+    """The demo's embedded defaults."""
+
+    duration_s: float = 60.0
+    batch_size_seqs: int = 32
     group_size: int = 8
-    #: (from time, seconds per trainer step) phases.
-    step_phases: tuple[tuple[float, float], ...] = ((0.0, 4.0), (300.0, 2.0), (600.0, 8.0))
-    group_latency_mean_s: float = 4.0
-    startup_s: float = 5.0
-    max_batches_offpolicy: int = 3
-    sample_every_s: float = 2.0
-    crash_at_s: float = 200.0
-    seed: int = 7
+    #: Seconds per trainer step in the first, second and last third of the run.
+    step_s: tuple[float, float, float] = (1.0, 0.4, 2.5)
+    group_latency_s: float = 1.5
+    groups_in_flight: int = 2
+    max_workers: int = 8
+    progress_every_s: float = 3.0
+
+    def __attrs_post_init__(self) -> None:
+        if not self.duration_s >= 10:
+            raise ValueError(f"--duration-s: at least 10 seconds, got {self.duration_s:g}")
+
+    @property
+    def phases(self) -> str:
+        """The trainer's START_S:STEP_S phases."""
+        third = self.duration_s / 3
+        return ",".join(f"{i * third:g}:{step:g}" for i, step in enumerate(self.step_s))
 
 
-def _step_time(settings: DemoSettings, t: float) -> float:
-    current = settings.step_phases[0][1]
-    for start, step_s in settings.step_phases:
-        if t >= start:
-            current = step_s
-    return current
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
-class _World:
-    """The simulated trainer and env workers, reacting to deo's commands."""
-
-    def __init__(self, settings: DemoSettings) -> None:
-        self.s = settings
-        self.rng = random.Random(settings.seed)
-        self.queue: list[tuple[float, int, str, Any]] = []
-        self.order = 0
-        self.queued_seqs = 0
-        self.step = 0
-        self.trainer_busy_until = 0.0
-        self.waiting_since: float | None = 0.0
-        self.waited_s = 0.0
-        self.running: dict[str, int] = {}  # worker id -> pid
-        self.draining: set[str] = set()
-        self.next_pid = 1000
-        self.crashed = False
-        self.worker_seconds = 0.0
-
-    def at(self, t: float, kind: str, data: Any = None) -> None:
-        self.order += 1
-        heapq.heappush(self.queue, (t, self.order, kind, data))
-
-    def carry_out(self, t: float, command: Command) -> None:
-        if isinstance(command, SpawnWorker):
-            self.at(t + self.s.startup_s, "started", command.worker_id)
-        elif isinstance(command, DrainWorker) and command.worker_id in self.running:
-            self.draining.add(command.worker_id)
-            self.at(t + self.rng.uniform(0.5, 3.0), "exit", (command.worker_id, 0))
-        elif isinstance(command, (TerminateWorker, KillWorker)):
-            self.at(t + 0.1, "exit", (command.worker_id, -15))
-
-    def produce(self, t: float, worker_id: str) -> None:
-        latency = self.rng.lognormvariate(0, 0.6) * self.s.group_latency_mean_s / 1.2
-        self.at(t + latency, "group", worker_id)
-
-    def trainer(self, t: float) -> None:
-        batch = self.s.batch_size_seqs
-        if t < self.trainer_busy_until:
-            return
-        if self.queued_seqs >= batch:
-            if self.waiting_since is not None:
-                self.waited_s += t - self.waiting_since
-                self.waiting_since = None
-            self.queued_seqs -= batch
-            self.step += 1
-            self.trainer_busy_until = t + _step_time(self.s, t)
-            self.at(self.trainer_busy_until, "trainer")
-        elif self.waiting_since is None:
-            self.waiting_since = t
-
-
-def run_demo(log_path: Path, settings: DemoSettings | None = None, out: TextIO = sys.stdout) -> int:
-    """Run the demo, writing its log to ``log_path``; returns 0 when the log replays exactly."""
-    s = settings or DemoSettings()
-    for stale in (log_path, log_path.with_name(log_path.name + ".snapshot")):
-        stale.unlink(missing_ok=True)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    world = _World(s)
+def _settings(demo: DemoSettings, log: Path, api_url: str, deo_port: int) -> RunSettings:
+    argv = [sys.executable, "-m", "deo_worker.demo_env", "--api", api_url]
+    argv += ["--group-size", str(demo.group_size), "--latency-s", str(demo.group_latency_s)]
+    argv += ["--groups-in-flight", str(demo.groups_in_flight), "--seed", "{index}"]
+    # The buffer policy's time constants, shortened to fit a one-minute run.
+    policy = PolicySpec(
+        name="buffer",
+        params={
+            "target_batches": 1.5,
+            "refill_s": 4.0,
+            "integral_s": 60.0,
+            "rate_window_s": 4.0,
+            "max_down_fraction": 0.25,
+            "down_cooldown_s": 3.0,
+        },
+    )
     pool = PoolSpec(
         name="envs",
-        argv=["python", "-m", "atropos_env", "--slot", "{index}"],
+        argv=argv,
         min_workers=1,
-        max_workers=24,
-        policy=PolicySpec(name="buffer", params={"max_batches_offpolicy": s.max_batches_offpolicy}),
-        stabilization_s=60.0,
+        max_workers=demo.max_workers,
+        policy=policy,
+        heartbeat_grace_s=15.0,
+        drain_timeout_s=10.0,
+        stop_timeout_s=3.0,
+        metrics_stale_s=10.0,
+        stabilization_s=5.0,
     )
-    log, _ = EventLog.open(log_path, fsync=False)
-    reducer = Reducer(check_invariants=True)
-    decisions: list[str] = []
-
-    def feed(event: Event) -> None:
-        for command in log.record(reducer, event):
-            if isinstance(command, ScalePool):
-                change = f"{command.previous:>2} -> {command.target:<2}"
-                decisions.append(f"t={event.t:6.1f}s  {change} {command.reason}")
-            world.carry_out(event.t, command)
-
-    print(
-        f"deo demo: a trainer pulling {s.batch_size_seqs}-sequence batches, env workers producing "
-        f"groups of {s.group_size}, deo's buffer policy in between ({s.duration_s:g}s simulated)",
-        file=out,
+    return RunSettings(
+        config=Config(pools=[pool]),
+        log=log,
+        tick_interval_s=0.5,
+        worker_logs=log.with_name(log.stem + "-workers"),
+        api=ApiSettings(port=deo_port, token_env=_TOKEN_ENV),
+        sources=(
+            AtroposSource(pool="envs", url=api_url, group_size=demo.group_size, interval_s=0.5),
+        ),
+        nvml=NvmlSettings(backend="off"),
     )
-    feed(Configured(t=0.0, config=Config(pools=[pool])))
-    world.at(0.0, "trainer")
-    world.at(s.sample_every_s, "sample")
-    world.at(s.crash_at_s, "crash")
-    next_report = 60.0
-    last_t = 0.0
-    while world.queue:
-        t, _, kind, data = heapq.heappop(world.queue)
-        if t > s.duration_s:
-            break
-        world.worker_seconds += len(world.running) * (t - last_t)
-        last_t = t
-        if kind == "started":
-            world.next_pid += 1
-            world.running[data] = world.next_pid
-            feed(WorkerStarted(t=t, worker_id=data, pid=world.next_pid, start_time=int(t * 100)))
-            if data not in world.draining:
-                world.produce(t, data)
-        elif kind == "group" and data in world.running:
-            full = world.queued_seqs >= s.max_batches_offpolicy * s.batch_size_seqs
-            if not full:
-                world.queued_seqs += s.group_size
-                world.trainer(t)
-            if data in world.draining:
-                continue
-            world.produce(t, data)
-        elif kind == "exit" and data[0] in world.running:
-            worker_id, code = data
-            del world.running[worker_id]
-            world.draining.discard(worker_id)
-            feed(
-                WorkerExited(
-                    t=t,
-                    worker_id=worker_id,
-                    exit_code=code if code >= 0 else None,
-                    signal=-code if code < 0 else None,
-                )
-            )
-        elif kind == "crash" and world.running:
-            victim = sorted(world.running)[0]
-            world.at(t, "exit", (victim, 1))
-        elif kind == "trainer":
-            world.trainer(t)
-        elif kind == "sample":
-            feed(Tick(t=t))
-            feed(
-                QueueSampled(
-                    t=t,
-                    pool="envs",
-                    queued_sequences=world.queued_seqs,
-                    batch_size_seqs=s.batch_size_seqs,
-                    trainer_step=world.step,
-                )
-            )
-            world.at(t + s.sample_every_s, "sample")
-        log.flush()
-        if t >= next_report:
-            waited = world.waited_s + (
-                t - world.waiting_since if world.waiting_since is not None else 0
-            )
-            print(
-                f"  t={t:5.0f}s  workers {len(world.running):>2}  queue "
-                f"{world.queued_seqs / s.batch_size_seqs:4.2f} batches  "
-                f"trainer step {world.step:>3}  waiting {waited / t:5.1%}  "
-                f"(step time {_step_time(s, t):g}s)",
-                file=out,
-            )
-            next_report += 60.0
-    log.close()
-    end = min(last_t, s.duration_s)
-    if world.waiting_since is not None:
-        world.waited_s += end - world.waiting_since
-    print("\ndecisions:", file=out)
-    for line in decisions[:12]:
-        print(f"  {line}", file=out)
-    if len(decisions) > 12:
-        print(f"  ... {len(decisions) - 12} more (see the replay)", file=out)
+
+
+@contextlib.contextmanager
+def _process(argv: list[str], log: Path, **kwargs: Any) -> Iterator[subprocess.Popen[str]]:
+    with log.open("a") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True, **kwargs)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def _wait_for(url: str, what: str, timeout_s: float = 30.0) -> None:
+    with anyio.fail_after(timeout_s):
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            while True:
+                try:
+                    (await client.get(url)).raise_for_status()
+                    return
+                except httpx.HTTPError:
+                    await anyio.sleep(0.1)
+    raise AssertionError(what)  # pragma: no cover  (fail_after raises first)
+
+
+@attrs.define
+class _Progress:
+    """What the demo saw while it ran."""
+
+    workers: list[tuple[float, int]] = attrs.field(factory=list)
+    trainer: dict[str, Any] = attrs.field(factory=dict)
+
+
+def _line(t: float, status: dict[str, Any], trainer: dict[str, Any]) -> str:
+    pool = status["pools"].get("envs")
+    if pool is None:
+        return f"{t:5.0f}s  draining"
+    by_state = pool["workers_by_state"]
+    queue = pool["queue"]
+    queued = f"{queue['queued_batches']:.1f}" if queue else "-"
+    waited = trainer.get("waited_s", 0.0)
+    busy = f"step {trainer.get('step', 0):3d} ({trainer.get('step_s', '-')} s/step)"
+    states = ", ".join(f"{n} {s}" for s, n in by_state.items() if n and s != "active")
+    return (
+        f"{t:5.0f}s  trainer {busy}, waited {waited:5.1f}s | queue {queued} batches | "
+        f"envs: {by_state.get('active', 0)} active" + (f" ({states})" if states else "")
+    )
+
+
+async def _drive(
+    demo: DemoSettings,
+    deo_url: str,
+    token: str,
+    trainer: subprocess.Popen[str],
+    progress: _Progress,
+    out: Callable[[str], None],
+) -> None:
+    """Watch the run, print progress, then ask deo to drain everything and stop."""
+    start = time.monotonic()
+    await _wait_for(deo_url + "/global-status", "deo did not start")
+    async with httpx.AsyncClient(base_url=deo_url, timeout=5.0) as client:
+        while (t := time.monotonic() - start) < demo.duration_s and trainer.poll() is None:
+            status = (await client.get("/global-status")).json()
+            pool = status["pools"].get("envs", {})
+            progress.workers.append((t, pool.get("workers_by_state", {}).get("active", 0)))
+            out(_line(t, status, progress.trainer))
+            await anyio.sleep(demo.progress_every_s)
+        out(f"{time.monotonic() - start:5.0f}s  draining every env worker, then stopping deo")
+        headers = {"Authorization": f"Bearer {token}"}
+        (await client.post("/v1/stop", json={"drain": True}, headers=headers)).raise_for_status()
+
+
+async def _read_trainer(trainer: subprocess.Popen[str], progress: _Progress) -> None:
+    assert trainer.stdout is not None
+    stream = trainer.stdout
+    while True:
+        line = await anyio.to_thread.run_sync(stream.readline, abandon_on_cancel=True)
+        if not line:
+            return
+        with contextlib.suppress(ValueError):
+            progress.trainer.update(json.loads(line))
+
+
+def _sparkline(samples: list[tuple[float, int]], width: int = 30) -> str:
+    if not samples:
+        return "-"
+    step = max(1, len(samples) // width)
+    return " ".join(str(n) for _, n in samples[::step])
+
+
+def _verify(log: Path) -> tuple[int, int, list[ScalePool]]:
+    """(events, mismatches or unreadable lines, the policy's scaling decisions) of ``log``."""
     problems: list[Any] = []
     events = mismatches = 0
-    for step in replay(log_path, problems=problems):
+    decisions = []
+    for step in replay(log, problems=problems):
         events += 1
         mismatches += not step.matches
-    print(
-        f"\nsummary: trainer waited {world.waited_s / end:.1%} of {end:.0f}s, reached step "
-        f"{world.step}; {world.worker_seconds / 3600:.2f} worker-hours; {len(decisions)} scaling "
-        f"decisions",
-        file=out,
+        decisions += [c for c in step.produced if isinstance(c, ScalePool) and c.source == "policy"]
+    return events, mismatches + len(problems), decisions
+
+
+def run_demo(
+    log: Path, settings: DemoSettings | None = None, out: Callable[[str], None] = print
+) -> int:
+    """Run the demo, writing deo's event log to ``log``; returns the exit status."""
+    from adapters.run import run
+
+    demo = settings or DemoSettings()
+    log = log.absolute()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    for old in (
+        log,
+        log.with_name(log.name + ".snapshot"),
+        log.with_name(log.name + ".worker-token"),
+    ):
+        old.unlink(missing_ok=True)  # a fresh run each time: this log is the demo's own
+    files = log.with_name(log.stem + "-workers")
+    files.mkdir(exist_ok=True)
+    api_url = f"http://127.0.0.1:{_free_port()}"
+    deo_port = _free_port()
+    deo_url = f"http://127.0.0.1:{deo_port}"
+    token = secrets.token_urlsafe(16)
+    os.environ[_TOKEN_ENV] = token
+    progress = _Progress()
+    out(f"deo demo: atroposlib API server on {api_url}, deo on {deo_url}")
+    out(
+        f"deo demo: trainer batches of {demo.batch_size_seqs} sequences, step time phases "
+        f"{demo.phases} (start_s:s/step); env workers make groups of {demo.group_size}"
     )
-    verdict = "replays exactly" if not mismatches and not problems else "DOES NOT replay exactly"
-    print(f"log: {log_path} ({events} events) {verdict}", file=out)
-    print(f"replay it: deo replay {log_path}", file=out)
-    return 0 if verdict == "replays exactly" else 1
+    api_argv = [sys.executable, "-m", "uvicorn", "atroposlib.api.server:app"]
+    api_argv += ["--host", "127.0.0.1", "--port", api_url.rsplit(":", 1)[1]]
+    trainer_argv = [sys.executable, "-m", "adapters.demo_trainer", "--api", api_url]
+    trainer_argv += ["--batch-size-seqs", str(demo.batch_size_seqs), "--phases", demo.phases]
+    trainer_argv += ["--duration-s", str(demo.duration_s + 30)]
+    started = time.monotonic()
+
+    async def main() -> int:
+        with _process(api_argv, files / "atropos-api.log"):
+            await _wait_for(api_url + "/status", "the atroposlib API server did not start")
+            trainer = subprocess.Popen(trainer_argv, stdout=subprocess.PIPE, text=True)
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_read_trainer, trainer, progress)
+                    tg.start_soon(_drive, demo, deo_url, token, trainer, progress, out)
+                    status = await run(_settings(demo, log, api_url, deo_port), out=_quiet(out))
+                    tg.cancel_scope.cancel()
+            finally:
+                trainer.terminate()
+                trainer.wait(10)
+                if trainer.stdout is not None:
+                    for line in trainer.stdout:
+                        with contextlib.suppress(ValueError):
+                            progress.trainer.update(json.loads(line))
+            return status
+
+    status = anyio.run(main)
+    if status != 0:
+        out(f"deo demo: deo exited with status {status}; see {log}")
+        return status
+    events, wrong, decisions = _verify(log)
+    _summary(demo, progress, decisions, time.monotonic() - started, out)
+    verdict = "replays exactly" if not wrong else f"DOES NOT replay exactly ({wrong} problems)"
+    out(f"deo demo: log {_shown(log)} ({events} events) {verdict}")
+    out(f"deo demo: replay it with `deo replay {_shown(log)}`")
+    return 0 if not wrong else 1
+
+
+def _quiet(out: Callable[[str], None]) -> Callable[[str], None]:
+    # deo's own start/stop lines; the demo prints its progress instead.
+    def write(line: str) -> None:
+        if "stopped" in line or "cannot" in line or "refused" in line:
+            out(line)
+
+    return write
+
+
+def _shown(path: Path) -> str:
+    with contextlib.suppress(ValueError):
+        return str(path.relative_to(Path.cwd()))
+    return str(path)
+
+
+def _summary(
+    demo: DemoSettings,
+    progress: _Progress,
+    decisions: list[ScalePool],
+    elapsed_s: float,
+    out: Callable[[str], None],
+) -> None:
+    trainer = progress.trainer
+    steps = trainer.get("steps", trainer.get("step", 0))
+    waited = float(trainer.get("waited_s", 0.0))
+    first = trainer.get("first_batch_s")
+    busy_span = max(float(trainer.get("elapsed_s", elapsed_s)) - float(first or 0.0), 1e-9)
+    counts = [n for _, n in progress.workers]
+    out("")
+    out(f"deo demo: done in {elapsed_s:.0f}s")
+    out(
+        f"  trainer: {steps} steps; waited {waited:.1f}s for data after its first batch "
+        f"({100 * waited / busy_span:.0f}% of the time)"
+        + (f"; first batch after {first:.1f}s" if first is not None else "")
+    )
+    if counts:
+        out(
+            f"  env workers: {min(counts)} to {max(counts)} active; over time: "
+            + _sparkline(progress.workers)
+        )
+    out(f"  decisions: {len(decisions)} scaling decisions by the buffer policy")
+    for decision in decisions[:3] + (decisions[-2:] if len(decisions) > 5 else []):
+        out(f"    {decision.previous} -> {decision.target}: {decision.reason}")

@@ -14,7 +14,7 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 import httpx
@@ -43,6 +43,13 @@ def parse_phases(text: str) -> tuple[tuple[float, float], ...]:
 
 def _step_s(phases: Sequence[tuple[float, float]], elapsed_s: float) -> float:
     return [step for start, step in phases if elapsed_s >= start][-1]
+
+
+def _sleep_unless(seconds: float, stopping: Callable[[], bool]) -> None:
+    # In short naps: a SIGTERM handler runs between them, not in the middle of a long sleep.
+    end = time.monotonic() + seconds
+    while not stopping() and (left := end - time.monotonic()) > 0:
+        time.sleep(min(left, _POLL_S))
 
 
 def _register(client: httpx.Client, batch_size_seqs: int, deadline: float) -> None:
@@ -110,10 +117,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             seqs = sum(len(group["tokens"]) for group in batch)
             line = {"t": round(elapsed, 3), "step": steps, "seqs": seqs, "step_s": step_s}
             print(json.dumps({**line, "waited_s": round(waited_s, 3)}), flush=True)
-            time.sleep(step_s)  # the training step
-    total = {"done": True, "steps": steps, "waited_s": round(waited_s, 3)}
-    total["first_batch_s"] = first_batch_s
-    total["elapsed_s"] = round(time.monotonic() - start, 3)
+            _sleep_unless(step_s, lambda: stopping)  # the training step
+    total = {
+        "done": True,
+        "steps": steps,
+        "waited_s": round(waited_s, 3),
+        "first_batch_s": first_batch_s,
+        "elapsed_s": round(time.monotonic() - start, 3),
+    }
     print(json.dumps(total), flush=True)
     return 0
 

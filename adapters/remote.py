@@ -43,7 +43,8 @@ def status(args: argparse.Namespace) -> int:
         if isinstance(queue, dict):
             print(
                 f"{'':<14}queue {queue.get('queued_batches', 0):.2f} batches of "
-                f"{queue.get('batch_size_seqs')} sequences, trainer step {queue.get('trainer_step')}"
+                f"{queue.get('batch_size_seqs')} sequences, "
+                f"trainer step {queue.get('trainer_step')}"
             )
         if pool.get("source_error"):
             print(f"{'':<14}pressure source down: {pool['source_error']}")

@@ -162,6 +162,10 @@ class _WorkerEnv:
             }
             if command.gpus:
                 extra[GPU_ENV] = ",".join(self.physical_gpus.get(g, g) for g in command.gpus)
+                # NVML numbers GPUs in PCI order; make CUDA's indices mean the same GPUs
+                # (unless deo's own environment chose an order).
+                if "CUDA_DEVICE_ORDER" not in os.environ:
+                    extra["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             command = attrs.evolve(command, env={**command.env, **extra})
         await self.inner.execute(command)
 

@@ -282,7 +282,7 @@ class World:
             if isinstance(cmd, DrainWorker):
                 if rng.random() < 0.01:
                     continue  # ignores the drain: its deadline escalates to SIGTERM
-                answer = (worker_id, 0, None)
+                answer: tuple[str, int | None, int | None] = (worker_id, 0, None)
             elif isinstance(cmd, TerminateWorker):
                 if rng.random() < 0.1:
                     continue  # ignores SIGTERM too: SIGKILL follows
@@ -557,6 +557,7 @@ def source_fingerprint() -> str:
 
     files = []
     for package in (core, adapters):
+        assert package.__file__ is not None
         base = Path(package.__file__).parent
         for path in base.rglob("*.py"):
             files.append((path.relative_to(base.parent).as_posix(), path.read_bytes()))

@@ -1,14 +1,100 @@
-"""``deo bench``: every shipped scenario under every policy, side by side."""
+"""``deo bench``: every shipped scenario under deo and every published baseline, side by side.
+
+Runs each scenario of ``--scenarios`` (default ``bench/scenarios``) under deo's default policy,
+the baselines (the Atropos DEO proposal, Ray Serve, verl, the Kubernetes HPA, a static pool) and
+the clairvoyant oracle; prints one line per scenario and policy; writes its section of
+``--out`` (between ``<!-- deo_bench:start -->`` and ``<!-- deo_bench:end -->``, the rest of the
+file untouched) and one PNG per scenario into ``--plots``.
+
+Exit status: 0 when the report was written, whether or not deo met its targets (the report says
+which it missed); 2 on bad input (a missing scenarios directory, an unknown ``--only`` name, an
+invalid scenario file, broken markers in ``--out``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from bench import harness
+
+__all__ = ["add_arguments", "main"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the command's arguments on ``parser``."""
+    parser.add_argument(
+        "--scenarios",
+        type=Path,
+        default=harness.DEFAULT_SCENARIOS,
+        metavar="DIR",
+        help="directory of scenario files (*.toml); default: bench/scenarios",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="run only these scenarios (file names without .toml)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=harness.DEFAULT_OUT,
+        metavar="FILE",
+        help="markdown file whose deo_bench section is rewritten; default: docs/benchmarks.md",
+    )
+    parser.add_argument(
+        "--plots",
+        type=Path,
+        default=harness.DEFAULT_PLOTS,
+        metavar="DIR",
+        help="directory for one PNG per scenario; default: docs/bench",
+    )
+
+
+def _shown(path: Path) -> str:
+    """``path`` as the command line would name it: relative to the repository when inside it."""
+    resolved = path.resolve()
+    try:
+        return resolved.relative_to(harness.ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The ``deo bench`` invocation ``args`` stand for, with the defaults left out."""
+    words = ["deo", "bench"]
+    for flag, value, default in (
+        ("--scenarios", args.scenarios, harness.DEFAULT_SCENARIOS),
+        ("--out", args.out, harness.DEFAULT_OUT),
+        ("--plots", args.plots, harness.DEFAULT_PLOTS),
+    ):
+        if Path(value).resolve() != default.resolve():
+            words += [flag, _shown(Path(value))]
+    if args.only:
+        words += ["--only", *args.only]
+    return shlex.join(words)
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the command; returns the exit status."""
-    raise NotImplementedError
+
+    def progress(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        harness.run_bench(
+            args.scenarios,
+            only=args.only,
+            out=args.out,
+            plots_dir=args.plots,
+            command=command_line(args),
+            progress=progress,
+        )
+    except harness.BenchError as exc:
+        print(f"deo bench: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

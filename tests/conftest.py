@@ -12,6 +12,21 @@ from pathlib import Path
 import httpx
 import pytest
 
+from adapters.sim.driver import simulate
+from adapters.sim.scenario import EnvPool, Fault, Scenario
+
+
+def write_simulated_log(path: Path) -> None:
+    """A realistic event log: 15 simulated minutes of an Atropos-style loop, a worker crash."""
+    scenario = Scenario(
+        name="log-fixture",
+        duration_s=900.0,
+        seed=7,
+        pools=(EnvPool(name="envs", max_workers=24, gpus_per_worker=0, startup_s=5.0),),
+        faults=(Fault(kind="worker_crash", at_s=200),),
+    )
+    simulate(scenario, log_path=path)
+
 
 def free_port() -> int:
     with socket.socket() as s:

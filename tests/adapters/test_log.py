@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import shutil
@@ -11,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import write_simulated_log
 
-from adapters.demo import run_demo
 from adapters.log import SCHEMA_VERSION, EventLog, LogProblem, read_lines, snapshot_path
 from adapters.replay import replay
 from core import (
@@ -88,7 +87,7 @@ def write_log(path: Path, events: list[Event], **options: Any) -> Reducer:
 @pytest.fixture(scope="module")
 def demo_master(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("demo") / "demo.jsonl"
-    assert run_demo(path, out=io.StringIO()) == 0
+    write_simulated_log(path)
     return path
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -14,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import write_simulated_log
 
-from adapters.demo import run_demo
 from adapters.log import EventLog
 from core import (
     Config,
@@ -82,7 +81,7 @@ def summary(output: str) -> tuple[str, int, int]:
 @pytest.fixture(scope="module")
 def demo_master(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("demo") / "demo.jsonl"
-    assert run_demo(path, out=io.StringIO()) == 0
+    write_simulated_log(path)
     return path
 
 

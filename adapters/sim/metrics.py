@@ -1,0 +1,156 @@
+"""What a simulated run measured, and how each figure is defined.
+
+* ``starvation_share``: time the trainer waited for a batch (free, not paused, fewer than
+  ``batch_size_seqs`` sequences queued) over the run's non-paused time.
+* ``avoidable_starvation_share``: the same outside the oracle's unavoidable intervals, over the
+  non-paused time outside them.
+* ``worker_hours``: GPU-hours, each worker's GPUs from its SpawnWorker until it exits (or the
+  run ends); a worker of a pool with ``gpus_per_worker = 0`` counts one worker-hour per hour.
+* ``mean_lag_steps`` / ``p95_lag_steps``: per consumed sequence, the trainer steps taken between
+  its group entering the queue (generation finished) and the step that consumes it: 0 when the
+  very next batch takes it. Generation time itself is not counted: it belongs to the environment,
+  while the time spent queued is what the controller decides. Sequences still queued at the end
+  are not counted.
+* ``scale_actions``: ScalePool commands whose source is the policy (configuration and operator
+  changes are not the controller's).
+* ``flaps``: per pool, a policy ScalePool whose direction (up or down) reverses the previous
+  policy ScalePool's and comes less than the pool's ``stabilization_s`` *as the scenario declares
+  it* after it (so baselines run with the window off are judged by the same window).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from adapters.sim.oracle import OracleResult
+from adapters.sim.scenario import Scenario
+from adapters.sim.world import SeriesPoint, WorldRecord
+
+__all__ = ["Metrics", "SimResult", "measure"]
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Metrics:
+    """One run's figures (definitions in :mod:`adapters.sim.metrics`)."""
+
+    starvation_share: float
+    avoidable_starvation_share: float
+    #: The oracle's unavoidable starvation, for reference.
+    unavoidable_starvation_share: float
+    worker_hours: float
+    oracle_worker_hours: float
+    mean_lag_steps: float
+    p95_lag_steps: float
+    scale_actions: int
+    flaps: int
+    steps: int
+    peak_workers: int
+    #: Groups whose generation was lost to a crash, a kill or a lost GPU.
+    groups_lost: int
+
+    @property
+    def worker_hours_ratio(self) -> float:
+        """Worker-hours over the oracle's (infinity if the oracle needs none)."""
+        if self.oracle_worker_hours <= 0:
+            return float("inf") if self.worker_hours > 0 else 1.0
+        return self.worker_hours / self.oracle_worker_hours
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class SimResult:
+    """One simulated run: which scenario and policy, the metrics, the series, the oracle."""
+
+    scenario: str
+    policy: str
+    metrics: Metrics
+    #: The world at every sample time.
+    series: tuple[SeriesPoint, ...]
+    oracle: OracleResult
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        start = max(start, reach)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
+
+
+def _overlap(a: tuple[tuple[float, float], ...], b: tuple[tuple[float, float], ...]) -> float:
+    """Total length of the intersection of two sorted lists of disjoint intervals."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if end > start:
+            total += end - start
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _flaps(scenario: Scenario, record: WorldRecord) -> int:
+    flaps = 0
+    for pool in scenario.pools:
+        window = pool.stabilization_s
+        previous: tuple[float, int] | None = None
+        for scale in record.scales:
+            if scale.pool != pool.name or scale.source != "policy":
+                continue
+            direction = 1 if scale.target > scale.previous else -1
+            if (
+                previous is not None
+                and direction == -previous[1]
+                and scale.t - previous[0] < window
+            ):
+                flaps += 1
+            previous = (scale.t, direction)
+    return flaps
+
+
+def _lag(lag_seqs: dict[int, int]) -> tuple[float, float]:
+    total = sum(lag_seqs.values())
+    if not total:
+        return 0.0, 0.0
+    mean = sum(lag * n for lag, n in lag_seqs.items()) / total
+    seen = 0
+    for lag in sorted(lag_seqs):
+        seen += lag_seqs[lag]
+        if seen >= 0.95 * total:
+            return mean, float(lag)
+    raise AssertionError("unreachable: the loop covers every sequence")
+
+
+def measure(scenario: Scenario, record: WorldRecord, oracle: OracleResult) -> Metrics:
+    """The metrics of one run from what the world recorded and the scenario's oracle."""
+    end = record.duration_s
+    paused_s = _union_length(
+        [(p.at_s, min(p.end_s, end)) for p in scenario.trainer.pauses if p.at_s < end]
+    )
+    running_s = end - paused_s
+    starved_s = sum(stop - start for start, stop in record.starved)
+    unavoidable_s = sum(stop - start for start, stop in oracle.unavoidable)
+    avoidable_s = starved_s - _overlap(record.starved, oracle.unavoidable)
+    outside_s = running_s - unavoidable_s
+    worker_s = sum(
+        span.cost * (min(end if span.exited_t is None else span.exited_t, end) - span.spawned_t)
+        for span in record.spans
+    )
+    mean_lag, p95_lag = _lag(record.lag_seqs)
+    return Metrics(
+        starvation_share=starved_s / running_s if running_s > 0 else 0.0,
+        avoidable_starvation_share=avoidable_s / outside_s if outside_s > 0 else 0.0,
+        unavoidable_starvation_share=oracle.unavoidable_starvation_share,
+        worker_hours=worker_s / 3600.0,
+        oracle_worker_hours=oracle.worker_hours,
+        mean_lag_steps=mean_lag,
+        p95_lag_steps=p95_lag,
+        scale_actions=sum(1 for s in record.scales if s.source == "policy"),
+        flaps=_flaps(scenario, record),
+        steps=record.steps,
+        peak_workers=max((p.workers for p in record.series), default=0),
+        groups_lost=record.groups_lost,
+    )

@@ -1,0 +1,119 @@
+"""Metrics from hand-made records: each definition checked against its arithmetic."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from adapters.sim.metrics import Metrics, measure
+from adapters.sim.oracle import OracleResult
+from adapters.sim.scenario import EnvPool, Pause, Scenario, TrainerSpec
+from adapters.sim.world import ScaleRecord, SeriesPoint, WorkerSpan, WorldRecord
+
+SCENARIO = Scenario(
+    name="hand",
+    duration_s=1000.0,
+    trainer=TrainerSpec(pauses=(Pause(at_s=500.0, duration_s=100.0),)),
+    pools=(EnvPool(name="envs", stabilization_s=120.0, gpus_per_worker=2),),
+)
+
+
+def make_record(**changes: Any) -> WorldRecord:
+    fields: dict[str, Any] = {
+        "duration_s": 1000.0,
+        "steps": 10,
+        "starved": (),
+        "lag_seqs": {},
+        "spans": (),
+        "scales": (),
+        "series": (),
+        "groups_completed": 0,
+        "groups_lost": 0,
+    }
+    fields.update(changes)
+    return WorldRecord(**fields)
+
+
+def make_oracle(unavoidable: tuple[tuple[float, float], ...] = ()) -> OracleResult:
+    return OracleResult(
+        worker_hours=2.0,
+        unavoidable_starvation_share=0.05,
+        unavoidable=unavoidable,
+        first_batch_t=0.0,
+        series=(),
+    )
+
+
+def scale(t: float, previous: int, target: int, source: str = "policy", pool: str = "envs") -> ScaleRecord:
+    return ScaleRecord(t=t, pool=pool, previous=previous, target=target, source=source)
+
+
+def metrics(**changes: Any) -> Metrics:
+    oracle = changes.pop("oracle", make_oracle())
+    return measure(SCENARIO, make_record(**changes), oracle)
+
+
+def test_starvation_excludes_pauses_and_unavoidable_intervals() -> None:
+    # 900 s trained (pause 500-600). Starved 0-40 and 700-790: 130 s -> 130 / 900.
+    # Unavoidable 0-30: avoidable = 130 - 30 = 100 s over 900 - 30 = 870 s.
+    m = metrics(starved=((0.0, 40.0), (700.0, 790.0)), oracle=make_oracle(((0.0, 30.0),)))
+    assert m.starvation_share == pytest.approx(130 / 900)
+    assert m.avoidable_starvation_share == pytest.approx(100 / 870)
+    assert m.unavoidable_starvation_share == 0.05
+
+
+def test_worker_hours_count_gpus_from_spawn_to_exit_or_the_end() -> None:
+    spans = (
+        WorkerSpan(worker_id="envs-0", pool="envs", cost=2, spawned_t=0.0, exited_t=360.0),
+        WorkerSpan(worker_id="envs-1", pool="envs", cost=2, spawned_t=640.0, exited_t=None),
+    )
+    m = metrics(spans=spans)
+    # 2 GPUs x (360 s + 360 s) = 1440 GPU-seconds = 0.4 GPU-hours; the oracle needs 2.0.
+    assert m.worker_hours == pytest.approx(0.4)
+    assert m.oracle_worker_hours == 2.0
+    assert m.worker_hours_ratio == pytest.approx(0.2)
+
+
+def test_lag_mean_and_p95_per_sequence() -> None:
+    # 90 sequences at lag 0, 6 at lag 1, 4 at lag 5: mean (6 + 20) / 100 = 0.26; the 95th
+    # sequence in lag order has lag 1.
+    m = metrics(lag_seqs={0: 90, 1: 6, 5: 4})
+    assert m.mean_lag_steps == pytest.approx(0.26)
+    assert m.p95_lag_steps == 1.0
+    assert metrics(lag_seqs={0: 90, 1: 4, 5: 6}).p95_lag_steps == 5.0
+    assert metrics().mean_lag_steps == 0.0  # nothing consumed
+
+
+def test_flaps_are_reversals_within_the_scenario_stabilization_window() -> None:
+    scales = (
+        scale(0.0, 0, 1, source="config"),  # not the policy's
+        scale(10.0, 1, 5),
+        scale(70.0, 5, 4),  # down 60 s after up: flap 1
+        scale(100.0, 4, 3),  # same direction
+        scale(300.0, 3, 6),  # up 200 s after the last down: no flap
+        scale(419.0, 6, 5),  # 119 s: flap 2
+        scale(420.0, 5, 4, source="operator"),
+        scale(420.0, 1, 2, pool="other"),  # another pool's history
+        scale(539.0, 5, 6),  # 120 s after the last down: not within the window
+    )
+    m = metrics(scales=scales)
+    assert m.flaps == 2
+    assert m.scale_actions == 7  # the 6 policy decisions of envs and the other pool's one
+
+
+def test_peak_workers_and_counts() -> None:
+    series = tuple(
+        SeriesPoint(
+            t=float(t),
+            workers=w,
+            active_workers=w,
+            target=w,
+            queued_batches=0.0,
+            trainer_waiting=False,
+            trainer_step=0,
+        )
+        for t, w in ((2, 3), (4, 7), (6, 5))
+    )
+    m = metrics(series=series, groups_lost=3, steps=42)
+    assert (m.peak_workers, m.groups_lost, m.steps) == (7, 3, 42)

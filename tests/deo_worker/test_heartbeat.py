@@ -1,0 +1,224 @@
+"""deo_worker/heartbeat.py: the file deo watches and deo's real HTTP API (Runner, Reducer, log)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import attrs
+import pytest
+from conftest import free_port
+
+from adapters import run as deo_run
+from adapters import sources
+from adapters.http_api import build_app, serve
+from adapters.log import EventLog
+from adapters.runner import Runner
+from core import Command, Config, Configured, PolicySpec, PoolSpec, Reducer, WorkerStarted
+from deo_worker import Heartbeat
+from deo_worker import heartbeat as heartbeat_module
+
+OPERATOR_TOKEN = "operator-secret"
+WORKER_TOKEN = "worker-secret"
+WORKER_ID = "envs-0"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # deo's API server needs it
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t_s = 0.0
+
+    def __call__(self) -> float:
+        return self.t_s
+
+
+class Ignore:
+    async def execute(self, command: Command) -> None:
+        pass
+
+
+@attrs.define
+class Deo:
+    url: str
+    runner: Runner
+    clock: Clock
+
+    def last_seen(self) -> float | None:
+        return self.runner.state.last_seen.get(WORKER_ID)
+
+
+@asynccontextmanager
+async def deo_api(tmp_path: Path) -> AsyncIterator[Deo]:
+    """deo's API around a real Runner with one started worker, ``envs-0``."""
+    log, _ = EventLog.open(tmp_path / "deo.jsonl", fsync=False)
+    clock = Clock()
+    runner = Runner(log, Reducer(), Ignore(), clock=clock, tick_interval_s=3600.0)
+    app = build_app(runner, token=OPERATOR_TOKEN, worker_token=WORKER_TOKEN)
+    ports: list[int] = []
+    listening = anyio.Event()
+
+    def started(port: int) -> None:
+        ports.append(port)
+        listening.set()
+
+    pool = PoolSpec(
+        name="envs",
+        argv=["python", "env.py"],
+        policy=PolicySpec(name="static", params={"count": 1}),
+    )
+    async with anyio.create_task_group() as group:
+        group.start_soon(runner.run)
+        await runner.submit(Configured(t=0.0, config=Config(pools=[pool])))
+        await runner.submit(WorkerStarted(t=0.0, worker_id=WORKER_ID, pid=4242, start_time=1))
+        group.start_soon(functools.partial(serve, app, port=0, started=started))
+        with anyio.fail_after(10):
+            await listening.wait()
+        yield Deo(f"http://127.0.0.1:{ports[0]}", runner, clock)
+        group.cancel_scope.cancel()
+    log.close()
+
+
+async def seen_at(deo: Deo, t_s: float) -> None:
+    with anyio.fail_after(10):
+        while deo.last_seen() != t_s:
+            await anyio.sleep(0.01)
+
+
+def test_the_variable_names_are_deos() -> None:
+    assert heartbeat_module.HEARTBEAT_FILE_ENV == sources.HEARTBEAT_ENV
+    assert heartbeat_module.API_URL_ENV == deo_run.API_URL_ENV
+    assert heartbeat_module.WORKER_TOKEN_ENV == deo_run.WORKER_TOKEN_ENV
+
+
+@pytest.mark.parametrize(
+    ("environ", "file", "url"),
+    [
+        # deo sets all of them: the file wins (no network on the worker's path)
+        (
+            {
+                "DEO_HEARTBEAT_FILE": "/run/w.hb",
+                "DEO_API_URL": "http://h:1",
+                "DEO_WORKER_ID": "w",
+                "DEO_WORKER_TOKEN": "t",
+            },
+            Path("/run/w.hb"),
+            None,
+        ),
+        (
+            {"DEO_API_URL": "http://h:1/", "DEO_WORKER_ID": "w", "DEO_WORKER_TOKEN": "t"},
+            None,
+            "http://h:1/v1/workers/w/heartbeat",
+        ),
+        ({"DEO_API_URL": "http://h:1", "DEO_WORKER_ID": "w"}, None, None),  # no token: nothing
+        ({}, None, None),
+    ],
+)
+def test_from_environ(environ: dict[str, str], file: Path | None, url: str | None) -> None:
+    heartbeat = Heartbeat.from_environ(environ)
+    assert (heartbeat.file, heartbeat.url) == (file, url)
+    assert heartbeat.enabled == (file is not None or url is not None)
+
+
+def test_outside_deo_a_beat_is_a_no_op_and_run_returns() -> None:
+    heartbeat = Heartbeat.from_environ({"PATH": "/bin"})
+    assert heartbeat.beat() is True
+
+    async def run_briefly() -> None:
+        with anyio.fail_after(5):
+            await heartbeat.run(0.01)
+
+    anyio.run(run_briefly)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"api_url": "http://h:1", "worker_id": "w"}, r"go together; missing \['token'\]"),
+        ({"file": "x", "timeout_s": 0}, "timeout_s must be > 0"),
+    ],
+)
+def test_bad_settings_are_named(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Heartbeat(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_beat_touches_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "envs-0.heartbeat"
+    heartbeat = Heartbeat.from_environ({"DEO_HEARTBEAT_FILE": str(path)})
+    assert heartbeat.beat() is True
+    assert path.exists()
+    os.utime(path, (0, 0))
+    assert heartbeat.beat() is True
+    assert path.stat().st_mtime > time.time() - 60  # what deo's file watcher looks at
+
+
+def test_a_failing_file_is_logged_once_and_never_raises(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "gone" / "w.heartbeat"
+    heartbeat = Heartbeat(file=path)
+    with caplog.at_level(logging.WARNING, logger="deo_worker.heartbeat"):
+        assert heartbeat.beat() is False
+        assert heartbeat.beat() is False
+        path.parent.mkdir()
+        assert heartbeat.beat() is True
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert str(path) in messages[0] and "works again" in messages[1]
+
+
+@pytest.mark.anyio
+async def test_beats_reach_deos_api_sync_and_async(tmp_path: Path) -> None:
+    async with deo_api(tmp_path) as deo:
+        environ = {"DEO_API_URL": deo.url, "DEO_WORKER_ID": WORKER_ID}
+        heartbeat = Heartbeat.from_environ({**environ, "DEO_WORKER_TOKEN": WORKER_TOKEN})
+        deo.clock.t_s = 3.0
+        assert await heartbeat.beat_async() is True
+        assert deo.last_seen() == 3.0
+        deo.clock.t_s = 4.0
+        # The blocking beat, from a thread: this thread runs deo's server.
+        assert await anyio.to_thread.run_sync(heartbeat.beat) is True
+        assert deo.last_seen() == 4.0
+
+
+@pytest.mark.anyio
+async def test_run_keeps_beating(tmp_path: Path) -> None:
+    async with deo_api(tmp_path) as deo:
+        heartbeat = Heartbeat(api_url=deo.url, worker_id=WORKER_ID, token=WORKER_TOKEN)
+        async with anyio.create_task_group() as group:
+            group.start_soon(heartbeat.run, 0.02)
+            for t_s in (1.0, 2.0, 3.0):
+                deo.clock.t_s = t_s
+                await seen_at(deo, t_s)
+            group.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_a_refused_or_unreachable_api_is_logged_once_and_never_raises(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with deo_api(tmp_path) as deo:
+        wrong = Heartbeat(api_url=deo.url, worker_id=WORKER_ID, token="not-the-token")
+        with caplog.at_level(logging.WARNING, logger="deo_worker.heartbeat"):
+            assert await wrong.beat_async() is False
+            assert await wrong.beat_async() is False
+        assert deo.last_seen() == 0.0  # only the start
+        [refused] = [r.getMessage() for r in caplog.records]
+        assert "403" in refused and "/v1/workers/envs-0/heartbeat" in refused
+    caplog.clear()
+    nobody = Heartbeat(api_url=f"http://127.0.0.1:{free_port()}", worker_id="w", token="t")
+    with caplog.at_level(logging.WARNING, logger="deo_worker.heartbeat"):
+        assert await nobody.beat_async() is False
+        assert nobody.beat() is False
+    [unreachable] = [r.getMessage() for r in caplog.records]
+    assert "ConnectError" in unreachable
