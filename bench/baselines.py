@@ -91,9 +91,9 @@ class DeoProposalPolicy:
       ``num_connected_envs`` would also include envs still draining.
     * A target equal to the connected count means "no action" in the proposal's loop (it calls
       ``set_instance_count`` only when the target differs from the connected count), so it holds
-      ``context.current`` rather than stopping pending workers. A capped target below the pending
-      total is passed on as is: the proposal then stops workers too (``set_instance_count``
-      compares with every live process).
+      ``context.current`` rather than stopping pending workers. A capped target above the
+      connected count but below the live count is passed on as is: the proposal then stops
+      workers too (``set_instance_count`` compares with every live process).
     * ``cooldown_s`` is 60 s: the controller's default, the README's ``--cooldown`` default and
       what the PR's tests use; the CLI (``atropos-orchestrate``) passes ``--cooldown`` whose
       argparse default is 10 s. No cooldown before the first change (the published

@@ -635,6 +635,7 @@ def run_bench(
     Everything that can be wrong with the input (the directory, the names, a scenario file, the
     markers of ``out``) is checked before anything runs, and raises :class:`BenchError`.
     """
+    register()  # before reading: a scenario may name a baseline as its pools' policy
     scenarios = _load_all(find_scenarios(scenarios_dir, only))
     try:
         existing = out.read_text(encoding="utf-8") if out.exists() else ""

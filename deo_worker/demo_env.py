@@ -248,10 +248,13 @@ class _DemoEnv:
             raise _Refused(f"GET /status-env: no queue_size in {answer!r}") from None
 
     def adjust(self, queue_groups: int, start: Callable[[], None]) -> None:
-        """BaseEnv 0.4.0's rule: cancel all when full, trim to the room left, fill up to it."""
+        """BaseEnv 0.4.0's rule (``env_manager``, ``add_train_workers``): cancel all when the
+        queue is full; below the worker limit, trim to the room left and fill up to it."""
         limit_seqs = self.settings.max_batches_offpolicy * self.batch_size_seqs
         if self.batch_size_seqs == -1 or queue_groups * self.settings.group_size >= limit_seqs:
             self.cancel(len(self.generating))
+            return
+        if self.in_flight >= self.settings.groups_in_flight:
             return
         room_groups = limit_seqs // self.settings.group_size - queue_groups
         wanted = min(self.settings.groups_in_flight, room_groups)

@@ -10,13 +10,14 @@ event log that ``deo replay`` verifies.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from adapters.sim.driver import simulate
 from adapters.sim.metrics import SimResult
 from adapters.sim.scenario import load_scenario
-from core import ConfigError, PolicySpec
+from core import ConfigError
 
 __all__ = ["add_arguments", "format_result", "main"]
 
@@ -27,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         metavar="NAME",
-        help="the policy every pool uses (default: the scenario's; deo's default is buffer)",
+        help="give every pool this policy with its default parameters (set them with --set "
+        "pools.NAME.policy.PARAM=VALUE); default: the scenario's",
     )
     parser.add_argument(
         "--set",
@@ -83,11 +85,20 @@ def main(args: argparse.Namespace) -> int:
             return 2
         overrides[key.strip()] = value.strip()
     try:
+        if args.policy:
+            # Every pool's policy table replaced before --set, which may then set its parameters.
+            pools = load_scenario(args.scenario).pools
+            policy = {
+                f"pools.{p.name}.policy": f"{{ name = {json.dumps(args.policy)} }}" for p in pools
+            }
+            overrides = {**policy, **overrides}
         scenario = load_scenario(args.scenario, overrides)
-        policy = PolicySpec(name=args.policy) if args.policy else None
-        result = simulate(scenario, policy, log_path=args.log)
+        result = simulate(scenario, log_path=args.log)
     except ConfigError as exc:
         print(f"deo simulate: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"deo simulate: --log {args.log}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     print(format_result(result, scenario.duration_s))
     if args.log is not None:

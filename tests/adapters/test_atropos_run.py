@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from conftest import AtroposApi
 from test_run import Deo, deo, pool, verified, wait_for
@@ -176,6 +177,10 @@ def test_api_server_down_holds_the_count_and_recovers(
     downs = [c for c in commands_of(d, "DrainWorker")]
     assert not downs  # no scale-down while blind
     atropos_api.start()  # the same port; its state starts empty
+    # Envs still posting groups from before the outage can reach the new server before the
+    # trainer does; atroposlib then ignores the trainer's /register (the queue exists already)
+    # and reports batch_size -1 until /reset_data. deo holds meanwhile; the trainer resets.
+    httpx.get(atropos_api.url + "/reset_data")  # a 500 when nothing was posted yet: fine
     atropos_api.register_trainer(BATCH)
     wait_for(
         "samples again",

@@ -31,12 +31,11 @@ def test_the_signal_sets_the_flag_and_closing_restores_the_old_handler() -> None
     before = signal.getsignal(signal.SIGUSR1)
     with Drain() as drain:
         assert signal.getsignal(signal.SIGUSR1) != before
-        assert not drain.requested and drain.requested_by is None
+        assert (drain.requested, drain.requested_by) == (False, None)
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert drain.requested
-        assert drain.requested_by is signal.SIGUSR1
+        assert (drain.requested, drain.requested_by) == (True, signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGUSR1)  # a second one changes nothing
-        assert drain.requested
+        assert (drain.requested, drain.requested_by) == (True, signal.SIGUSR1)
     assert signal.getsignal(signal.SIGUSR1) == before
 
 

@@ -45,7 +45,9 @@ def make_oracle(unavoidable: tuple[tuple[float, float], ...] = ()) -> OracleResu
     )
 
 
-def scale(t: float, previous: int, target: int, source: str = "policy", pool: str = "envs") -> ScaleRecord:
+def scale(
+    t: float, previous: int, target: int, source: str = "policy", pool: str = "envs"
+) -> ScaleRecord:
     return ScaleRecord(t=t, pool=pool, previous=previous, target=target, source=source)
 
 
