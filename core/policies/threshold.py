@@ -1,13 +1,18 @@
 """``threshold``: load-ratio scaling with up/down thresholds, as in verl's elastic scheduler.
 
-load ratio = in-flight requests / (capacity per worker x workers). Above ``scale_up_threshold``
-for ``stability_s`` (and ``scale_up_cooldown_s`` after the last scale-up) it adds ``step`` workers;
-below ``scale_down_threshold`` for ``stability_s`` (and ``scale_down_cooldown_s`` after the last
-scale-down) it removes ``step``.
+load ratio = in-flight requests / (capacity per worker x active workers). Each sample is kept for
+``stability_s``; the load is *stable* once at least three samples have been seen, at least two lie
+in the last ``stability_s`` seconds and their (population) variance is below ``max_variance``.
+When stable, a ratio above ``scale_up_threshold`` adds ``step`` workers (if more than
+``scale_up_cooldown_s`` has passed since the last scale-up) and one below ``scale_down_threshold``
+removes ``step`` (more than ``scale_down_cooldown_s`` since the last scale-down). These are verl's
+rules and defaults (ElasticConfig: 0.8 / 0.5, 30 s / 60 s, 10 s, variance 0.1, one worker).
 """
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 import attrs
@@ -20,10 +25,16 @@ from core.records import replace
 __all__ = ["ThresholdMemory", "ThresholdPolicy"]
 
 
+def _pairs(value: Iterable[Sequence[float]]) -> tuple[tuple[float, float], ...]:
+    # JSON gives lists back; the memory must compare equal after a round trip through the log.
+    return tuple((float(t), float(ratio)) for t, ratio in value)
+
+
 @attrs.frozen(slots=True, kw_only=True)
 class ThresholdMemory:
-    above_since_t: float | None = None
-    below_since_t: float | None = None
+    #: (t, load ratio) of the samples of the last ``stability_s`` seconds.
+    recent: tuple[tuple[float, float], ...] = attrs.field(default=(), converter=_pairs)
+    samples_seen: int = 0
     last_up_t: float | None = None
     last_down_t: float | None = None
 
@@ -41,6 +52,7 @@ class ThresholdPolicy:
     scale_up_cooldown_s: float = 30.0
     scale_down_cooldown_s: float = 60.0
     stability_s: float = 10.0
+    max_variance: float = 0.1
     step: int = 1
 
     def __attrs_post_init__(self) -> None:
@@ -55,7 +67,7 @@ class ThresholdPolicy:
             )
         if self.step < 1:
             raise ConfigError(f"policy.step must be >= 1, got {self.step}")
-        for key in ("scale_up_cooldown_s", "scale_down_cooldown_s", "stability_s"):
+        for key in ("scale_up_cooldown_s", "scale_down_cooldown_s", "stability_s", "max_variance"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"policy.{key} must be >= 0, got {getattr(self, key)}")
 
@@ -64,48 +76,38 @@ class ThresholdPolicy:
 
     def decide(self, context: PolicyContext, memory: ThresholdMemory | None) -> Decision:
         mem = memory or ThresholdMemory()
-        t, current = context.t, context.current
+        t, current, active = context.t, context.current, max(context.active, 1)
         assert context.load is not None  # the reducer asks only with a load sample
         in_flight = context.load.in_flight_requests
-        ratio = in_flight / (self.capacity_per_worker * max(current, 1))
-        figures = (
-            f"load {in_flight} / ({self.capacity_per_worker:g} x {max(current, 1)}) = {ratio:.2f}"
-        )
+        ratio = in_flight / (self.capacity_per_worker * active)
+        recent = tuple((ts, r) for ts, r in mem.recent if t - ts <= self.stability_s)
+        recent += ((t, ratio),)
+        mem = replace(mem, recent=recent, samples_seen=mem.samples_seen + 1)
+        figures = f"load {in_flight} / ({self.capacity_per_worker:g} x {active}) = {ratio:.2f}"
+        variance = statistics.pvariance([r for _, r in recent]) if len(recent) >= 2 else None
+        stable = mem.samples_seen >= 3 and variance is not None and variance < self.max_variance
         if ratio > self.scale_up_threshold:
-            if mem.above_since_t is None or mem.below_since_t is not None:
-                mem = replace(mem, above_since_t=t, below_since_t=None)
-            assert mem.above_since_t is not None
-            held = t - mem.above_since_t
-            if held >= self.stability_s and _since(t, mem.last_up_t) >= self.scale_up_cooldown_s:
+            if stable and _since(t, mem.last_up_t) > self.scale_up_cooldown_s:
                 target = current + self.step
                 return Decision(
                     target=target,
-                    reason=f"{figures} > {self.scale_up_threshold:g} for {held:.0f}s -> {target}",
-                    memory=replace(mem, last_up_t=t, above_since_t=None),
+                    reason=f"{figures} > {self.scale_up_threshold:g}, stable -> {target}",
+                    memory=replace(mem, last_up_t=t),
                 )
-            return Decision(
-                target=current, reason=f"{figures} high; waiting (stability/cooldown)", memory=mem
-            )
+            why = "cooldown" if stable else "not stable yet"
+            return Decision(target=current, reason=f"{figures} high; waiting ({why})", memory=mem)
         if ratio < self.scale_down_threshold and current > 0:
-            if mem.below_since_t is None or mem.above_since_t is not None:
-                mem = replace(mem, below_since_t=t, above_since_t=None)
-            assert mem.below_since_t is not None
-            held = t - mem.below_since_t
-            if (
-                held >= self.stability_s
-                and _since(t, mem.last_down_t) >= self.scale_down_cooldown_s
-            ):
+            if stable and _since(t, mem.last_down_t) > self.scale_down_cooldown_s:
                 target = max(current - self.step, 0)
                 return Decision(
                     target=target,
-                    reason=f"{figures} < {self.scale_down_threshold:g} for {held:.0f}s -> {target}",
-                    memory=replace(mem, last_down_t=t, below_since_t=None),
+                    reason=f"{figures} < {self.scale_down_threshold:g}, stable -> {target}",
+                    memory=replace(mem, last_down_t=t),
                 )
-            return Decision(
-                target=current, reason=f"{figures} low; waiting (stability/cooldown)", memory=mem
-            )
+            why = "cooldown" if stable else "not stable yet"
+            return Decision(target=current, reason=f"{figures} low; waiting ({why})", memory=mem)
         return Decision(
             target=current,
             reason=f"{figures} within [{self.scale_down_threshold:g}, {self.scale_up_threshold:g}]",
-            memory=replace(mem, above_since_t=None, below_since_t=None),
+            memory=mem,
         )

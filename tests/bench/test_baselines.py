@@ -14,8 +14,6 @@ comment on each row is the published rule's arithmetic. Sources:
   the default scale-down stabilization (highest recommendation of the last 300 s), as core's
   ``hpa``.
 
-Tests marked ``xfail(strict=True)`` pin where core's policies depart from the published rule:
-they fail the day core follows it, so the mark can go.
 """
 
 from __future__ import annotations
@@ -490,11 +488,6 @@ def test_verl_through_the_reducer_with_the_stabilization_window_off() -> None:
     assert got == [[], [2]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core threshold departs from verl: verl's stability is a variance test over the last "
-    "10 s (>= 3 samples, >= 2 in the window, variance < 0.1), not 10 s past the threshold",
-)
 def test_verl_acts_on_the_first_high_sample_after_steady_load() -> None:
     # verl at t=10: history and last 10 s (0.6, 0.6, 0.85) -> variance 0.014 < 0.1 stable;
     # 0.85 > 0.8 and never scaled up -> +1 = 3. Core waits until the ratio is 10 s past 0.8.
@@ -507,11 +500,6 @@ def test_verl_acts_on_the_first_high_sample_after_steady_load() -> None:
     assert targets == [want for _, want in rows]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core threshold departs from verl: verl's cooldowns are strict "
-    "(now - last_scale_up_time > scale_up_cooldown), core's inclusive (>=)",
-)
 def test_verl_cooldown_is_strict() -> None:
     rows = [
         (load_ctx(0, 15, current=2), 2),  # 15/20 = 0.75 inside the band
@@ -526,11 +514,6 @@ def test_verl_cooldown_is_strict() -> None:
     assert targets == [want for _, want in rows]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core threshold departs from verl: verl's capacity counts ACTIVE workers only "
-    "(len(active_workers) x capacity); core counts starting workers too (context.current)",
-)
 def test_verl_capacity_counts_active_workers_only() -> None:
     # 2 active + 2 starting, 17 in flight: verl 17 / (2 x 10) = 0.85 > 0.8 -> up once stable;
     # core 17 / (4 x 10) = 0.425 < 0.5 -> down after 10 s.
@@ -576,12 +559,6 @@ def test_k8s_hpa_through_the_reducer() -> None:
     assert world.workers == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core hpa departs from the Kubernetes default behavior: scaleUp adds at most "
-    "max(4 pods, 100%) per period (15 s in the controller's defaults; the API reference says "
-    "60 s); core scales straight to the recommendation",
-)
 def test_k8s_hpa_default_scale_up_rate_limit() -> None:
     # 1 worker, 80 in flight: recommendation ceil(80 / 8) = 10; default scaleUp policies allow
     # max(1 + 4, 2 x 1) = 5 this period.

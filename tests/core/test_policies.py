@@ -220,10 +220,18 @@ def test_static_always_count(count: int, context: PolicyContext) -> None:
     assert StaticPolicy.reacts_to is None
 
 
-# --- threshold (verl-style) ---------------------------------------------------------------------
+# --- threshold (verl's elastic scheduler) -------------------------------------------------------
 
-#: No timers: a single decision shows the band. capacity 8, up > 0.8, down < 0.5, step 1.
-INSTANT = ThresholdPolicy(stability_s=0.0, scale_up_cooldown_s=0.0, scale_down_cooldown_s=0.0)
+#: No cooldowns: three equal samples show the band. capacity 8, up > 0.8, down < 0.5, step 1.
+INSTANT = ThresholdPolicy(scale_up_cooldown_s=0.0, scale_down_cooldown_s=0.0)
+
+
+def third_decision(policy: ThresholdPolicy, context: PolicyContext) -> Any:
+    """The decision on the third of three equal samples 1 s apart (the first that can be stable)."""
+    memory = None
+    for t in (context.t - 2, context.t - 1):
+        memory = policy.decide(attrs.evolve(context, t=t), memory).memory
+    return policy.decide(context, memory)
 
 
 @pytest.mark.parametrize(
@@ -249,68 +257,67 @@ INSTANT = ThresholdPolicy(stability_s=0.0, scale_up_cooldown_s=0.0, scale_down_c
 )
 def test_threshold_single_decision(step: int, current: int, in_flight: int, expected: int) -> None:
     policy = attrs.evolve(INSTANT, step=step)
-    decision = policy.decide(load_ctx(100.0, current, in_flight), None)
+    decision = third_decision(policy, load_ctx(100.0, current, in_flight))
     assert decision.target == expected
     assert f"load {in_flight} / (8 x {max(current, 1)})" in decision.reason
 
 
-#: Sequences under the default timers: stability 10 s, up cooldown 30 s, down cooldown 60 s.
+def test_threshold_capacity_counts_active_workers_only() -> None:
+    # 4 counted, 2 active, 17 in flight: 17 / (8 x 2) = 1.06 > 0.8 -> 4 + 1 (not 17 / 32 = 0.53)
+    decision = third_decision(INSTANT, load_ctx(100.0, 4, 17, active=2))
+    assert decision.target == 5
+    assert "load 17 / (8 x 2)" in decision.reason
+
+
+#: Sequences under verl's defaults: stable = >= 3 samples seen, >= 2 in the last 10 s, variance
+#: of their ratios < 0.1; cooldowns strict (more than 30 s up, 60 s down since the last one).
 #: Each step: (t, current, in_flight, expected target).
 THRESHOLD_SEQUENCES: dict[str, list[tuple[float, int, int, int]]] = {
-    "up-needs-stability": [
-        (100.0, 1, 12, 1),  # 12 / 8 = 1.5 > 0.8; high since 100, held 0 < 10 -> 1
-        (105.0, 1, 12, 1),  # held 5 < 10 -> 1
-        (109.9, 1, 12, 1),  # held 9.9 < 10 -> 1
-        (110.0, 1, 12, 2),  # held 10 >= 10, never scaled up -> 2
+    "up-needs-three-samples": [
+        (100.0, 1, 12, 1),  # 12 / 8 = 1.5 > 0.8; 1 sample seen: not stable -> 1
+        (105.0, 1, 12, 1),  # 2 seen -> 1
+        (110.0, 1, 12, 2),  # 3 seen; 1.5, 1.5, 1.5 in the last 10 s: variance 0 -> 2
     ],
-    "up-cooldown": [
-        (100.0, 1, 12, 1),  # 1.5 > 0.8, held 0
-        (110.0, 1, 12, 2),  # held 10 -> 2 (last up 110; the high timer restarts)
-        (115.0, 2, 24, 2),  # 24 / 16 = 1.5; high since 115, held 0
-        (125.0, 2, 24, 2),  # held 10 but 15 s since last up < 30 -> 2
-        (139.0, 2, 24, 2),  # held 24, 29 s since last up < 30 -> 2
-        (140.0, 2, 24, 3),  # held 25, 30 s since last up -> 3
+    "up-cooldown-is-strict": [
+        (100.0, 1, 12, 1),
+        (105.0, 1, 12, 1),
+        (110.0, 1, 12, 2),  # last up 110
+        (120.0, 2, 24, 2),  # 24 / 16 = 1.5, stable; 10 s since the last up, not > 30
+        (130.0, 2, 24, 2),
+        (140.0, 2, 24, 2),  # 30 s: not > 30 -> hold
+        (140.5, 2, 24, 3),  # 30.5 s > 30 -> 3
     ],
-    "band-resets-the-up-timer": [
-        (100.0, 1, 12, 1),  # 1.5 > 0.8, high since 100
-        (108.0, 1, 6, 1),  # 6 / 8 = 0.75 inside the band: timers reset
-        (112.0, 1, 12, 1),  # 1.5 > 0.8, high since 112 (not 100)
-        (118.0, 1, 12, 1),  # held 6 < 10 -> 1 (would be 18 without the reset)
-        (122.0, 1, 12, 2),  # held 10 -> 2
+    "unstable-load-waits": [
+        (100.0, 2, 4, 2),  # 4 / 16 = 0.25
+        (105.0, 2, 40, 2),  # 2.5
+        (110.0, 2, 40, 2),  # 0.25, 2.5, 2.5: mean 1.75, variance (2.25 + 2 x 0.5625) / 3 = 1.125
+        (116.0, 2, 40, 3),  # t=100 and t=105 older than 10 s: 2.5, 2.5, variance 0 -> 3
     ],
-    "down-needs-stability-then-cooldown": [
-        (100.0, 4, 8, 4),  # 8 / 32 = 0.25 < 0.5, low since 100, held 0
-        (110.0, 4, 8, 3),  # held 10, never scaled down -> 3 (last down 110)
-        (115.0, 3, 6, 3),  # 6 / 24 = 0.25, low since 115
-        (125.0, 3, 6, 3),  # held 10, 15 s since last down < 60 -> 3
-        (169.0, 3, 6, 3),  # held 54, 59 s since last down < 60 -> 3
-        (170.0, 3, 6, 2),  # held 55, 60 s since last down -> 2
-    ],
-    "band-resets-the-down-timer": [
-        (100.0, 4, 8, 4),  # 0.25 < 0.5, low since 100
-        (105.0, 4, 16, 4),  # 16 / 32 = 0.5 inside the band: reset
-        (108.0, 4, 8, 4),  # low since 108
-        (115.0, 4, 8, 4),  # held 7 < 10 -> 4 (15 without the reset)
-        (118.0, 4, 8, 3),  # held 10 -> 3
-    ],
-    "flip-resets-the-opposite-timer": [
-        (100.0, 4, 40, 4),  # 40 / 32 = 1.25 > 0.8, high since 100
-        (105.0, 4, 8, 4),  # 8 / 32 = 0.25 < 0.5: low since 105, high timer cleared
-        (110.0, 4, 40, 4),  # high again: since 110, not 100 -> held 0
-        (115.0, 4, 40, 4),  # held 5 < 10
-        (120.0, 4, 40, 5),  # held 10 -> 5
+    "down-then-strict-cooldown": [
+        (100.0, 4, 8, 4),  # 8 / 32 = 0.25 < 0.5
+        (105.0, 4, 8, 4),
+        (110.0, 4, 8, 3),  # stable, never scaled down -> 3 (last down 110)
+        (120.0, 3, 6, 3),  # 6 / 24 = 0.25, stable; 10 s since the last down, not > 60
+        (165.0, 3, 6, 3),  # alone in its 10 s window (t=120 is 45 s old): not stable
+        (170.0, 3, 6, 3),  # stable again; 60 s: not > 60 -> hold
+        (171.0, 3, 6, 2),  # 61 s > 60 -> 2
     ],
     "up-cooldown-does-not-block-down": [
-        (100.0, 1, 12, 1),  # 1.5 > 0.8, high since 100
-        (110.0, 1, 12, 2),  # held 10 -> 2, last up 110
-        (111.0, 2, 0, 2),  # 0 < 0.5, low since 111
-        (121.0, 2, 0, 1),  # held 10, never scaled down -> 1 (the reducer's window guards flaps)
+        (100.0, 1, 12, 1),
+        (105.0, 1, 12, 1),
+        (110.0, 1, 12, 2),  # up, last up 110
+        (111.0, 2, 0, 2),  # 1.5, 1.5, 0: variance 0.5 -> not stable
+        (116.0, 2, 0, 2),  # 1.5 (t=110), 0, 0: variance 0.5 -> not stable
+        (121.0, 2, 0, 1),  # 0, 0, 0 -> stable, never scaled down -> 1 (the reducer's window
+        #                    guards flaps, not the policy)
     ],
     "down-cooldown-does-not-block-up": [
-        (100.0, 4, 0, 4),  # 0 < 0.5, low since 100
-        (110.0, 4, 0, 3),  # -> 3, last down 110
-        (111.0, 3, 30, 3),  # 30 / 24 = 1.25 > 0.8, high since 111
-        (121.0, 3, 30, 4),  # held 10, never scaled up -> 4
+        (100.0, 4, 0, 4),
+        (105.0, 4, 0, 4),
+        (110.0, 4, 0, 3),  # down, last down 110
+        (111.0, 3, 30, 3),  # 30 / 24 = 1.25; 0, 0, 1.25: variance 0.35 -> not stable
+        (116.0, 3, 30, 3),  # 0, 1.25, 1.25: variance 0.35 -> not stable
+        (121.0, 3, 30, 4),  # 1.25 x 3 -> stable, never scaled up -> 4
     ],
 }
 
@@ -326,36 +333,21 @@ def test_threshold_sequences(name: str) -> None:
         memory = decision.memory
 
 
-def test_threshold_memory_after_a_scale_up() -> None:
+def test_threshold_memory_keeps_the_window_and_the_last_scale() -> None:
     policy = ThresholdPolicy()
     first = policy.decide(load_ctx(100.0, 1, 12), None)
-    assert first.memory == ThresholdMemory(above_since_t=100.0)
-    second = policy.decide(load_ctx(110.0, 1, 12), first.memory)
-    assert second.target == 2
-    assert second.memory == ThresholdMemory(last_up_t=110.0)  # high timer restarts
-    assert "for 10s -> 2" in second.reason
-    band = policy.decide(load_ctx(111.0, 2, 8), second.memory)  # 8 / 16 = 0.5 in band
-    assert band.memory == ThresholdMemory(last_up_t=110.0)
+    assert first.memory == ThresholdMemory(recent=((100.0, 1.5),), samples_seen=1)
+    assert "not stable yet" in first.reason
+    second = policy.decide(load_ctx(105.0, 1, 12), first.memory)
+    third = policy.decide(load_ctx(110.0, 1, 12), second.memory)
+    assert third.target == 2
+    assert third.memory == ThresholdMemory(
+        recent=((100.0, 1.5), (105.0, 1.5), (110.0, 1.5)), samples_seen=3, last_up_t=110.0
+    )
+    assert "stable -> 2" in third.reason
+    band = policy.decide(load_ctx(121.0, 2, 8), third.memory)  # 8 / 16 = 0.5 in band
+    assert band.memory == ThresholdMemory(recent=((121.0, 0.5),), samples_seen=4, last_up_t=110.0)
     assert "within [0.5, 0.8]" in band.reason
-
-
-@pytest.mark.parametrize(
-    ("in_flight", "current", "expected"),
-    [
-        (12, 1, 2),  # 12 / 8 = 1.5 > 0.8 since t=0, held 10 at t=10 -> 2
-        (0, 4, 3),  # 0 / 32 = 0 < 0.5 since t=0, held 10 at t=10 -> 3
-    ],
-)
-def test_threshold_timer_started_at_time_zero(in_flight: int, current: int, expected: int) -> None:
-    policy = ThresholdPolicy(scale_up_cooldown_s=0.0, scale_down_cooldown_s=0.0)
-    memory = None
-    targets = []
-    for t in (0.0, 5.0, 10.0, 15.0):
-        decision = policy.decide(load_ctx(t, current, in_flight), memory)
-        memory = decision.memory
-        targets.append(decision.target)
-    assert targets[:2] == [current, current]  # held 0 and 5 < 10
-    assert targets[2] == expected  # held 10 >= 10
 
 
 @settings(max_examples=200, deadline=None)
@@ -399,6 +391,37 @@ def test_threshold_moves_at_most_one_step_per_decision(
 
 # --- hpa (Kubernetes HPA) -----------------------------------------------------------------------
 
+#: The ratio rule alone: Kubernetes' default scale-up rate limit out of the way.
+NO_LIMIT = 10**9
+
+
+@pytest.mark.parametrize(
+    ("samples", "expected"),
+    [
+        # 1 worker, 80 in flight, target 4: recommendation 20; at most max(1 + 4, 2 x 1) = 5
+        ([(0.0, 1, 80)], [5]),
+        # 5 workers 5 s later: 5 - 4 added this period = 1 at its start -> still at most 5
+        ([(0.0, 1, 80), (5.0, 5, 80)], [5, 5]),
+        # 15 s after the first scale-up it left the period: max(5 + 4, 2 x 5) = 10
+        ([(0.0, 1, 80), (15.0, 5, 80)], [5, 10]),
+        # 0 workers: max(0 + 4, 0 x 2) = 4
+        ([(0.0, 0, 80)], [4]),
+        # 10 workers, 120 in flight: recommendation 30; max(14, 20) = 20
+        ([(0.0, 10, 120)], [20]),
+    ],
+)
+def test_hpa_default_scale_up_limit(
+    samples: list[tuple[float, int, int]], expected: list[int]
+) -> None:
+    policy = HpaPolicy(target_per_worker=4.0)
+    memory = None
+    targets = []
+    for t, current, in_flight in samples:
+        decision = policy.decide(load_ctx(t, current, in_flight), memory)
+        memory = decision.memory
+        targets.append(decision.target)
+    assert targets == expected
+
 
 @pytest.mark.parametrize(
     ("tolerance", "current", "in_flight", "expected"),
@@ -426,12 +449,12 @@ def test_threshold_moves_at_most_one_step_per_decision(
     ],
 )
 def test_hpa_single_decision(tolerance: float, current: int, in_flight: int, expected: int) -> None:
-    policy = HpaPolicy(target_per_worker=4.0, tolerance=tolerance)
+    policy = HpaPolicy(scale_up_pods=NO_LIMIT, target_per_worker=4.0, tolerance=tolerance)
     decision = policy.decide(load_ctx(100.0, current, in_flight), None)
     assert decision.target == expected
     assert decision.reason.endswith(f"-> {expected}")
     assert f"{in_flight} in flight / {current} workers" in decision.reason
-    assert decision.memory == HpaMemory(recommendations=((100.0, expected),))
+    assert decision.memory.recommendations == ((100.0, expected),)
 
 
 #: (t, current, in_flight, expected, window afterwards) with target 4/worker and a 300 s window.
@@ -448,7 +471,12 @@ HPA_STABILIZATION = [
 
 
 def test_hpa_scale_down_takes_the_highest_recommendation_in_the_window() -> None:
-    policy = HpaPolicy(target_per_worker=4.0, tolerance=0.1, scale_down_stabilization_s=300.0)
+    policy = HpaPolicy(
+        scale_up_pods=NO_LIMIT,
+        target_per_worker=4.0,
+        tolerance=0.1,
+        scale_down_stabilization_s=300.0,
+    )
     memory: HpaMemory | None = None
     for t, current, in_flight, expected, window in HPA_STABILIZATION:
         decision = policy.decide(load_ctx(t, current, in_flight), memory)
@@ -460,14 +488,16 @@ def test_hpa_scale_down_takes_the_highest_recommendation_in_the_window() -> None
 
 
 def test_hpa_scale_up_ignores_lower_recommendations() -> None:
-    policy = HpaPolicy(target_per_worker=4.0)
+    policy = HpaPolicy(scale_up_pods=NO_LIMIT, target_per_worker=4.0)
     memory = HpaMemory(recommendations=[(0.0, 1), (10.0, 2)])
     decision = policy.decide(load_ctx(20.0, 2, 64), memory)  # 64 / 8 = 8.0 -> 16
     assert decision.target == 16
 
 
 def test_hpa_without_stabilization_scales_down_at_once() -> None:
-    policy = HpaPolicy(target_per_worker=4.0, scale_down_stabilization_s=0.0)
+    policy = HpaPolicy(
+        scale_up_pods=NO_LIMIT, target_per_worker=4.0, scale_down_stabilization_s=0.0
+    )
     first = policy.decide(load_ctx(0.0, 4, 32), None)  # -> 8
     second = policy.decide(load_ctx(1.0, 8, 8), first.memory)  # 8 / 32 = 0.25 -> 2
     assert (first.target, second.target) == (8, 2)
@@ -475,7 +505,9 @@ def test_hpa_without_stabilization_scales_down_at_once() -> None:
 
 
 def test_hpa_stabilization_never_scales_up() -> None:
-    policy = HpaPolicy(target_per_worker=4.0, scale_down_stabilization_s=300.0)
+    policy = HpaPolicy(
+        scale_up_pods=NO_LIMIT, target_per_worker=4.0, scale_down_stabilization_s=300.0
+    )
     # The pool is held at 2 (pinned or paused) while the load asks for 10; the policy is still
     # asked and remembers 10.
     first = policy.decide(load_ctx(0.0, 2, 40), None)  # 40 / 8 = 5.0 -> 10
@@ -494,7 +526,7 @@ def test_hpa_stabilization_never_scales_up() -> None:
     ],
 )
 def test_hpa_exact_multiple_is_not_rounded_up(current: int, in_flight: int, expected: int) -> None:
-    policy = HpaPolicy(target_per_worker=4.0, tolerance=0.1)
+    policy = HpaPolicy(scale_up_pods=NO_LIMIT, target_per_worker=4.0, tolerance=0.1)
     decision = policy.decide(load_ctx(0.0, current, in_flight), None)
     assert decision.target == expected
 
@@ -521,6 +553,7 @@ def test_hpa_properties(
     samples: list[tuple[float, int, int]],
 ) -> None:
     policy = HpaPolicy(
+        scale_up_pods=NO_LIMIT,
         target_per_worker=target_per_worker,
         tolerance=tolerance,
         scale_down_stabilization_s=window,

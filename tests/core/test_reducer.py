@@ -412,7 +412,12 @@ def queue(t: float, queued: int, step: int, batch: int = 64) -> QueueSampled:
 
 def hpa_pool(**overrides: Any) -> PoolSpec:
     policy = PolicySpec(
-        name="hpa", params={"target_per_worker": 4.0, "scale_down_stabilization_s": 0.0}
+        name="hpa",
+        params={
+            "target_per_worker": 4.0,
+            "scale_down_stabilization_s": 0.0,
+            "scale_up_pods": 1000,  # the reducer's rules here, not Kubernetes' rate limit
+        },
     )
     return pool(policy=policy, min_workers=1, max_workers=10, stabilization_s=60, **overrides)
 
