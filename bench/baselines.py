@@ -334,9 +334,7 @@ def register() -> None:
             )
         POLICIES[name] = cls
     for cls in _MEMORIES:
-        codec.REGISTRY.setdefault(cls.__name__, cls)
-        # The codec keeps each registered class's field names beside its registry.
-        codec._FIELDS.setdefault(cls, tuple(f.name for f in attrs.fields(cls)))
+        codec.register(cls)
 
 
 def baseline_specs(

@@ -17,7 +17,7 @@ import attrs
 from core import commands, config, events, policies, state
 from core.errors import InvalidEvent
 
-__all__ = ["REGISTRY", "decode", "encode"]
+__all__ = ["REGISTRY", "decode", "encode", "register"]
 
 TYPE_KEY = "@"
 
@@ -36,6 +36,20 @@ REGISTRY: dict[str, type] = _registry()
 _FIELDS: dict[type, tuple[str, ...]] = {
     cls: tuple(f.name for f in attrs.fields(cls)) for cls in REGISTRY.values()
 }
+
+
+def register(cls: type) -> None:
+    """Add an attrs class defined outside the core (a benchmark's policy memory) to the registry.
+
+    Idempotent; :class:`ValueError` if another class already has its name.
+    """
+    existing = REGISTRY.get(cls.__name__)
+    if existing is not None and existing is not cls:
+        raise ValueError(f"codec: {cls.__name__!r} is already registered as {existing!r}")
+    if not attrs.has(cls):
+        raise ValueError(f"codec: {cls!r} is not an attrs class")
+    REGISTRY[cls.__name__] = cls
+    _FIELDS[cls] = tuple(f.name for f in attrs.fields(cls))
 
 
 def encode(value: Any) -> Any:

@@ -130,3 +130,24 @@ def test_commands_round_trip(cls: type, data: st.DataObject) -> None:
 def test_bad_records_raise_the_core_error(record: dict[str, Any], message: str) -> None:
     with pytest.raises(DeoError, match=message):
         codec.decode(record)
+
+
+def test_register_adds_an_outside_class_once_and_refuses_a_clash() -> None:
+    @attrs.frozen(slots=True, kw_only=True)
+    class OutsideMemory:
+        count: int = 0
+
+    codec.register(OutsideMemory)
+    codec.register(OutsideMemory)  # idempotent
+    assert codec.decode(codec.encode(OutsideMemory(count=3))) == OutsideMemory(count=3)
+
+    @attrs.frozen(slots=True, kw_only=True)
+    class OutsideMemory2:
+        count: int = 0
+
+    OutsideMemory2.__name__ = "OutsideMemory"
+    with pytest.raises(ValueError, match="already registered"):
+        codec.register(OutsideMemory2)
+    with pytest.raises(ValueError, match="not an attrs class"):
+        codec.register(int)
+    del codec.REGISTRY["OutsideMemory"]
