@@ -17,6 +17,7 @@ waiting time, workers over time, decisions) and the command that replays its log
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import secrets
@@ -64,7 +65,7 @@ class DemoSettings:
     def phases(self) -> str:
         """The trainer's START_S:STEP_S phases."""
         third = self.duration_s / 3
-        return ",".join(f"{i * third:g}:{step:g}" for i, step in enumerate(self.step_s))
+        return ",".join(f"{i * third:.0f}:{step:g}" for i, step in enumerate(self.step_s))
 
 
 def _free_port() -> int:
@@ -133,8 +134,12 @@ def _process(argv: list[str], log: Path, **kwargs: Any) -> Iterator[subprocess.P
                 proc.wait()
 
 
+class DemoFailed(Exception):
+    """Something the demo needs did not come up; the message says what and where to look."""
+
+
 async def _wait_for(url: str, what: str, timeout_s: float = 30.0) -> None:
-    with anyio.fail_after(timeout_s):
+    with anyio.move_on_after(timeout_s):
         async with httpx.AsyncClient(timeout=1.0) as client:
             while True:
                 try:
@@ -142,7 +147,7 @@ async def _wait_for(url: str, what: str, timeout_s: float = 30.0) -> None:
                     return
                 except httpx.HTTPError:
                     await anyio.sleep(0.1)
-    raise AssertionError(what)  # pragma: no cover  (fail_after raises first)
+    raise DemoFailed(f"{what} did not answer at {url} within {timeout_s:g}s")
 
 
 @attrs.define
@@ -179,7 +184,7 @@ async def _drive(
 ) -> None:
     """Watch the run, print progress, then ask deo to drain everything and stop."""
     start = time.monotonic()
-    await _wait_for(deo_url + "/global-status", "deo did not start")
+    await _wait_for(deo_url + "/global-status", "deo's API")
     async with httpx.AsyncClient(base_url=deo_url, timeout=5.0) as client:
         while (t := time.monotonic() - start) < demo.duration_s and trainer.poll() is None:
             status = (await client.get("/global-status")).json()
@@ -229,6 +234,12 @@ def run_demo(
     from adapters.run import run
 
     demo = settings or DemoSettings()
+    if importlib.util.find_spec("atroposlib") is None:
+        out(
+            "deo demo: atroposlib is not installed; its API server is all the demo needs: "
+            "pip install --no-deps atroposlib==0.4.0"
+        )
+        return 2
     log = log.absolute()
     log.parent.mkdir(parents=True, exist_ok=True)
     for old in (
@@ -259,7 +270,7 @@ def run_demo(
 
     async def main() -> int:
         with _process(api_argv, files / "atropos-api.log"):
-            await _wait_for(api_url + "/status", "the atroposlib API server did not start")
+            await _wait_for(api_url + "/status", "the atroposlib API server")
             trainer = subprocess.Popen(trainer_argv, stdout=subprocess.PIPE, text=True)
             try:
                 async with anyio.create_task_group() as tg:
@@ -276,7 +287,14 @@ def run_demo(
                             progress.trainer.update(json.loads(line))
             return status
 
-    status = anyio.run(main)
+    try:
+        status = anyio.run(main)
+    except Exception as exc:
+        failed = _demo_failure(exc)
+        if failed is None:
+            raise
+        out(f"deo demo: {failed}; see {_shown(files)}")
+        return 1
     if status != 0:
         out(f"deo demo: deo exited with status {status}; see {log}")
         return status
@@ -286,6 +304,17 @@ def run_demo(
     out(f"deo demo: log {_shown(log)} ({events} events) {verdict}")
     out(f"deo demo: replay it with `deo replay {_shown(log)}`")
     return 0 if not wrong else 1
+
+
+def _demo_failure(exc: BaseException) -> DemoFailed | None:
+    # A task group wraps what its tasks raise in an ExceptionGroup.
+    if isinstance(exc, DemoFailed):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _demo_failure(inner)) is not None:
+                return found
+    return None
 
 
 def _quiet(out: Callable[[str], None]) -> Callable[[str], None]:
