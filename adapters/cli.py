@@ -155,6 +155,8 @@ def _run(path: Path) -> int:
     handler.setFormatter(_JsonLines())
     # On a terminal the live view shows the decisions; elsewhere they are JSON log lines.
     logging.basicConfig(level=logging.WARNING if live else logging.INFO, handlers=[handler])
+    # One line per poll of every source would bury deo's own lines.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     return anyio.run(functools.partial(run, settings, live=live))
 
 

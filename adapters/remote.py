@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import httpx
@@ -17,6 +18,15 @@ def _get(url: str) -> Any:
     response = httpx.get(url, timeout=5.0)
     response.raise_for_status()
     return response.json()
+
+
+def _when(t: Any) -> str:
+    """A time as deo shows it: deo run's clock is wall time; a simulated one starts at 0."""
+    if not isinstance(t, int | float):
+        return "t=?"
+    if t > 1e9:
+        return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 10)}"
+    return f"t={t:.1f}"
 
 
 def status(args: argparse.Namespace) -> int:
@@ -31,9 +41,7 @@ def status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(body, indent=2))
         return 0
-    print(
-        f"t={body.get('now', 0):.1f}" + ("  (autoscaling paused)" if body.get("paused_all") else "")
-    )
+    print(_when(body.get("now")) + ("  (autoscaling paused)" if body.get("paused_all") else ""))
     print(f"{'pool':<14}{'target':>7}{'workers':>9}  by state")
     for name, pool in sorted(body.get("pools", {}).items()):
         states = pool.get("workers_by_state", {})
@@ -50,7 +58,7 @@ def status(args: argparse.Namespace) -> int:
             print(f"{'':<14}pressure source down: {pool['source_error']}")
         for decision in pool.get("decisions", [])[-3:]:
             what = f"{decision.get('type')}: {decision.get('reason')}"
-            print(f"{'':<14}t={decision.get('t') or 0:.1f} {what}")
+            print(f"{'':<14}{_when(decision.get('t'))} {what}")
     for gpu in body.get("gpus", []):
         causes = ", ".join(gpu.get("causes", [])) or "ok"
         print(f"GPU {gpu.get('id')}: {causes}")
