@@ -271,7 +271,9 @@ def test_gpu_loss_kills_its_worker_after_reporting_the_loss() -> None:
     events = world.run_until(15.0)
     lost = [e for e in events if isinstance(e, (GpuLost, WorkerExited))]
     assert [type(e).__name__ for e in lost] == ["GpuLost", "WorkerExited"]
-    assert (lost[0].gpu_id, lost[1].worker_id, lost[1].exit_code) == ("1", "envs-1", 1)
+    gpu_lost, exited = lost
+    assert isinstance(gpu_lost, GpuLost) and isinstance(exited, WorkerExited)
+    assert (gpu_lost.gpu_id, exited.worker_id, exited.exit_code) == ("1", "envs-1", 1)
     # A lost GPU is no longer sampled.
     assert {e.gpu_id for e in of(world.run_until(20.0), GpuSampled)} == {"0", "2", "3"}
 
