@@ -85,12 +85,12 @@ def _settings(demo: DemoSettings, log: Path, api_url: str, deo_port: int) -> Run
     policy = PolicySpec(
         name="buffer",
         params={
-            "target_batches": 1.5,
-            "refill_s": 4.0,
+            "refill_s": 3.0,
             "integral_s": 60.0,
-            "rate_window_s": 4.0,
-            "max_down_fraction": 0.25,
-            "down_cooldown_s": 3.0,
+            "rate_window_s": 2.0,
+            "production_window_s": 6.0,
+            "max_down_fraction": 0.5,
+            "down_cooldown_s": 2.0,
         },
     )
     pool = PoolSpec(
