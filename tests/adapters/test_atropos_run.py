@@ -27,7 +27,9 @@ BATCH = 16
 
 
 def records(instance: Deo) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in instance.log.read_text().splitlines()[1:]]
+    """The log's complete records after its header (deo may be writing the last one)."""
+    raw = instance.log.read_bytes()
+    return [json.loads(line) for line in raw[: raw.rfind(b"\n") + 1].splitlines()[1:]]
 
 
 def events_of(instance: Deo, kind: str) -> list[dict[str, Any]]:

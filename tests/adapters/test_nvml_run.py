@@ -157,9 +157,10 @@ count = 2
 
     def commands(self, kind: str, **fields: Any) -> list[tuple[float, dict[str, Any]]]:
         """Commands of type ``kind`` with these field values, each with its cause event's t."""
-        times = {r["seq"]: r["event"]["t"] for r in self.records() if r["kind"] == "event"}
+        records = self.records()  # once: deo appends while we read
+        times = {r["seq"]: r["event"]["t"] for r in records if r["kind"] == "event"}
         found = []
-        for record in self.records():
+        for record in records:
             if record["kind"] != "commands":
                 continue
             for command in record["commands"]:
