@@ -28,7 +28,7 @@ import anyio
 import attrs
 import httpx
 
-from core import ConfigError, Event, InvalidEvent, QueueSampled, SourceDown
+from core import ConfigError, Event, QueueSampled, SourceDown
 
 __all__ = ["AtroposSource", "poll_atropos", "sample_atropos"]
 
@@ -96,7 +96,7 @@ async def sample_atropos(
             batch_size_seqs=batch_size_seqs,
             trainer_step=step,
         )
-    except (httpx.HTTPError, ValueError, InvalidEvent) as exc:
+    except Exception as exc:
         # A source never takes deo down: any failure is an outage the core holds through.
         what = str(exc) or type(exc).__name__
         return SourceDown(t=clock(), pool=source.pool, error=f"{source.url}: {what}")

@@ -12,11 +12,12 @@ import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from adapters.atropos import AtroposSource, check_url
+from adapters.nvml import NvmlSettings
 from core import (
     Config,
     ConfigError,
@@ -28,9 +29,6 @@ from core import (
     QueueSampled,
 )
 from core.policies import build
-
-if TYPE_CHECKING:
-    from adapters.nvml import NvmlSettings
 
 __all__ = ["ApiSettings", "JsonSource", "RunSettings", "Source", "load"]
 
@@ -99,8 +97,8 @@ class RunSettings:
     worker_logs: Path = Path("deo-workers")
     api: ApiSettings = attrs.field(factory=ApiSettings)
     sources: tuple[Source, ...] = ()
-    #: GPU health monitoring (``[nvml]``); None: the default (NVML when a driver answers).
-    nvml: NvmlSettings = attrs.field(factory=lambda: _nvml_settings())
+    #: GPU health monitoring (``[nvml]``): NVML when a driver answers, by default.
+    nvml: NvmlSettings = attrs.field(factory=NvmlSettings)
 
     def __attrs_post_init__(self) -> None:
         if not (math.isfinite(self.tick_interval_s) and self.tick_interval_s > 0):
@@ -171,13 +169,12 @@ def load(path: Path) -> RunSettings:
     )
 
 
-def _nvml_settings(table: dict[str, Any] | None = None, base: Path | None = None) -> NvmlSettings:
-    from adapters.nvml import NvmlSettings
-
-    table = dict(table or {})
-    if "file" in table and base is not None:
+def _nvml_settings(table: dict[str, Any], base: Path) -> NvmlSettings:
+    table = dict(table)
+    if "file" in table:
         table["file"] = base / _typed("nvml.file", table["file"], str)
-    return _build(NvmlSettings, "nvml", table)  # type: ignore[no-any-return]
+    settings: NvmlSettings = _build(NvmlSettings, "nvml", table)
+    return settings
 
 
 def _pool(name: str, raw: dict[str, Any]) -> tuple[PoolSpec, Source | None]:
@@ -208,7 +205,8 @@ def _pool(name: str, raw: dict[str, Any]) -> tuple[PoolSpec, Source | None]:
             raise ConfigError(
                 f"{where}.source.kind: unknown kind {kind!r}; known: {', '.join(_SOURCE_KINDS)}"
             )
-        _known(table, f"{where}.source", {f.name for f in attrs.fields(cls)} - {"pool"} | {"kind"})
+        # `pool` is the table's own name: given inside the table it is an unknown key.
+        _known(table, f"{where}.source", {f.name for f in attrs.fields(cls)} - {"pool"})
         source = _build(cls, f"{where}.source", {**table, "pool": name}, skip={"pool"})
     return PoolSpec(name=name, **fields), source
 

@@ -24,16 +24,19 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import attrs
 import httpx
+from anyio.abc import Process
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from adapters.atropos import AtroposSource
 from adapters.config_file import ApiSettings, RunSettings
+from adapters.log import snapshot_path
 from adapters.nvml import NvmlSettings
 from adapters.replay import replay
 from core import Config, PolicySpec, PoolSpec, ScalePool
@@ -66,6 +69,11 @@ class DemoSettings:
         """The trainer's START_S:STEP_S phases."""
         third = self.duration_s / 3
         return ",".join(f"{i * third:.0f}:{step:g}" for i, step in enumerate(self.step_s))
+
+
+def _worker_logs(log: Path) -> Path:
+    """Where the workers', the API server's and the trainer's output go: beside the log."""
+    return log.with_name(log.stem + "-workers")
 
 
 def _free_port() -> int:
@@ -109,7 +117,7 @@ def _settings(demo: DemoSettings, log: Path, api_url: str, deo_port: int) -> Run
         config=Config(pools=[pool]),
         log=log,
         tick_interval_s=0.5,
-        worker_logs=log.with_name(log.stem + "-workers"),
+        worker_logs=_worker_logs(log),
         api=ApiSettings(port=deo_port, token_env=_TOKEN_ENV),
         sources=(
             AtroposSource(pool="envs", url=api_url, group_size=demo.group_size, interval_s=0.5),
@@ -118,20 +126,25 @@ def _settings(demo: DemoSettings, log: Path, api_url: str, deo_port: int) -> Run
     )
 
 
-@contextlib.contextmanager
-def _process(argv: list[str], log: Path, **kwargs: Any) -> Iterator[subprocess.Popen[str]]:
-    with log.open("a") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True, **kwargs)
+@contextlib.asynccontextmanager
+async def _process(argv: list[str], log: Path) -> AsyncIterator[Process]:
+    """``argv`` running, its output appended to ``log``; terminated (killed after 10 s) at exit."""
+    with log.open("ab") as out:
+        proc = await anyio.open_process(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+        )
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        with anyio.CancelScope(shield=True):
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.terminate()
+                with anyio.move_on_after(10):
+                    await proc.wait()
+                if proc.returncode is None:
+                    proc.kill()
+            await proc.aclose()
 
 
 class DemoFailed(Exception):
@@ -178,7 +191,7 @@ async def _drive(
     demo: DemoSettings,
     deo_url: str,
     token: str,
-    trainer: subprocess.Popen[str],
+    trainer: Process,
     progress: _Progress,
     out: Callable[[str], None],
 ) -> None:
@@ -186,7 +199,7 @@ async def _drive(
     start = time.monotonic()
     await _wait_for(deo_url + "/global-status", "deo's API")
     async with httpx.AsyncClient(base_url=deo_url, timeout=5.0) as client:
-        while (t := time.monotonic() - start) < demo.duration_s and trainer.poll() is None:
+        while (t := time.monotonic() - start) < demo.duration_s and trainer.returncode is None:
             status = (await client.get("/global-status")).json()
             pool = status["pools"].get("envs", {})
             progress.workers.append((t, pool.get("workers_by_state", {}).get("active", 0)))
@@ -197,12 +210,12 @@ async def _drive(
         (await client.post("/v1/stop", json={"drain": True}, headers=headers)).raise_for_status()
 
 
-async def _read_trainer(trainer: subprocess.Popen[str], progress: _Progress) -> None:
-    assert trainer.stdout is not None
-    stream = trainer.stdout
+async def _read_trainer(lines: BufferedByteReceiveStream, progress: _Progress) -> None:
+    """Take the trainer's JSON lines into ``progress`` until its output ends."""
     while True:
-        line = await anyio.to_thread.run_sync(stream.readline, abandon_on_cancel=True)
-        if not line:
+        try:
+            line = await lines.receive_until(b"\n", 1 << 16)
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.DelimiterNotFound):
             return
         with contextlib.suppress(ValueError):
             progress.trainer.update(json.loads(line))
@@ -242,13 +255,10 @@ def run_demo(
         return 2
     log = log.absolute()
     log.parent.mkdir(parents=True, exist_ok=True)
-    for old in (
-        log,
-        log.with_name(log.name + ".snapshot"),
-        log.with_name(log.name + ".worker-token"),
-    ):
-        old.unlink(missing_ok=True)  # a fresh run each time: this log is the demo's own
-    files = log.with_name(log.stem + "-workers")
+    # A fresh run each time: this log, its snapshot and its workers' token are the demo's own.
+    for old in (log, snapshot_path(log), log.with_name(log.name + ".worker-token")):
+        old.unlink(missing_ok=True)
+    files = _worker_logs(log)
     files.mkdir(exist_ok=True)
     api_url = f"http://127.0.0.1:{_free_port()}"
     deo_port = _free_port()
@@ -269,22 +279,23 @@ def run_demo(
     started = time.monotonic()
 
     async def main() -> int:
-        with _process(api_argv, files / "atropos-api.log"):
+        async with _process(api_argv, files / "atropos-api.log"):
             await _wait_for(api_url + "/status", "the atroposlib API server")
-            trainer = subprocess.Popen(trainer_argv, stdout=subprocess.PIPE, text=True)
+            trainer = await anyio.open_process(trainer_argv, stdin=subprocess.DEVNULL, stderr=None)
+            assert trainer.stdout is not None
+            lines = BufferedByteReceiveStream(trainer.stdout)
             try:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(_read_trainer, trainer, progress)
+                    tg.start_soon(_read_trainer, lines, progress)
                     tg.start_soon(_drive, demo, deo_url, token, trainer, progress, out)
                     status = await run(_settings(demo, log, api_url, deo_port), out=_quiet(out))
                     tg.cancel_scope.cancel()
             finally:
-                trainer.terminate()
-                trainer.wait(10)
-                if trainer.stdout is not None:
-                    for line in trainer.stdout:
-                        with contextlib.suppress(ValueError):
-                            progress.trainer.update(json.loads(line))
+                with anyio.CancelScope(shield=True):
+                    with contextlib.suppress(ProcessLookupError):
+                        trainer.terminate()
+                    await _read_trainer(lines, progress)  # its summary line, then end of file
+                    await trainer.aclose()
             return status
 
     try:

@@ -15,6 +15,7 @@ import contextlib
 import math
 import os
 import re
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -464,15 +465,19 @@ class PynvmlReader:
         self._physical = dict(physical)
         self._devices: dict[str, _Device] = {}
         self._errors = _ErrorCounts()
+        # A read abandoned when deo stops may still be running in its thread when close() runs.
+        self._lock = threading.Lock()
 
     def read(self) -> dict[str, GpuReading]:
-        return {gpu: self._read_one(gpu, physical) for gpu, physical in self._physical.items()}
+        with self._lock:
+            return {gpu: self._read_one(gpu, phys) for gpu, phys in self._physical.items()}
 
     def close(self) -> None:
-        for gpu in list(self._devices):
-            self._forget(gpu)
-        with contextlib.suppress(Exception):  # shutting down: nothing left to do about it
-            self._nvml.nvmlShutdown()
+        with self._lock:
+            for gpu in list(self._devices):
+                self._forget(gpu)
+            with contextlib.suppress(Exception):  # shutting down: nothing left to do about it
+                self._nvml.nvmlShutdown()
 
     def _read_one(self, gpu: str, physical: str) -> GpuReading:
         nvml = self._nvml

@@ -195,9 +195,6 @@ def find_scenarios(directory: Path, only: Sequence[str] = ()) -> list[Path]:
 
 def is_jitter_only(scenario: Scenario) -> bool:
     """Nothing changes over the run but the random latencies (see the module docstring)."""
-    explicit = getattr(scenario, "jitter_only", None)
-    if isinstance(explicit, bool):
-        return explicit
     trainer = scenario.trainer
     return (
         not trainer.phases

@@ -20,6 +20,8 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from adapters.sim.oracle import OracleResult
@@ -114,7 +116,7 @@ def _flaps(scenario: Scenario, record: WorldRecord) -> int:
 def _lag(lag_seqs: dict[int, int]) -> tuple[float, float]:
     total = sum(lag_seqs.values())
     if not total:
-        return 0.0, 0.0
+        return math.nan, math.nan  # nothing trained: no lag to speak of, and no target met
     mean = sum(lag * n for lag, n in lag_seqs.items()) / total
     seen = 0
     for lag in sorted(lag_seqs):
