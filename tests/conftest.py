@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import pytest
 from adapters.sim.driver import simulate
 from adapters.sim.scenario import EnvPool, Fault, Scenario
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def write_simulated_log(path: Path) -> None:
     """A realistic event log: 15 simulated minutes of an Atropos-style loop, a worker crash."""
@@ -26,6 +29,17 @@ def write_simulated_log(path: Path) -> None:
         faults=(Fault(kind="worker_crash", at_s=200),),
     )
     simulate(scenario, log_path=path)
+
+
+def deo_command() -> tuple[list[str], dict[str, str]]:
+    """The installed `deo` console script, or the same entry point through this Python."""
+    env = dict(os.environ)
+    script = Path(sys.executable).with_name("deo")
+    if script.exists():
+        return [str(script)], env
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    code = "import sys; from adapters.cli import main; sys.exit(main())"
+    return [sys.executable, "-c", code], env
 
 
 def free_port() -> int:

@@ -6,26 +6,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deo_command
 
 from adapters.log import VERSION
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def deo_command() -> tuple[list[str], dict[str, str]]:
-    """The installed `deo` console script, or the same entry point through this Python."""
-    env = dict(os.environ)
-    script = Path(sys.executable).with_name("deo")
-    if script.exists():
-        return [str(script)], env
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    code = "import sys; from adapters.cli import main; sys.exit(main())"
-    return [sys.executable, "-c", code], env
 
 
 def deo(*args: Any, cwd: Path) -> subprocess.CompletedProcess[str]:

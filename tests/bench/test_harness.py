@@ -6,14 +6,13 @@ copy of a benchmarks.md whose other sections must survive untouched.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deo_command
 
 from adapters.sim.scenario import Fault, Pause, Phase, Scenario, TrainerSpec, load_scenario
 from bench.harness import (
@@ -35,7 +34,6 @@ from bench.harness import (
 )
 from core import PolicySpec
 
-REPO = Path(__file__).resolve().parents[2]
 POLICIES = ("deo", "deo-proposal", "ray-serve", "verl", "k8s-hpa", "static", "oracle")
 
 STEADY = """\
@@ -80,17 +78,6 @@ Intro text that must survive.
 <!-- bench_core:end -->
 """
 AFTER = "\n## Notes kept after the section\n\ntrailing text\n"
-
-
-def deo_command() -> tuple[list[str], dict[str, str]]:
-    """The installed `deo` console script, or the same entry point through this Python."""
-    env = dict(os.environ)
-    script = Path(sys.executable).with_name("deo")
-    if script.exists():
-        return [str(script)], env
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    code = "import sys; from adapters.cli import main; sys.exit(main())"
-    return [sys.executable, "-c", code], env
 
 
 def deo_bench(*args: Any, cwd: Path) -> subprocess.CompletedProcess[str]:
