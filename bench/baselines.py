@@ -24,11 +24,10 @@ from typing import Any, ClassVar
 
 import attrs
 
-from core import codec
+from core import codec, policies
 from core.config import PolicySpec
 from core.errors import ConfigError
 from core.events import LoadSampled, QueueSampled
-from core.policies import POLICIES
 from core.policies.base import Decision, PolicyContext
 
 __all__ = [
@@ -326,13 +325,7 @@ def register() -> None:
     baseline encodes and decodes like any other.
     """
     for name, cls in BASELINE_POLICIES.items():
-        existing = POLICIES.get(name)
-        if existing is not None and existing is not cls:
-            raise ConfigError(
-                f"policy {name!r} is already registered as {existing.__qualname__}; "
-                f"cannot register {cls.__qualname__}"
-            )
-        POLICIES[name] = cls
+        policies.register(name, cls)
     for cls in _MEMORIES:
         codec.register(cls)
 

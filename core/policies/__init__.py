@@ -31,6 +31,7 @@ __all__ = [
     "ThresholdMemory",
     "ThresholdPolicy",
     "build",
+    "register",
 ]
 
 POLICIES: dict[str, type] = {
@@ -39,6 +40,20 @@ POLICIES: dict[str, type] = {
     "static": StaticPolicy,
     "threshold": ThresholdPolicy,
 }
+
+
+def register(name: str, cls: type) -> None:
+    """Make a policy defined outside the core (a benchmark's baseline) buildable by ``name``.
+
+    Idempotent; :class:`ConfigError` if ``name`` already names another class.
+    """
+    existing = POLICIES.get(name)
+    if existing is not None and existing is not cls:
+        raise ConfigError(
+            f"policy {name!r} is already registered as {existing.__qualname__}; "
+            f"cannot register {cls.__qualname__}"
+        )
+    POLICIES[name] = cls
 
 
 #: Policies already built, by the identity of their spec (which the entry keeps alive, so the id

@@ -964,3 +964,18 @@ def test_buffer_properties(
             assert decision.target >= current
         assert abs(after.integral_seqs_s) <= limit
         memory = after
+
+
+def test_register_makes_an_outside_policy_buildable_once() -> None:
+    from core.policies import register
+
+    register("outside-static", StaticPolicy)
+    register("outside-static", StaticPolicy)  # idempotent
+    try:
+        assert build(PolicySpec(name="outside-static", params={"count": 3})) == StaticPolicy(
+            count=3
+        )
+        with pytest.raises(ConfigError, match="already registered as StaticPolicy"):
+            register("outside-static", HpaPolicy)
+    finally:
+        POLICIES.pop("outside-static")
