@@ -77,20 +77,26 @@ async def _finish_in_flight(env: Any, drain_timeout_s: float) -> int:
     return 0
 
 
-async def disconnect_env(rollout_server_url: str, env_id: int) -> bool:
+async def disconnect_env(rollout_server_url: str, env_id: int, *, attempts: int = 1) -> bool:
     """``POST {rollout_server_url}/disconnect-env`` for ``env_id``; True when the API took it.
 
-    Best effort: a failure is logged, not raised (the env is leaving either way).
+    Best effort: a failure is logged, not raised (the env is leaving either way). ``attempts``
+    retries a request that failed outright (a server that just failed may have closed the
+    connection).
     """
     url = f"{rollout_server_url.rstrip('/')}/disconnect-env"
-    try:
-        async with httpx.AsyncClient(timeout=_DISCONNECT_TIMEOUT_S) as client:
-            response = await client.post(url, json={"env_id": env_id})
-        response.raise_for_status()
-        answer = response.json()
-    except (httpx.HTTPError, ValueError) as exc:
-        log.warning("POST %s for env %s failed: %s: %s", url, env_id, type(exc).__name__, exc)
-        return False
+    for attempt in range(1, attempts + 1):
+        try:
+            async with httpx.AsyncClient(timeout=_DISCONNECT_TIMEOUT_S) as client:
+                response = await client.post(url, json={"env_id": env_id})
+            response.raise_for_status()
+            answer = response.json()
+            break
+        except (httpx.HTTPError, ValueError) as exc:
+            if attempt == attempts:
+                what = f"{type(exc).__name__}: {exc}"
+                log.warning("POST %s for env %s failed: %s", url, env_id, what)
+                return False
     if not isinstance(answer, dict) or answer.get("status") != "success":
         log.warning("POST %s for env %s answered %r", url, env_id, answer)
         return False

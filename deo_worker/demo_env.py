@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import anyio
 import httpx
 
+from deo_worker.atropos import disconnect_env
 from deo_worker.drain import Drain
 from deo_worker.heartbeat import WORKER_ID_ENV, Heartbeat
 
@@ -323,18 +324,9 @@ class _DemoEnv:
             self.api.say(f"draining, {self.in_flight} groups in flight")
 
     async def disconnect(self) -> None:
-        answer: Any = None
-        for _ in range(2):  # twice: a server that just failed may have closed the connection
-            try:
-                response = await self.api.client.post(
-                    "/disconnect-env", json={"env_id": self.env_id}, timeout=5.0
-                )
-                answer = response.json() if response.is_success else response.text[:200]
-                break
-            except (httpx.HTTPError, ValueError) as exc:
-                answer = f"{type(exc).__name__}: {exc}"
-        if not (isinstance(answer, dict) and answer.get("status") == "success"):
-            self.api.say(f"POST /disconnect-env for env {self.env_id} failed: {answer!r}")
+        assert self.env_id is not None
+        if not await disconnect_env(str(self.api.client.base_url), self.env_id, attempts=2):
+            self.api.say(f"POST /disconnect-env for env {self.env_id} failed (logged above)")
 
 
 def _first(group: BaseExceptionGroup[_Refused]) -> _Refused:
