@@ -1,1 +1,1 @@
-"""deo's adapters: the I/O around the pure core (event log, replay, CLI, and later the runtime)."""
+"""deo's adapters: the I/O around the pure core, one subpackage per role."""

@@ -6,12 +6,14 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 import orjson
 
-from adapters import postmortem
 from adapters.log import VERSION
+from adapters.postmortem import replay as postmortem
 
 __all__ = ["main"]
 
@@ -71,7 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
     postmortem.add_arguments(replay)
 
     from adapters.sim import cli as sim_cli
-    from bench import cli as bench_cli
 
     sim_cli.add_arguments(
         commands.add_parser(
@@ -80,20 +81,27 @@ def build_parser() -> argparse.ArgumentParser:
             description=sim_cli.__doc__,
         )
     )
-    bench_cli.add_arguments(
-        commands.add_parser(
-            "bench",
-            help="run every scenario under every policy; write docs/benchmarks.md",
-            description=bench_cli.__doc__,
+    for name, plugin in _plugins().items():
+        plugin.add_arguments(
+            commands.add_parser(name, help=plugin.HELP, description=plugin.__doc__)
         )
-    )
     return parser
+
+
+def _plugins() -> dict[str, Any]:
+    """Commands other packages add (``deo bench``), from the ``deo.commands`` entry points.
+
+    Each names a module with ``HELP``, ``add_arguments(parser)`` and ``main(args) -> int``; the
+    runtime never imports them itself.
+    """
+    found = entry_points(group="deo.commands")
+    return {ep.name: ep.load() for ep in sorted(found, key=lambda ep: ep.name)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
-        from adapters.demo import DemoSettings, run_demo
+        from adapters.demo.loop import DemoSettings, run_demo
 
         try:
             settings = DemoSettings(duration_s=args.duration_s)
@@ -104,23 +112,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "run":
         return _run(args.config)
     if args.command in ("status", "stop"):
-        from adapters import remote
+        from adapters.api import client as remote
 
         return remote.status(args) if args.command == "status" else remote.stop(args)
     if args.command == "simulate":
         from adapters.sim import cli as sim_cli
 
         return sim_cli.main(args)
-    if args.command == "bench":
-        from bench import cli as bench_cli
-
-        return bench_cli.main(args)
     if args.command == "replay":
         try:
             return postmortem.run(args)
         except BrokenPipeError:  # `deo replay log | head`
             return 0
-    raise AssertionError(args.command)
+    status: int = _plugins()[args.command].main(args)
+    return status
 
 
 class _JsonLines(logging.Formatter):
@@ -141,8 +146,8 @@ def _run(path: Path) -> int:
 
     import anyio
 
-    from adapters.config_file import load
-    from adapters.run import run
+    from adapters.runtime.config_file import load
+    from adapters.runtime.run import run
     from core import ConfigError
 
     try:

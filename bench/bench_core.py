@@ -16,8 +16,8 @@ Measurements (each the best of 3 repetitions, ``gc.collect()`` before each, ``ti
    with ``core.reduce`` in a timed second pass.
 2. Replay throughput: a log of event + commands records written with ``adapters.log.EventLog``
    in the same generating pass (the world runs on past the events of (1)), then
-   ``adapters.replay.replay`` consuming every step and checking ``.matches`` (decode + reduce +
-   verify).
+   ``adapters.postmortem.engine.replay`` consuming every step and checking ``.matches``
+   (decode + reduce + verify).
 3. Tick cost vs workers: one 0-GPU pool held at N started workers, many ``Tick`` events that
    trigger no deadline; growth in N must stay linear.
 """
@@ -43,7 +43,7 @@ from typing import Any
 import attrs
 
 from adapters.log import EventLog
-from adapters.replay import replay
+from adapters.postmortem.engine import replay
 from core import (
     Command,
     Config,
@@ -643,8 +643,9 @@ def render(
         "`adapters.log.EventLog(fsync=False)` (`EventLog.record` per event) during the pass "
         "that generated (1), whose events are this log's first ones, the world running on "
         f"until the log held {r2['records']:,} records; then "
-        "`adapters.replay.replay(path, problems=[])` consumed to the end with `.matches` checked "
-        "on every step (decode + reduce + verify). Every step matched; no problems.",
+        "`adapters.postmortem.engine.replay(path, problems=[])` consumed to the end with "
+        "`.matches` checked on every step (decode + reduce + verify). Every step matched; "
+        "no problems.",
         "",
         "| measurement | value | target | result |",
         "|---|---|---|---|",

@@ -20,7 +20,9 @@ from pathlib import Path
 
 from bench import harness
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["HELP", "add_arguments", "main"]
+
+HELP = "run every scenario under every policy; write docs/benchmarks.md"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

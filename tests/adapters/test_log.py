@@ -13,7 +13,7 @@ import pytest
 from conftest import write_simulated_log
 
 from adapters.log import SCHEMA_VERSION, EventLog, LogProblem, read_lines, snapshot_path
-from adapters.replay import replay
+from adapters.postmortem.engine import replay
 from core import (
     Config,
     Configured,

@@ -15,11 +15,11 @@ import attrs
 import pytest
 from conftest import free_port
 
-from adapters import run as deo_run
-from adapters import sources
-from adapters.http_api import build_app, serve
+from adapters.api.app import build_app, serve
 from adapters.log import EventLog
-from adapters.runner import Runner
+from adapters.runtime import run as deo_run
+from adapters.runtime.runner import Runner
+from adapters.sources import heartbeat as heartbeat_source
 from core import Command, Config, Configured, PolicySpec, PoolSpec, Reducer, WorkerStarted
 from deo_worker import Heartbeat
 from deo_worker import heartbeat as heartbeat_module
@@ -95,7 +95,7 @@ async def seen_at(deo: Deo, t_s: float) -> None:
 
 
 def test_the_variable_names_are_deos() -> None:
-    assert heartbeat_module.HEARTBEAT_FILE_ENV == sources.HEARTBEAT_ENV
+    assert heartbeat_module.HEARTBEAT_FILE_ENV == heartbeat_source.HEARTBEAT_ENV
     assert heartbeat_module.API_URL_ENV == deo_run.API_URL_ENV
     assert heartbeat_module.WORKER_TOKEN_ENV == deo_run.WORKER_TOKEN_ENV
 

@@ -9,7 +9,7 @@ import attrs
 import orjson
 import pytest
 
-from adapters.replay import replay
+from adapters.postmortem.engine import replay
 from adapters.sim.driver import simulate
 from adapters.sim.scenario import Scenario, load_scenario
 from core import ConfigError, PolicySpec

@@ -1,27 +1,49 @@
-"""Event sources besides the API: JSON pressure pollers and heartbeat files.
+"""Pressure polled from a JSON endpoint: ``[pools.NAME.source] kind = "json"``.
 
-Each source is a small anyio loop that turns what it observes into core events and hands them to
-``emit`` (the runner's channel). A source never decides anything: an unreachable endpoint becomes
-a ``SourceDown`` event and the core holds the pool's count.
+The source is a small anyio loop that turns each response into a core event and hands it to
+``emit`` (the runner's channel). It never decides anything: an unreachable endpoint or a missing
+field becomes a ``SourceDown`` event and the core holds the pool's count.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import httpx
 
-from adapters.config_file import JsonSource
-from core import Event, InvalidEvent, LoadSampled, QueueSampled, SourceDown, State, WorkerHeartbeat
+from adapters.sources.url import check_url
+from core import ConfigError, Event, InvalidEvent, LoadSampled, QueueSampled, SourceDown
 
-__all__ = ["HEARTBEAT_ENV", "heartbeat_files", "poll_json", "read_pressure"]
+__all__ = ["JsonSource", "poll_json", "read_pressure"]
 
-#: Workers may touch the file this variable names to report they are alive.
-HEARTBEAT_ENV = "DEO_HEARTBEAT_FILE"
+
+@attrs.frozen(slots=True, kw_only=True)
+class JsonSource:
+    """A pool's pressure, polled from a JSON endpoint; each field is a dotted path in the body."""
+
+    pool: str
+    url: str
+    interval_s: float = 2.0
+    timeout_s: float = 5.0
+    queued_sequences: str | None = None
+    batch_size_seqs: str | None = None
+    trainer_step: str | None = None
+    in_flight_requests: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        where = f"pools.{self.pool}.source"
+        check_url(where, self.url)
+        queue = (self.queued_sequences, self.batch_size_seqs, self.trainer_step)
+        if all(queue) == (self.in_flight_requests is not None) or (any(queue) and not all(queue)):
+            raise ConfigError(
+                f"{where}: give either queued_sequences, batch_size_seqs and trainer_step "
+                f"(a trainer queue) or in_flight_requests (a request load)"
+            )
+        if not self.interval_s > 0 or not self.timeout_s > 0:
+            raise ConfigError(f"{where}: interval_s and timeout_s must be > 0")
 
 
 def _field(body: Any, path: str) -> Any:
@@ -70,33 +92,3 @@ async def poll_json(
                 event = SourceDown(t=clock(), pool=source.pool, error=f"{source.url}: {what}")
             emit(event)
             await anyio.sleep(source.interval_s)
-
-
-def heartbeat_path(directory: Path, worker_id: str) -> Path:
-    """Where worker ``worker_id`` touches its heartbeat file."""
-    return directory / f"{worker_id}.heartbeat"
-
-
-async def heartbeat_files(
-    directory: Path,
-    state: Callable[[], State],
-    emit: Callable[[Event], None],
-    clock: Callable[[], float],
-    interval_s: float = 1.0,
-) -> None:
-    """Emit a heartbeat whenever a live worker's heartbeat file has been touched since last look."""
-    seen: dict[str, float] = {}
-    while True:
-        live = state().workers
-        for worker_id in list(seen):
-            if worker_id not in live:
-                del seen[worker_id]
-        for worker_id in live:
-            try:
-                mtime = os.stat(heartbeat_path(directory, worker_id)).st_mtime
-            except OSError:  # not touched yet, or unreadable: no sign of life
-                continue
-            if seen.get(worker_id) != mtime:
-                seen[worker_id] = mtime
-                emit(WorkerHeartbeat(t=clock(), worker_id=worker_id))
-        await anyio.sleep(interval_s)

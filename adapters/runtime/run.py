@@ -22,13 +22,14 @@ from pathlib import Path
 import anyio
 import attrs
 
-from adapters.atropos import AtroposSource, poll_atropos
-from adapters.config_file import RunSettings
-from adapters.live import live_view
 from adapters.log import EventLog
-from adapters.processes import LocalProcesses, process_start_time
-from adapters.runner import Rejected, Runner
-from adapters.sources import HEARTBEAT_ENV, heartbeat_files, heartbeat_path, poll_json
+from adapters.runtime.config_file import RunSettings
+from adapters.runtime.live import live_view
+from adapters.runtime.processes import LocalProcesses, process_start_time
+from adapters.runtime.runner import Rejected, Runner
+from adapters.sources.atropos import AtroposSource, poll_atropos
+from adapters.sources.heartbeat import HEARTBEAT_ENV, heartbeat_files, heartbeat_path
+from adapters.sources.json_pressure import poll_json
 from core import (
     Command,
     Configured,
@@ -151,7 +152,7 @@ class _WorkerEnv:
     inner: LocalProcesses
     env: dict[str, str]
     heartbeats: Path
-    #: Configured GPU id -> the id this machine's CUDA knows it by (see adapters.nvml).
+    #: Configured GPU id -> the id this machine's CUDA knows it by (see adapters.sources.nvml).
     physical_gpus: dict[str, str] = attrs.field(factory=dict)
 
     async def execute(self, command: Command) -> None:
@@ -178,8 +179,8 @@ async def run(
     ``live`` redraws a compact view of pools, workers, GPUs and decisions (for a terminal);
     otherwise decisions go out as log lines.
     """
-    from adapters.http_api import build_app, listen, serve
-    from adapters.nvml import physical_gpu_ids, poll_gpus
+    from adapters.api.app import build_app, listen, serve
+    from adapters.sources.nvml import physical_gpu_ids, poll_gpus
 
     token = os.environ.get(settings.api.token_env) or secrets.token_urlsafe(24)
     if settings.api.token_env not in os.environ:

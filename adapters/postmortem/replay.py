@@ -17,9 +17,9 @@ from typing import Any, TextIO
 import orjson
 
 from adapters.describe import at, command_line, event_line, event_subject, pool_summary, state_lines
-from adapters.export import export_sqlite
 from adapters.log import LogProblem
-from adapters.replay import Replayed, apply_settings, parse_setting, replay
+from adapters.postmortem.engine import Replayed, apply_settings, parse_setting, replay
+from adapters.postmortem.sqlite import export_sqlite
 from core import DeoError, Event, encode
 from core.lifecycle import COUNTED
 

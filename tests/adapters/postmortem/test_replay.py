@@ -27,7 +27,7 @@ from core import (
     Tick,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TOOL = REPO / "tools" / "replay"
 
 

@@ -1,6 +1,6 @@
 """A stand-in RL trainer for ``deo demo``: registers with an atroposlib API server, pulls batches.
 
-``python -m adapters.demo_trainer --api URL --batch-size-seqs 32 --phases 0:1.0,20:0.4,40:2.5
+``python -m adapters.demo.trainer --api URL --batch-size-seqs 32 --phases 0:1.0,20:0.4,40:2.5
 --duration-s 60`` registers (``POST /register``), then loops: ``GET /batch``; with a batch it
 "trains" for the step time of the current phase (seconds since start : seconds per step), without
 one it waits and counts the wait. It prints one JSON line per step and a final one with

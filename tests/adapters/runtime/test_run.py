@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "test-operator-token"
 
 WELL_BEHAVED = ROOT / "examples" / "worker.py"

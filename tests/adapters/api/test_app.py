@@ -15,9 +15,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from adapters.http_api import build_app, serve
+from adapters.api.app import build_app, serve
 from adapters.log import EventLog
-from adapters.runner import Runner
+from adapters.runtime.runner import Runner
 from core import (
     Command,
     Config,

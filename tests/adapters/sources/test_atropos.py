@@ -10,8 +10,8 @@ import httpx
 import pytest
 from conftest import AtroposApi, free_port
 
-from adapters.atropos import AtroposSource, poll_atropos, sample_atropos
-from adapters.config_file import load
+from adapters.runtime.config_file import load
+from adapters.sources.atropos import AtroposSource, poll_atropos, sample_atropos
 from core import ConfigError, Event, QueueSampled, SourceDown
 
 

@@ -18,7 +18,7 @@ import orjson
 import sqlite_utils
 
 from adapters.describe import event_subject
-from adapters.replay import Replayed
+from adapters.postmortem.engine import Replayed
 from core import commands as c
 from core import encode
 from core import events as e

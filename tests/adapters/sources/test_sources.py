@@ -16,10 +16,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from adapters.config_file import JsonSource
-from adapters.http_api import serve
-from adapters.run import find_spawned
-from adapters.sources import heartbeat_files, heartbeat_path, poll_json, read_pressure
+from adapters.api.app import serve
+from adapters.runtime.config_file import JsonSource
+from adapters.runtime.run import find_spawned
+from adapters.sources.heartbeat import heartbeat_files, heartbeat_path
+from adapters.sources.json_pressure import poll_json, read_pressure
 from core import (
     Config,
     Configured,

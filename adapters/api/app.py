@@ -38,7 +38,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from adapters.describe import pool_summary
-from adapters.runner import Rejected, Runner
+from adapters.runtime.runner import Rejected, Runner
 from core import (
     AutoscalingPaused,
     AutoscalingResumed,

@@ -15,7 +15,7 @@ import anyio
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from adapters.processes import LocalProcesses, process_start_time
+from adapters.runtime.processes import LocalProcesses, process_start_time
 from core import (
     DrainWorker,
     Event,
@@ -374,7 +374,7 @@ async def test_a_recycled_pid_is_never_signalled(
             # As if the worker had died and a stranger had been given its pid since.
             real = process_start_time
             monkeypatch.setattr(
-                "adapters.processes.process_start_time",
+                "adapters.runtime.processes.process_start_time",
                 lambda pid: start_time + 1 if pid == proc.pid else real(pid),
             )
             await executor.execute(KillWorker(worker_id="envs-7", pid=proc.pid, reason="test"))

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from adapters.log import EventLog
-from adapters.runner import Rejected, Runner
+from adapters.runtime.runner import Rejected, Runner
 from core import Command, Config, Configured, PolicySpec, PoolPinned, PoolSpec, Reducer
 
 

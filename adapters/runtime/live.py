@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 import anyio
 
 from adapters.describe import at, command_line, pool_summary
-from adapters.runner import Decision, Runner
+from adapters.runtime.runner import Decision, Runner
 from core import State
 
 __all__ = ["live_view", "render"]

@@ -3,10 +3,10 @@
 It starts, all on loopback:
 
 * atroposlib's trajectory API server (``uvicorn atroposlib.api.server:app``, what ``run-api`` runs);
-* a small trainer (:mod:`adapters.demo_trainer`) that registers and pulls 32-sequence batches with a
+* a small trainer (:mod:`adapters.demo.trainer`) that registers and pulls 32-sequence batches with a
   step time that changes: 1.0 s, then 0.4 s (it outruns the envs: deo scales up), then 2.5 s (the
   queue fills: deo scales down and the drained envs disconnect);
-* deo itself (:func:`adapters.run.run`) with one pool of stand-in env workers
+* deo itself (:func:`adapters.runtime.run.run`) with one pool of stand-in env workers
   (:mod:`deo_worker.demo_env`: groups of 8 sequences, heavy-tailed latency, atroposlib's own
   backpressure, drain on SIGUSR1), its default ``buffer`` policy and the Atropos source.
 
@@ -34,11 +34,11 @@ import httpx
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from adapters.atropos import AtroposSource
-from adapters.config_file import ApiSettings, RunSettings
 from adapters.log import snapshot_path
-from adapters.nvml import NvmlSettings
-from adapters.replay import replay
+from adapters.postmortem.engine import replay
+from adapters.runtime.config_file import ApiSettings, RunSettings
+from adapters.sources.atropos import AtroposSource
+from adapters.sources.nvml import NvmlSettings
 from core import Config, PolicySpec, PoolSpec, ScalePool
 
 __all__ = ["DemoSettings", "run_demo"]
@@ -244,7 +244,7 @@ def run_demo(
     log: Path, settings: DemoSettings | None = None, out: Callable[[str], None] = print
 ) -> int:
     """Run the demo, writing deo's event log to ``log``; returns the exit status."""
-    from adapters.run import run
+    from adapters.runtime.run import run
 
     demo = settings or DemoSettings()
     if importlib.util.find_spec("atroposlib") is None:
@@ -273,7 +273,7 @@ def run_demo(
     )
     api_argv = [sys.executable, "-m", "uvicorn", "atroposlib.api.server:app"]
     api_argv += ["--host", "127.0.0.1", "--port", api_url.rsplit(":", 1)[1]]
-    trainer_argv = [sys.executable, "-m", "adapters.demo_trainer", "--api", api_url]
+    trainer_argv = [sys.executable, "-m", "adapters.demo.trainer", "--api", api_url]
     trainer_argv += ["--batch-size-seqs", str(demo.batch_size_seqs), "--phases", demo.phases]
     trainer_argv += ["--duration-s", str(demo.duration_s + 30)]
     started = time.monotonic()

@@ -1,6 +1,6 @@
 """``deo run`` against a real atroposlib API server, a trainer pulling batches, real env workers.
 
-The trainer is ``adapters.demo_trainer`` (registers, pulls ``GET /batch``, "trains" for a step
+The trainer is ``adapters.demo.trainer`` (registers, pulls ``GET /batch``, "trains" for a step
 time that changes by phase); env workers are ``deo_worker.demo_env`` processes posting scored
 groups and draining on SIGUSR1. Every scenario ends with tools/replay verifying deo's log.
 """
@@ -51,7 +51,7 @@ def trainer(tmp_path: Path) -> Iterator[Callable[[str, str], subprocess.Popen[by
     started: list[subprocess.Popen[bytes]] = []
 
     def start(api_url: str, phases: str) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, "-m", "adapters.demo_trainer", "--api", api_url]
+        argv = [sys.executable, "-m", "adapters.demo.trainer", "--api", api_url]
         argv += ["--batch-size-seqs", str(BATCH), "--phases", phases, "--duration-s", "120"]
         out = (tmp_path / f"trainer-{len(started)}.out").open("wb")
         started.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT))

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "test-operator-token"
 WORKER = ROOT / "examples" / "worker.py"
 GIB = 2**30

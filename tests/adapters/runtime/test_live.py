@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from adapters.live import render
-from adapters.runner import Decision
+from adapters.runtime.live import render
+from adapters.runtime.runner import Decision
 from core import Config, Configured, GpuCordonRequested, PolicySpec, PoolSpec, Reducer
 
 

@@ -18,8 +18,8 @@ import anyio
 import attrs
 import pytest
 
-from adapters import nvml as nvml_adapter
-from adapters.nvml import (
+from adapters.sources import nvml as nvml_adapter
+from adapters.sources.nvml import (
     APPLICATION_XIDS,
     THROTTLE_REASON_BITS,
     FileNvml,

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from adapters.config_file import load
+from adapters.runtime.config_file import load
 from core import ConfigError
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local.toml"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "local.toml"
 
 
 def write(tmp_path: Path, text: str) -> Path:

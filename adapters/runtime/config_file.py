@@ -16,8 +16,9 @@ from typing import Any
 
 import attrs
 
-from adapters.atropos import AtroposSource, check_url
-from adapters.nvml import NvmlSettings
+from adapters.sources.atropos import AtroposSource
+from adapters.sources.json_pressure import JsonSource
+from adapters.sources.nvml import NvmlSettings
 from core import (
     Config,
     ConfigError,
@@ -30,7 +31,7 @@ from core import (
 )
 from core.policies import build
 
-__all__ = ["ApiSettings", "JsonSource", "RunSettings", "Source", "load"]
+__all__ = ["ApiSettings", "RunSettings", "Source", "load"]
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -49,32 +50,6 @@ class ApiSettings:
             raise ConfigError(f"api.port: {self.port} is not in 0-65535 (0 picks a free port)")
         if not self.token_env:
             raise ConfigError("api.token_env: empty")
-
-
-@attrs.frozen(slots=True, kw_only=True)
-class JsonSource:
-    """A pool's pressure, polled from a JSON endpoint; each field is a dotted path in the body."""
-
-    pool: str
-    url: str
-    interval_s: float = 2.0
-    timeout_s: float = 5.0
-    queued_sequences: str | None = None
-    batch_size_seqs: str | None = None
-    trainer_step: str | None = None
-    in_flight_requests: str | None = None
-
-    def __attrs_post_init__(self) -> None:
-        where = f"pools.{self.pool}.source"
-        check_url(where, self.url)
-        queue = (self.queued_sequences, self.batch_size_seqs, self.trainer_step)
-        if all(queue) == (self.in_flight_requests is not None) or (any(queue) and not all(queue)):
-            raise ConfigError(
-                f"{where}: give either queued_sequences, batch_size_seqs and trainer_step "
-                f"(a trainer queue) or in_flight_requests (a request load)"
-            )
-        if not self.interval_s > 0 or not self.timeout_s > 0:
-            raise ConfigError(f"{where}: interval_s and timeout_s must be > 0")
 
 
 #: Where a pool's pressure comes from: ``kind = "json"`` (the default) or ``kind = "atropos"``.

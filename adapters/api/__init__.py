@@ -1,0 +1,1 @@
+"""The HTTP API of a running deo and its client (``deo status``, ``deo stop``)."""

@@ -1,0 +1,1 @@
+"""Postmortems: the replay engine, the ``deo replay`` command and the SQLite export."""

@@ -1,0 +1,1 @@
+"""The local runtime behind ``deo run``: runner loop, processes, configuration, live view."""

@@ -1,0 +1,1 @@
+"""Event sources: pressure (JSON, Atropos), heartbeat files, GPU health (NVML)."""

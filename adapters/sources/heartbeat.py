@@ -1,0 +1,50 @@
+"""Heartbeat files: a worker touches ``$DEO_HEARTBEAT_FILE`` to say it is alive.
+
+A small anyio loop watches each live worker's file and emits a ``WorkerHeartbeat`` whenever it
+has been touched since the last look.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+
+from core import Event, State, WorkerHeartbeat
+
+__all__ = ["HEARTBEAT_ENV", "heartbeat_files", "heartbeat_path"]
+
+#: Workers may touch the file this variable names to report they are alive.
+HEARTBEAT_ENV = "DEO_HEARTBEAT_FILE"
+
+
+def heartbeat_path(directory: Path, worker_id: str) -> Path:
+    """Where worker ``worker_id`` touches its heartbeat file."""
+    return directory / f"{worker_id}.heartbeat"
+
+
+async def heartbeat_files(
+    directory: Path,
+    state: Callable[[], State],
+    emit: Callable[[Event], None],
+    clock: Callable[[], float],
+    interval_s: float = 1.0,
+) -> None:
+    """Emit a heartbeat whenever a live worker's heartbeat file has been touched since last look."""
+    seen: dict[str, float] = {}
+    while True:
+        live = state().workers
+        for worker_id in list(seen):
+            if worker_id not in live:
+                del seen[worker_id]
+        for worker_id in live:
+            try:
+                mtime = os.stat(heartbeat_path(directory, worker_id)).st_mtime
+            except OSError:  # not touched yet, or unreadable: no sign of life
+                continue
+            if seen.get(worker_id) != mtime:
+                seen[worker_id] = mtime
+                emit(WorkerHeartbeat(t=clock(), worker_id=worker_id))
+        await anyio.sleep(interval_s)

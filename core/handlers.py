@@ -1,0 +1,475 @@
+"""The reducer's handlers: one function per event type, each working on a :class:`~core.step.Step`.
+
+``HANDLERS`` maps every event type the reducer knows to its handler; a handler changes the state
+only through the step (whose lifecycle changes go through :mod:`core.lifecycle`) and appends the
+commands its event calls for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from core import commands as c
+from core import events as e
+from core.config import Config
+from core.errors import ConfigError, InvalidEvent
+from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
+from core.policies import build
+from core.records import replace
+from core.state import Gpu, PoolState, State, Worker
+from core.step import Step
+
+__all__ = ["HANDLERS", "heartbeat_only"]
+
+S = WorkerState
+
+
+def _tick(step: Step, event: e.Tick) -> None:
+    t = step.t
+    last_seen = step.last_seen
+    grace = {name: pool.spec.heartbeat_grace_s for name, pool in step.pools.items()}
+    for worker in tuple(step.workers.values()):  # dict order is deterministic: spawn order
+        state = worker.state
+        if state is S.ACTIVE:  # the common case, settled here without further lookups
+            limit = grace[worker.pool]
+            if limit is None or t - last_seen.get(worker.worker_id, t) <= limit:
+                continue
+        spec = step.pools[worker.pool].spec
+        if state in (S.DRAINING, S.STOPPING):
+            assert worker.deadline_t is not None
+            if t < worker.deadline_t:
+                continue
+            if state is S.DRAINING:
+                step.terminate(
+                    worker,
+                    "drain_deadline",
+                    f"{worker.worker_id} still running {spec.drain_timeout_s:g}s after the "
+                    f"drain signal: SIGTERM",
+                )
+            elif not worker.killed:
+                step.transition(
+                    worker, Trigger.KILL, killed=True, deadline_t=t + spec.stop_timeout_s
+                )
+                step.commands.append(
+                    c.KillWorker(
+                        worker_id=worker.worker_id,
+                        pid=worker.pid,
+                        reason=f"{worker.worker_id} still running {spec.stop_timeout_s:g}s after "
+                        f"SIGTERM: SIGKILL to its process group",
+                    )
+                )
+            elif worker.pid is None:
+                why = f"{worker.worker_id} never started"
+                step.exit_worker(worker, failure=step.is_failure(worker), why=why)
+            else:
+                why = f"{worker.worker_id} did not exit {spec.stop_timeout_s:g}s after SIGKILL"
+                step.raise_alert("unkillable_worker", worker.worker_id, why + "; GPUs cordoned")
+                for gpu_id in worker.gpus:
+                    gpu = step.gpus.get(gpu_id)
+                    if gpu is not None:
+                        step.set_causes(gpu, gpu.causes | {"unkillable_worker"}, None, why)
+                step.exit_worker(worker, failure=False, why=why)
+            continue
+        if state is S.REQUESTED and t - worker.requested_t >= spec.start_timeout_s:
+            step.terminate(
+                worker,
+                "start_timeout",
+                f"{worker.worker_id} not started {spec.start_timeout_s:g}s after it was requested",
+            )
+        elif (
+            state is S.STARTING
+            and spec.require_ready
+            and worker.started_t is not None
+            and (t - worker.started_t >= spec.start_timeout_s)
+        ):
+            step.terminate(
+                worker,
+                "start_timeout",
+                f"{worker.worker_id} not ready {spec.start_timeout_s:g}s after starting",
+            )
+        elif (
+            state in (S.STARTING, S.ACTIVE)
+            and spec.heartbeat_grace_s is not None
+            and t - last_seen.get(worker.worker_id, t) > spec.heartbeat_grace_s
+        ):
+            step.terminate(
+                worker,
+                "hung",
+                f"{worker.worker_id} silent for {t - last_seen[worker.worker_id]:.0f}s > grace "
+                f"{spec.heartbeat_grace_s:g}s: hung, replacing it",
+            )
+    for name in sorted(step.pools):
+        pool = step.pools[name]
+        spec = pool.spec
+        if pool.failures:
+            healthy = [
+                w
+                for w in step.workers.values()
+                if w.pool == name and w.state is S.ACTIVE and step.proves_healthy(pool, w)
+            ]
+            if healthy:
+                step.put_pool(
+                    step._reset_failures(
+                        pool, f"{healthy[0].worker_id} up {spec.crash_loop.early_exit_s:g}s"
+                    )
+                )
+        stale = pool.last_sample_t is not None and t - pool.last_sample_t > spec.metrics_stale_s
+        if stale and ("pressure_stale", name) not in step.alerts:
+            assert pool.last_sample_t is not None
+            step.raise_alert(
+                "pressure_stale",
+                name,
+                f"no pressure sample for {t - pool.last_sample_t:.0f}s > "
+                f"{spec.metrics_stale_s:g}s: holding {pool.target} workers",
+            )
+        # Time alone changes a pool's count only when a crash-loop backoff has run out, or when
+        # an alert says it is short (of GPUs, of its minimum): reconcile just those.
+        if (pool.failures and t >= pool.backoff_until_t) or any(
+            subject == name for _, subject in step.alerts
+        ):
+            step.dirty_pools.add(name)
+    for gpu_id in sorted(step.gpus):
+        step.expire_transient_cordon(step.gpus[gpu_id])
+
+
+def _configured(step: Step, event: e.Configured) -> None:
+    config: Config = event.config
+    held = {g: w.worker_id for w in step.workers.values() for g in w.gpus}
+    for gpu_id, worker_id in sorted(held.items()):
+        if gpu_id not in config.gpus:
+            raise ConfigError(
+                f"gpus: GPU {gpu_id!r} is held by worker {worker_id}; drain it before removing "
+                f"the GPU from the configuration"
+            )
+    step.config = config
+    gpus = step._own("gpus")
+    for gpu_id in list(gpus):
+        if gpu_id not in config.gpus:
+            del gpus[gpu_id]
+    for gpu_id in config.gpus:
+        if gpu_id not in gpus:
+            gpus[gpu_id] = Gpu(gpu_id=gpu_id)
+    declared = {p.name for p in config.pools}
+    for spec in config.pools:
+        policy = build(spec.policy)  # raises ConfigError naming the bad parameter
+        pool = step.pools.get(spec.name)
+        if pool is None:
+            initial = policy.initial_target(spec.min_workers, spec.max_workers)
+            pool = step.set_desired(
+                PoolState(spec=spec, desired=0), initial, "config", f"pool {spec.name} declared"
+            )
+            step.put_pool(pool)
+            continue
+        memory = pool.policy_memory if pool.spec.policy == spec.policy else None
+        pinned = pool.pinned
+        if pinned is not None:
+            pinned = min(max(pinned, spec.min_workers), spec.max_workers)
+        updated = replace(pool, spec=spec, removed=False, policy_memory=memory, pinned=pinned)
+        if pool.failures and pool.last_failure_t is not None:
+            # Changed backoff rules apply to the crash loop in progress.
+            backoff = spec.crash_loop.backoff_s(pool.failures)
+            updated = replace(updated, backoff_until_t=pool.last_failure_t + backoff)
+        # A policy that never reacts to pressure (static) sets its count from configuration.
+        wanted = (
+            policy.initial_target(spec.min_workers, spec.max_workers)
+            if policy.reacts_to is None
+            else pool.desired
+        )
+        step.put_pool(step.set_desired(updated, wanted, "config", f"pool {spec.name} reconfigured"))
+    for name, pool in sorted(step.pools.items()):
+        if name not in declared and not pool.removed:
+            if any(w.pool == name for w in step.workers.values()):
+                step.put_pool(replace(pool, removed=True))
+                step.dirty_pools.add(name)
+            else:
+                del step._own("pools")[name]
+                step.resolve_pool_alerts(name, "pool removed")
+    step.dirty_pools.update(step.pools)  # the GPU inventory may have changed for every pool
+
+
+def _paused(step: Step, event: e.AutoscalingPaused) -> None:
+    if event.pool is None:
+        step.paused_all = True
+    else:
+        step.put_pool(replace(step.pool(event.pool, event), paused=True))
+
+
+def _resumed(step: Step, event: e.AutoscalingResumed) -> None:
+    if event.pool is None:
+        step.paused_all = False
+        for _name, pool in list(step.pools.items()):
+            if pool.paused:
+                step.put_pool(replace(pool, paused=False))
+    else:
+        step.put_pool(replace(step.pool(event.pool, event), paused=False))
+
+
+def _pinned(step: Step, event: e.PoolPinned) -> None:
+    pool = step.pool(event.pool, event)
+    spec = pool.spec
+    if event.count is None:
+        if pool.pinned is not None:
+            step.put_pool(replace(pool, pinned=None, desired=pool.pinned))
+        return
+    if not spec.min_workers <= event.count <= spec.max_workers:
+        raise InvalidEvent(
+            f"PoolPinned: count {event.count} is outside pool {spec.name!r} bounds "
+            f"[{spec.min_workers}, {spec.max_workers}]"
+        )
+    if event.count != pool.target:
+        step.commands.append(
+            c.ScalePool(
+                pool=spec.name,
+                previous=pool.target,
+                target=event.count,
+                source="operator",
+                reason=f"operator pinned {spec.name} at {event.count} workers",
+            )
+        )
+    step.put_pool(replace(pool, pinned=event.count))
+    step.dirty_pools.add(spec.name)
+
+
+def _drain_requested(step: Step, event: e.DrainRequested) -> None:
+    worker = step.worker(event.worker_id, event)
+    if worker is None or worker.state not in COUNTED:
+        return  # already leaving
+    step.drain(worker, "operator", f"operator asked to drain {worker.worker_id}")
+
+
+def _cordon_requested(step: Step, event: e.GpuCordonRequested) -> None:
+    gpu = step.gpu(event.gpu_id, event)
+    step.set_causes(gpu, gpu.causes | {"operator"}, gpu.clean_since_t, "operator cordon")
+
+
+def _uncordon_requested(step: Step, event: e.GpuUncordonRequested) -> None:
+    gpu = step.gpu(event.gpu_id, event)
+    step.set_causes(gpu, frozenset(), step.t, "operator uncordon")
+    for alert in ("gpu_errors", "gpu_lost"):
+        step.resolve_alert(alert, gpu.gpu_id, "operator uncordon")
+
+
+def _sampled(step: Step, event: e.QueueSampled | e.LoadSampled) -> None:
+    step.sampled(step.pool(event.pool, event), event)
+
+
+def _source_down(step: Step, event: e.SourceDown) -> None:
+    pool = step.pool(event.pool, event)
+    step.put_pool(replace(pool, source_error=event.error))
+    step.raise_alert(
+        "source_down",
+        pool.spec.name,
+        f"pressure source of {pool.spec.name} down ({event.error}): holding {pool.target} workers",
+    )
+
+
+def _started(step: Step, event: e.WorkerStarted) -> None:
+    worker = step.worker(event.worker_id, event)
+    if worker is None:
+        return
+    if worker.pid is not None:
+        raise InvalidEvent(
+            f"WorkerStarted: worker {worker.worker_id!r} already started as pid {worker.pid}"
+        )
+    spec = step.pools[worker.pool].spec
+    worker = step.transition(
+        worker,
+        Trigger.STARTED,
+        pid=event.pid,
+        start_time=event.start_time,
+        started_t=step.t,
+    )
+    step.seen(worker.worker_id)
+    if worker.state is S.STARTING and not spec.require_ready:
+        step.transition(worker, Trigger.READY)
+    elif worker.state is S.DRAINING:
+        assert worker.deadline_t is not None
+        step.commands.append(
+            c.DrainWorker(
+                worker_id=worker.worker_id,
+                pid=worker.pid,
+                signal=spec.drain_signal,
+                deadline_t=worker.deadline_t,
+                reason=f"{worker.worker_id} started after its drain was decided",
+            )
+        )
+    elif worker.state is S.STOPPING:
+        _repeat_stop(step, worker, "started after it was told to stop")
+
+
+def _repeat_stop(step: Step, worker: Worker, why: str) -> None:
+    if worker.killed:
+        step.commands.append(
+            c.KillWorker(
+                worker_id=worker.worker_id, pid=worker.pid, reason=f"{worker.worker_id} {why}"
+            )
+        )
+    else:
+        assert worker.deadline_t is not None
+        step.commands.append(
+            c.TerminateWorker(
+                worker_id=worker.worker_id,
+                pid=worker.pid,
+                deadline_t=worker.deadline_t,
+                reason=f"{worker.worker_id} {why}",
+            )
+        )
+
+
+def _ready(step: Step, event: e.WorkerReady) -> None:
+    worker = step.worker(event.worker_id, event)
+    if worker is None:
+        return
+    if worker.state is S.STARTING:
+        step.transition(worker, Trigger.READY)
+        step.seen(worker.worker_id)
+    elif worker.state is S.REQUESTED:
+        next_state(worker.worker_id, worker.state, Trigger.READY)  # raises: not started yet
+    else:
+        step.seen(worker.worker_id)
+
+
+def heartbeat_only(state: State, event: e.WorkerHeartbeat) -> State:
+    """The most frequent event, reduced without a full step: it only refreshes one worker."""
+    t = max(state.now, event.t)
+    worker = state.workers.get(event.worker_id)
+    if worker is None:
+        Step(state, t).worker(event.worker_id, event)  # a late heartbeat, or an error
+        return replace(state, now=t)
+    last_seen = dict(state.last_seen)
+    last_seen[worker.worker_id] = t
+    return replace(state, now=t, last_seen=last_seen)
+
+
+def _exited(step: Step, event: e.WorkerExited) -> None:
+    worker = step.worker(event.worker_id, event)
+    if worker is None:
+        return
+    if event.signal is not None:
+        how = f"killed by signal {event.signal}"
+    else:
+        how = f"exited with code {event.exit_code}"
+    failure = step.is_failure(worker)
+    step.exit_worker(worker, failure=failure, why=how)
+
+
+def _spawn_failed(step: Step, event: e.SpawnFailed) -> None:
+    worker = step.worker(event.worker_id, event)
+    if worker is None:
+        return
+    if worker.pid is not None:
+        raise InvalidEvent(
+            f"SpawnFailed: worker {worker.worker_id!r} is running as pid {worker.pid}"
+        )
+    step.exit_worker(worker, failure=True, why=f"failed to spawn: {event.error}")
+
+
+def _adopted(step: Step, event: e.WorkerAdopted) -> None:
+    worker = step.worker(event.worker_id, event)
+    if worker is None:
+        raise InvalidEvent(f"WorkerAdopted: worker {event.worker_id!r} already exited")
+    if worker.pid is None:
+        raise InvalidEvent(f"WorkerAdopted: worker {event.worker_id!r} never started")
+    step.seen(worker.worker_id)
+    spec = step.pools[worker.pool].spec
+    if worker.state is S.DRAINING:
+        # The drain signal may never have left before the restart: sending it again is harmless.
+        assert worker.deadline_t is not None
+        step.commands.append(
+            c.DrainWorker(
+                worker_id=worker.worker_id,
+                pid=worker.pid,
+                signal=spec.drain_signal,
+                deadline_t=worker.deadline_t,
+                reason=f"{worker.worker_id} adopted while draining: drain signal repeated",
+            )
+        )
+    elif worker.state is S.STOPPING:
+        _repeat_stop(step, worker, "adopted while stopping: signal repeated")
+
+
+def _lost(step: Step, event: e.WorkerLost) -> None:
+    worker = step.worker(event.worker_id, event)
+    if worker is None:
+        return
+    step.exit_worker(worker, failure=False, why=f"lost: {event.reason}")
+
+
+def _gpu_sampled(step: Step, event: e.GpuSampled) -> None:
+    gpu = step.gpus.get(event.gpu_id)
+    if gpu is None:
+        return  # a GPU outside the configured inventory
+    rules = step.config.cordon
+    transient: set[str] = set(event.throttle_reasons & rules.throttle_reasons)
+    notes = [f"throttled ({r})" for r in sorted(transient)]
+    if event.temperature_c >= rules.max_temperature_c:
+        transient.add("thermal")
+        notes.append(f"{event.temperature_c:g} C >= {rules.max_temperature_c:g} C")
+    if event.memory_total_bytes:
+        fraction = event.memory_used_bytes / event.memory_total_bytes
+        # Full memory is normal on a GPU our own worker holds (an engine reserves it).
+        if fraction >= rules.max_memory_fraction and not any(
+            gpu.gpu_id in w.gpus for w in step.workers.values()
+        ):
+            transient.add("memory")
+            notes.append(f"memory {fraction:.0%} used by others >= {rules.max_memory_fraction:.0%}")
+    changes: dict[str, Any] = {
+        "memory_used_bytes": event.memory_used_bytes,
+        "memory_total_bytes": event.memory_total_bytes,
+        "temperature_c": event.temperature_c,
+    }
+    if not (transient or event.new_errors):
+        if gpu.clean_since_t is None:
+            changes["clean_since_t"] = step.t
+        gpu = replace(gpu, **changes)
+        step.put_gpu(gpu)
+        step.expire_transient_cordon(gpu)
+        return
+    gpu = replace(gpu, **changes)
+    causes = set(gpu.causes)
+    if event.new_errors:
+        causes.add("errors")
+        notes.append(f"{event.new_errors} new XID/ECC error(s)")
+    why = f"GPU {gpu.gpu_id}: " + "; ".join(notes)
+    step.set_causes(gpu, frozenset(causes | transient), None, why)
+    if event.new_errors:
+        step.raise_alert("gpu_errors", gpu.gpu_id, why)
+        for worker in step.workers_on(gpu.gpu_id):
+            if worker.state in COUNTED:
+                step.drain(worker, "gpu_errors", f"{why}: moving {worker.worker_id} elsewhere")
+
+
+def _gpu_lost(step: Step, event: e.GpuLost) -> None:
+    gpu = step.gpus.get(event.gpu_id)
+    if gpu is None:
+        return
+    why = f"GPU {gpu.gpu_id} lost: {event.error}"
+    step.set_causes(gpu, gpu.causes | {"lost"}, None, why)
+    step.raise_alert("gpu_lost", gpu.gpu_id, why)
+    for worker in step.workers_on(gpu.gpu_id):
+        if worker.state in COUNTED or worker.state is S.DRAINING:
+            step.terminate(worker, "gpu_lost", f"{why}: {worker.worker_id} replaced elsewhere")
+
+
+HANDLERS: dict[type, Callable[[Step, Any], None]] = {
+    e.Tick: _tick,
+    e.Configured: _configured,
+    e.AutoscalingPaused: _paused,
+    e.AutoscalingResumed: _resumed,
+    e.PoolPinned: _pinned,
+    e.DrainRequested: _drain_requested,
+    e.GpuCordonRequested: _cordon_requested,
+    e.GpuUncordonRequested: _uncordon_requested,
+    e.QueueSampled: _sampled,
+    e.LoadSampled: _sampled,
+    e.SourceDown: _source_down,
+    e.WorkerStarted: _started,
+    e.WorkerReady: _ready,
+    e.WorkerExited: _exited,
+    e.SpawnFailed: _spawn_failed,
+    e.WorkerAdopted: _adopted,
+    e.WorkerLost: _lost,
+    e.GpuSampled: _gpu_sampled,
+    e.GpuLost: _gpu_lost,
+}

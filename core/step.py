@@ -1,0 +1,457 @@
+"""The workspace of one reducer step: a copy-on-write view of the state and the helpers every
+handler shares (transitions, drains, exits, reconciliation, scaling, cordons).
+
+``Step`` copies each collection of the state before its first write, so the state a step started
+from is never touched and an event that raises leaves nothing half-applied. ``finish`` reconciles
+the pools the event may have affected (spawn up to each target, drain the excess) and returns the
+new state with the commands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from core import commands as c
+from core import events as e
+from core.config import PoolSpec
+from core.errors import InvalidEvent
+from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
+from core.policies import PolicyContext, build
+from core.records import replace
+from core.state import Gpu, PoolState, State, Worker, split_worker_id
+
+__all__ = ["PLANNED_STOPS", "STICKY_CAUSES", "Step"]
+
+S = WorkerState
+
+#: Stop causes that are deo's own decision: such exits are never counted as crashes.
+PLANNED_STOPS = frozenset({"scale_down", "operator", "pool_removed", "gpu_lost", "gpu_errors"})
+#: Cordon causes that clear by themselves after clean samples (the rest need an operator).
+STICKY_CAUSES = frozenset({"operator", "errors", "lost", "unkillable_worker"})
+
+
+#: The last workers dict counted and its counts (see Step.pool_counts); holding the dict keeps
+#: its identity from being reused by another.
+_counted_for: tuple[object, dict[str, tuple[int, int]]] = (None, {})
+
+
+class Step:
+    """The mutable workspace of one step; copies each collection before its first write."""
+
+    def __init__(self, state: State, t: float) -> None:
+        self.base = state
+        # Time never goes backwards: a late event is taken at the current time.
+        self.t = max(state.now, t)
+        self.config = state.config
+        self.pools = state.pools
+        self.workers = state.workers
+        self.gpus = state.gpus
+        self.last_seen = state.last_seen
+        self.paused_all = state.paused_all
+        self.alerts = state.alerts
+        self.commands: list[c.Command] = []
+        self._owned: set[str] = set()
+        self.dirty_pools: set[str] = set()
+
+    # --- copy-on-write ---------------------------------------------------------------------------
+
+    def _own(self, name: str) -> Any:
+        if name not in self._owned:
+            setattr(self, name, dict(getattr(self, name)))
+            self._owned.add(name)
+        return getattr(self, name)
+
+    def put_worker(self, worker: Worker) -> None:
+        self._own("workers")[worker.worker_id] = worker
+
+    def drop_worker(self, worker_id: str) -> None:
+        del self._own("workers")[worker_id]
+        if worker_id in self.last_seen:
+            del self._own("last_seen")[worker_id]
+
+    def seen(self, worker_id: str) -> None:
+        self._own("last_seen")[worker_id] = self.t
+
+    def put_pool(self, pool: PoolState) -> None:
+        self._own("pools")[pool.spec.name] = pool
+
+    def put_gpu(self, gpu: Gpu) -> None:
+        self._own("gpus")[gpu.gpu_id] = gpu
+
+    def finish(self) -> tuple[State, list[c.Command]]:
+        if self.dirty_pools:
+            self.reconcile(sorted(self.dirty_pools))
+        state = replace(
+            self.base,
+            now=self.t,
+            config=self.config,
+            pools=self.pools,
+            workers=self.workers,
+            gpus=self.gpus,
+            last_seen=self.last_seen,
+            paused_all=self.paused_all,
+            alerts=self.alerts,
+        )
+        return state, self.commands
+
+    # --- lookups ---------------------------------------------------------------------------------
+
+    def pool(self, name: str, event: e.Event) -> PoolState:
+        pool = self.pools.get(name)
+        if pool is None:
+            known = ", ".join(sorted(self.pools)) or "none declared"
+            raise InvalidEvent(f"{type(event).__name__}: unknown pool {name!r} (pools: {known})")
+        return pool
+
+    def worker(self, worker_id: str, event: e.Event) -> Worker | None:
+        """The live worker, None if it already exited (a late report), or an error if unknown."""
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            return worker
+        parsed = split_worker_id(worker_id)
+        if parsed is not None:
+            pool = self.pools.get(parsed[0])
+            if pool is not None and parsed[1] < pool.next_index:
+                return None
+        raise InvalidEvent(f"{type(event).__name__}: unknown worker {worker_id!r}")
+
+    def gpu(self, gpu_id: str, event: e.Event) -> Gpu:
+        gpu = self.gpus.get(gpu_id)
+        if gpu is None:
+            known = ", ".join(self.gpus) or "none declared"
+            raise InvalidEvent(f"{type(event).__name__}: unknown GPU {gpu_id!r} (GPUs: {known})")
+        return gpu
+
+    # --- alerts ----------------------------------------------------------------------------------
+
+    def raise_alert(self, alert: str, subject: str, reason: str) -> None:
+        if (alert, subject) not in self.alerts:
+            self.alerts = self.alerts | {(alert, subject)}
+            self.commands.append(c.RaiseAlert(alert=alert, subject=subject, reason=reason))
+
+    def resolve_alert(self, alert: str, subject: str, reason: str) -> None:
+        if (alert, subject) in self.alerts:
+            self.alerts = self.alerts - {(alert, subject)}
+            self.commands.append(c.ResolveAlert(alert=alert, subject=subject, reason=reason))
+
+    # --- worker transitions ----------------------------------------------------------------------
+
+    def transition(self, worker: Worker, trigger: Trigger, **changes: Any) -> Worker:
+        state = next_state(worker.worker_id, worker.state, trigger)
+        updated = replace(worker, state=state, **changes)
+        self.put_worker(updated)
+        return updated
+
+    def drain(self, worker: Worker, cause: str, why: str) -> None:
+        spec = self.pools[worker.pool].spec
+        deadline = self.t + spec.drain_timeout_s
+        self.transition(worker, Trigger.DRAIN, deadline_t=deadline, stop_cause=cause)
+        self.commands.append(
+            c.DrainWorker(
+                worker_id=worker.worker_id,
+                pid=worker.pid,
+                signal=spec.drain_signal,
+                deadline_t=deadline,
+                reason=why,
+            )
+        )
+        self.dirty_pools.add(worker.pool)
+
+    def terminate(self, worker: Worker, cause: str, why: str) -> None:
+        spec = self.pools[worker.pool].spec
+        deadline = self.t + spec.stop_timeout_s
+        self.transition(
+            worker,
+            Trigger.TERMINATE,
+            deadline_t=deadline,
+            stop_cause=worker.stop_cause if worker.state is S.DRAINING else cause,
+        )
+        self.commands.append(
+            c.TerminateWorker(
+                worker_id=worker.worker_id, pid=worker.pid, deadline_t=deadline, reason=why
+            )
+        )
+        self.dirty_pools.add(worker.pool)
+
+    def exit_worker(self, worker: Worker, *, failure: bool, why: str) -> None:
+        """The worker is gone: free its GPUs, count a failure if it was one, let the pool react."""
+        next_state(worker.worker_id, worker.state, Trigger.EXIT)  # validates the transition
+        self.drop_worker(worker.worker_id)
+        pool = self.pools[worker.pool]
+        rules = pool.spec.crash_loop
+        if failure:
+            failures = pool.failures + 1
+            backoff = rules.backoff_s(failures)
+            pool = replace(
+                pool,
+                failures=failures,
+                last_failure_t=self.t,
+                backoff_until_t=self.t + backoff,
+            )
+            if failures >= rules.alert_after:
+                self.raise_alert(
+                    "crash_loop",
+                    pool.spec.name,
+                    f"{failures} early failures in a row (last: {worker.worker_id} {why}); "
+                    f"next spawn in {backoff:g}s",
+                )
+        elif self.proves_healthy(pool, worker):
+            pool = self._reset_failures(pool, f"{worker.worker_id} ran {rules.early_exit_s:g}s")
+        if pool.removed and not any(w.pool == pool.spec.name for w in self.workers.values()):
+            del self._own("pools")[pool.spec.name]
+            self.dirty_pools.discard(pool.spec.name)
+            self.resolve_pool_alerts(pool.spec.name, "pool removed")
+            return
+        self.put_pool(pool)
+        self.dirty_pools.add(pool.spec.name)
+
+    def proves_healthy(self, pool: PoolState, worker: Worker) -> bool:
+        """A worker started since the pool's last failure has stayed up for ``early_exit_s``.
+
+        Only such a worker ends a crash loop: an old worker that keeps running says nothing about
+        the slot that keeps crashing beside it.
+        """
+        started = worker.started_t
+        if started is None or self.t - started < pool.spec.crash_loop.early_exit_s:
+            return False
+        return pool.last_failure_t is None or started >= pool.last_failure_t
+
+    def _reset_failures(self, pool: PoolState, why: str) -> PoolState:
+        if pool.failures == 0:
+            return pool
+        self.resolve_alert("crash_loop", pool.spec.name, f"healthy run: {why}")
+        return replace(pool, failures=0, backoff_until_t=0.0)
+
+    def resolve_pool_alerts(self, pool: str, why: str) -> None:
+        for alert, subject in sorted(self.alerts):
+            if subject == pool:
+                self.resolve_alert(alert, subject, why)
+
+    def is_failure(self, worker: Worker) -> bool:
+        if worker.stop_cause in PLANNED_STOPS:
+            return False
+        rules = self.pools[worker.pool].spec.crash_loop
+        return worker.started_t is None or self.t - worker.started_t < rules.early_exit_s
+
+    # --- reconciliation --------------------------------------------------------------------------
+
+    def reconcile(self, names: Iterable[str]) -> None:
+        """Spawn up to each named pool's target and drain what exceeds it."""
+        by_pool: dict[str, list[Worker]] = {}
+        held: set[str] = set()
+        for worker in self.workers.values():
+            held.update(worker.gpus)
+            if worker.state in COUNTED:
+                by_pool.setdefault(worker.pool, []).append(worker)
+        free = [
+            gpu_id
+            for gpu_id in self.config.gpus
+            if gpu_id not in held and gpu_id in self.gpus and not self.gpus[gpu_id].causes
+        ]
+        for name in names:
+            pool = self.pools.get(name)
+            if pool is None:
+                continue
+            counted = by_pool.get(name, [])
+            count, target = len(counted), pool.target
+            if count > target:
+                self._shrink(pool, counted, count - target)
+                count = target
+            elif count < target:
+                count = self._grow(pool, count, free)
+            else:
+                self.resolve_alert("no_free_gpus", name, f"{name} reached {target} workers")
+            self._check_min(pool, count)
+
+    def _shrink(self, pool: PoolState, counted: list[Worker], excess: int) -> None:
+        def victim_order(w: Worker) -> tuple[int, int, int]:
+            on_cordoned = any(self.gpus[g].causes for g in w.gpus if g in self.gpus)
+            # Cordoned GPUs first, then workers not yet producing, newest first.
+            return (0 if on_cordoned else 1, 0 if w.state is not S.ACTIVE else 1, -w.index)
+
+        why = f"{pool.spec.name} has {len(counted)} workers, target {pool.target}" + (
+            " (pool removed)" if pool.removed else ""
+        )
+        cause = "pool_removed" if pool.removed else "scale_down"
+        for worker in sorted(counted, key=victim_order)[:excess]:
+            self.drain(worker, cause, why)
+
+    def _grow(self, pool: PoolState, count: int, free: list[str]) -> int:
+        """Spawn toward the target; returns the new count."""
+        spec = pool.spec
+        name = spec.name
+        if self.t < pool.backoff_until_t:
+            return count  # crash-loop backoff; _check_min alerts if this leaves the pool below min
+        index = pool.next_index
+        while count < pool.target:
+            if len(free) < spec.gpus_per_worker:
+                self.raise_alert(
+                    "no_free_gpus",
+                    name,
+                    f"{name} wants {pool.target} workers, has {count}: needs "
+                    f"{spec.gpus_per_worker} free healthy GPU(s), {len(free)} available",
+                )
+                break
+            gpus = tuple(free[: spec.gpus_per_worker])
+            del free[: spec.gpus_per_worker]
+            worker_id = f"{name}-{index}"
+            env = dict(spec.env)
+            env.update(CUDA_VISIBLE_DEVICES=",".join(gpus), DEO_WORKER_ID=worker_id, DEO_POOL=name)
+            placed = f" on GPU {','.join(gpus)}" if gpus else ""
+            self.put_worker(
+                Worker(
+                    worker_id=worker_id,
+                    pool=name,
+                    index=index,
+                    state=S.REQUESTED,
+                    gpus=gpus,
+                    requested_t=self.t,
+                )
+            )
+            self.commands.append(
+                c.SpawnWorker(
+                    worker_id=worker_id,
+                    pool=name,
+                    argv=spec.render_argv(worker_id=worker_id, index=index, gpus=gpus),
+                    gpus=gpus,
+                    env=env,
+                    reason=f"{name} has {count} workers, target {pool.target}: starting "
+                    f"{worker_id}{placed}",
+                )
+            )
+            index += 1
+            count += 1
+        else:
+            self.resolve_alert("no_free_gpus", name, f"{name} reached {pool.target} workers")
+        if index != pool.next_index:
+            self.put_pool(replace(pool, next_index=index))
+        return count
+
+    def _check_min(self, pool: PoolState, counted: int) -> None:
+        name = pool.spec.name
+        minimum = 0 if pool.removed else pool.spec.min_workers
+        if counted >= minimum:
+            self.resolve_alert("below_min", name, f"{name} has {counted} >= min {minimum} workers")
+            return
+        if self.t < pool.backoff_until_t:
+            why = f"crash-loop backoff until t={pool.backoff_until_t:g}"
+        else:
+            why = f"no free healthy GPU for {pool.spec.gpus_per_worker} per worker"
+        self.raise_alert("below_min", name, f"{name} has {counted} < min {minimum} workers: {why}")
+
+    # --- scaling decisions -----------------------------------------------------------------------
+
+    def set_desired(self, pool: PoolState, target: int, source: str, why: str) -> PoolState:
+        spec = pool.spec
+        target = min(max(target, spec.min_workers), spec.max_workers)
+        if target == pool.desired:
+            return pool
+        if source == "policy" and target < pool.desired and pool.last_scale_up_t is not None:
+            since = self.t - pool.last_scale_up_t
+            if since < spec.stabilization_s:
+                return pool  # no flapping: hold within the stabilization window
+        self.commands.append(
+            c.ScalePool(
+                pool=spec.name, previous=pool.desired, target=target, source=source, reason=why
+            )
+        )
+        changes: dict[str, Any] = {"desired": target}
+        if source == "policy" and target > pool.desired:
+            changes["last_scale_up_t"] = self.t
+        self.dirty_pools.add(spec.name)
+        return replace(pool, **changes)
+
+    def sampled(self, pool: PoolState, event: e.QueueSampled | e.LoadSampled) -> None:
+        name = pool.spec.name
+        changes: dict[str, Any] = {"last_sample_t": self.t, "source_error": None}
+        changes["queue" if isinstance(event, e.QueueSampled) else "load"] = event
+        self.resolve_alert("source_down", name, "pressure source answered again")
+        self.resolve_alert("pressure_stale", name, "fresh pressure sample")
+        if isinstance(event, e.QueueSampled):
+            self.check_backlog(pool.spec, event)
+        policy = build(pool.spec.policy)
+        if policy.reacts_to is not type(event):
+            self.put_pool(replace(pool, **changes))
+            return
+        counted, active = self.pool_counts().get(name, (0, 0))
+        decision = policy.decide(
+            PolicyContext(
+                t=self.t,
+                pool=name,
+                current=counted,
+                active=active,
+                min_workers=pool.spec.min_workers,
+                max_workers=pool.spec.max_workers,
+                queue=changes.get("queue", pool.queue),
+                load=changes.get("load", pool.load),
+            ),
+            pool.policy_memory,
+        )
+        pool = replace(pool, policy_memory=decision.memory, **changes)
+        if not (self.paused_all or pool.paused or pool.pinned is not None or pool.removed):
+            pool = self.set_desired(pool, decision.target, "policy", decision.reason)
+        self.put_pool(pool)
+
+    def check_backlog(self, spec: PoolSpec, sample: e.QueueSampled) -> None:
+        """Report a queue growing past what the trainer can use (the policy scales down)."""
+        queued_batches = sample.queued_sequences / sample.batch_size_seqs
+        if queued_batches > spec.queue_alert_batches:
+            self.raise_alert(
+                "queue_backlog",
+                spec.name,
+                f"{queued_batches:.1f} batches queued, more than the {spec.queue_alert_batches:g} "
+                f"the trainer can use before the data goes stale",
+            )
+        else:
+            self.resolve_alert(
+                "queue_backlog", spec.name, f"queue back to {queued_batches:.1f} batches"
+            )
+
+    def pool_counts(self) -> dict[str, tuple[int, int]]:
+        """(counted, active) workers per pool. Samples arrive far more often than workers change
+        (heartbeats no longer touch the worker records), so the counts of a state's workers are
+        remembered by the identity of its dict: it is never mutated once a step has finished."""
+        global _counted_for
+        workers = self.workers
+        if "workers" not in self._owned and _counted_for[0] is workers:
+            return _counted_for[1]
+        counts: dict[str, tuple[int, int]] = {}
+        for w in workers.values():
+            counted, active = counts.get(w.pool, (0, 0))
+            counts[w.pool] = (counted + (w.state in COUNTED), active + (w.state is S.ACTIVE))
+        if "workers" not in self._owned:
+            _counted_for = (workers, counts)
+        return counts
+
+    # --- GPUs ------------------------------------------------------------------------------------
+
+    def set_causes(
+        self, gpu: Gpu, causes: frozenset[str], clean_since_t: float | None, why: str
+    ) -> None:
+        if causes - gpu.causes:
+            self.commands.append(c.CordonGpu(gpu_id=gpu.gpu_id, causes=causes, reason=why))
+        elif gpu.causes and not causes:
+            self.commands.append(c.UncordonGpu(gpu_id=gpu.gpu_id, reason=why))
+        if causes != gpu.causes:
+            self.dirty_pools.update(self.pools)
+        self.put_gpu(replace(gpu, causes=causes, clean_since_t=clean_since_t))
+
+    def expire_transient_cordon(self, gpu: Gpu) -> None:
+        rules = self.config.cordon
+        transient = gpu.causes - STICKY_CAUSES
+        if transient and gpu.clean_since_t is not None:
+            clean_for = self.t - gpu.clean_since_t
+            if clean_for >= rules.uncordon_after_s:
+                self.set_causes(
+                    gpu,
+                    gpu.causes & STICKY_CAUSES,
+                    gpu.clean_since_t,
+                    f"GPU {gpu.gpu_id} clean for {clean_for:.0f}s >= {rules.uncordon_after_s:g}s "
+                    f"(was: {', '.join(sorted(transient))})",
+                )
+
+    def workers_on(self, gpu_id: str) -> list[Worker]:
+        return sorted(
+            (w for w in self.workers.values() if gpu_id in w.gpus), key=lambda w: w.worker_id
+        )
