@@ -146,8 +146,8 @@ def _run(path: Path) -> int:
 
     import anyio
 
+    from adapters.run import run
     from adapters.runtime.config_file import load
-    from adapters.runtime.run import run
     from core import ConfigError
 
     try:

@@ -6,7 +6,7 @@ It starts, all on loopback:
 * a small trainer (:mod:`adapters.demo.trainer`) that registers and pulls 32-sequence batches with a
   step time that changes: 1.0 s, then 0.4 s (it outruns the envs: deo scales up), then 2.5 s (the
   queue fills: deo scales down and the drained envs disconnect);
-* deo itself (:func:`adapters.runtime.run.run`) with one pool of stand-in env workers
+* deo itself (:func:`adapters.run.run`) with one pool of stand-in env workers
   (:mod:`deo_worker.demo_env`: groups of 8 sequences, heavy-tailed latency, atroposlib's own
   backpressure, drain on SIGUSR1), its default ``buffer`` policy and the Atropos source.
 
@@ -244,7 +244,7 @@ def run_demo(
     log: Path, settings: DemoSettings | None = None, out: Callable[[str], None] = print
 ) -> int:
     """Run the demo, writing deo's event log to ``log``; returns the exit status."""
-    from adapters.runtime.run import run
+    from adapters.run import run
 
     demo = settings or DemoSettings()
     if importlib.util.find_spec("atroposlib") is None:

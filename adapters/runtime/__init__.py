@@ -1,1 +1,1 @@
-"""The local runtime behind ``deo run``: runner loop, processes, configuration, live view."""
+"""What ``deo run`` runs on: the runner loop, worker processes, configuration, live view."""

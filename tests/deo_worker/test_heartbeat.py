@@ -15,9 +15,9 @@ import attrs
 import pytest
 from conftest import free_port
 
+from adapters import run as deo_run
 from adapters.api.app import build_app, serve
 from adapters.log import EventLog
-from adapters.runtime import run as deo_run
 from adapters.runtime.runner import Runner
 from adapters.sources import heartbeat as heartbeat_source
 from core import Command, Config, Configured, PolicySpec, PoolSpec, Reducer, WorkerStarted

@@ -17,10 +17,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from adapters.api.app import serve
-from adapters.runtime.config_file import JsonSource
-from adapters.runtime.run import find_spawned
+from adapters.run import find_spawned
 from adapters.sources.heartbeat import heartbeat_files, heartbeat_path
-from adapters.sources.json_pressure import poll_json, read_pressure
+from adapters.sources.json_pressure import JsonSource, poll_json, read_pressure
 from core import (
     Config,
     Configured,
