@@ -63,7 +63,7 @@ class AtroposApi:
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60  # a safety net: a busy machine starts it slowly
         while time.monotonic() < deadline:
             try:
                 httpx.get(self.url + "/status", timeout=1).raise_for_status()
@@ -91,8 +91,8 @@ class AtroposApi:
             "starting_step": 0,
             "num_steps": 1000,
         }
-        httpx.post(self.url + "/register", json=body).raise_for_status()
-        httpx.get(self.url + "/batch").raise_for_status()
+        httpx.post(self.url + "/register", json=body, timeout=30).raise_for_status()
+        httpx.get(self.url + "/batch", timeout=30).raise_for_status()
 
 
 @pytest.fixture

@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
+import anyio.abc
 import attrs
 import pytest
 from conftest import free_port
@@ -58,8 +60,9 @@ class Deo:
 
 
 @asynccontextmanager
-async def deo_api(tmp_path: Path) -> AsyncIterator[Deo]:
-    """deo's API around a real Runner with one started worker, ``envs-0``."""
+async def deo_api(tmp_path: Path, sock: socket.socket | None = None) -> AsyncIterator[Deo]:
+    """deo's API around a real Runner with one started worker, ``envs-0``; on ``sock`` when
+    given, else on a free port."""
     log, _ = EventLog.open(tmp_path / "deo.jsonl", fsync=False)
     clock = Clock()
     runner = Runner(log, Reducer(), Ignore(), clock=clock, tick_interval_s=3600.0)
@@ -80,8 +83,8 @@ async def deo_api(tmp_path: Path) -> AsyncIterator[Deo]:
         group.start_soon(runner.run)
         await runner.submit(Configured(t=0.0, config=Config(pools=[pool])))
         await runner.submit(WorkerStarted(t=0.0, worker_id=WORKER_ID, pid=4242, start_time=1))
-        group.start_soon(functools.partial(serve, app, port=0, started=started))
-        with anyio.fail_after(10):
+        group.start_soon(functools.partial(serve, app, port=0, started=started, sock=sock))
+        with anyio.fail_after(30):
             await listening.wait()
         yield Deo(f"http://127.0.0.1:{ports[0]}", runner, clock)
         group.cancel_scope.cancel()
@@ -89,7 +92,7 @@ async def deo_api(tmp_path: Path) -> AsyncIterator[Deo]:
 
 
 async def seen_at(deo: Deo, t_s: float) -> None:
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         while deo.last_seen() != t_s:
             await anyio.sleep(0.01)
 
@@ -129,15 +132,23 @@ def test_from_environ(environ: dict[str, str], file: Path | None, url: str | Non
     assert heartbeat.enabled == (file is not None or url is not None)
 
 
-def test_outside_deo_a_beat_is_a_no_op_and_run_returns() -> None:
-    heartbeat = Heartbeat.from_environ({"PATH": "/bin"})
-    assert heartbeat.beat() is True
-
-    async def run_briefly() -> None:
-        with anyio.fail_after(5):
+@pytest.mark.anyio
+async def test_without_all_of_deos_variables_nothing_is_sent_and_run_returns(
+    tmp_path: Path,
+) -> None:
+    async with deo_api(tmp_path) as deo:
+        deo.clock.t_s = 5.0
+        # deo's URL and a worker id, but no token: not run by deo, so no beat reaches it.
+        heartbeat = Heartbeat.from_environ({"DEO_API_URL": deo.url, "DEO_WORKER_ID": WORKER_ID})
+        assert heartbeat.beat() is True
+        assert await heartbeat.beat_async() is True
+        with anyio.fail_after(30):  # returns instead of beating forever
             await heartbeat.run(0.01)
-
-    anyio.run(run_briefly)
+        # A marker beat, answered only after anything sent before it was handled.
+        marker = Heartbeat(api_url=deo.url, worker_id=WORKER_ID, token=WORKER_TOKEN)
+        beats_before = deo.runner.events_handled
+        assert await marker.beat_async() is True
+        assert deo.runner.events_handled == beats_before + 1  # the marker's, no other
 
 
 @pytest.mark.parametrize(
@@ -201,6 +212,83 @@ async def test_run_keeps_beating(tmp_path: Path) -> None:
                 deo.clock.t_s = t_s
                 await seen_at(deo, t_s)
             group.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_run_keeps_touching_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "envs-0.heartbeat"
+    heartbeat = Heartbeat(file=path)
+    async with anyio.create_task_group() as group:
+        group.start_soon(heartbeat.run, 0.01)
+        with anyio.fail_after(30):
+            while not path.exists():
+                await anyio.sleep(0.01)
+        for _ in range(3):  # each time deo would see it stale, a later beat freshens it
+            os.utime(path, (0, 0))
+            with anyio.fail_after(30):
+                while path.stat().st_mtime == 0:
+                    await anyio.sleep(0.01)
+        group.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_cancelling_run_stops_it_even_mid_request_and_hangs_up() -> None:
+    requested = anyio.Event()
+    hung_up = anyio.Event()
+
+    async def never_answer(client: anyio.abc.SocketStream) -> None:
+        async with client:
+            await client.receive()
+            requested.set()
+            try:
+                while await client.receive():
+                    pass
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+                pass
+            hung_up.set()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    heartbeat = Heartbeat(
+        api_url=f"http://127.0.0.1:{port}", worker_id=WORKER_ID, token=WORKER_TOKEN, timeout_s=600
+    )
+    async with listener, anyio.create_task_group() as server:
+        server.start_soon(listener.serve, never_answer)
+        with anyio.fail_after(30):  # far below the beat's 600 s timeout
+            async with anyio.create_task_group() as worker:
+                worker.start_soon(heartbeat.run, 0.01)
+                await requested.wait()
+                worker.cancel_scope.cancel()
+            await hung_up.wait()
+        server.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_run_survives_deo_being_down_and_reaches_it_once_it_is_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # deo's port, reserved but not yet listening: connections are refused.
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    heartbeat = Heartbeat(api_url=url, worker_id=WORKER_ID, token=WORKER_TOKEN)
+    with caplog.at_level(logging.WARNING, logger="deo_worker.heartbeat"):
+        async with anyio.create_task_group() as worker:
+            worker.start_soon(heartbeat.run, 0.01)
+            with anyio.fail_after(30):
+                while not caplog.records:
+                    await anyio.sleep(0.01)
+            sock.listen()
+            async with deo_api(tmp_path, sock=sock) as deo:
+                deo.clock.t_s = 7.0
+                await seen_at(deo, 7.0)
+                with anyio.fail_after(30):  # the worker has its answer a moment after deo
+                    while len(caplog.records) < 2:
+                        await anyio.sleep(0.01)
+                worker.cancel_scope.cancel()
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages  # once when failing, once when working again
+    assert "ConnectError" in messages[0] and "works again" in messages[1], messages
 
 
 @pytest.mark.anyio

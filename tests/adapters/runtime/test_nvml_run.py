@@ -39,7 +39,7 @@ HEALTHY: dict[str, Any] = {
 }
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 20.0) -> Any:
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = check()

@@ -74,13 +74,13 @@ def alive(pid: int) -> bool:
     return data[data.rindex(b")") + 1 :].split()[0] != b"Z"
 
 
-async def wait_dead(pid: int, timeout_s: float = 5.0) -> None:
+async def wait_dead(pid: int, timeout_s: float = 30.0) -> None:
     with anyio.fail_after(timeout_s):
         while alive(pid):
             await anyio.sleep(0.02)
 
 
-async def next_event(events: MemoryObjectReceiveStream[Event], timeout_s: float = 5.0) -> Event:
+async def next_event(events: MemoryObjectReceiveStream[Event], timeout_s: float = 30.0) -> Event:
     with anyio.fail_after(timeout_s):
         return await events.receive()
 
@@ -91,7 +91,7 @@ async def no_event(events: MemoryObjectReceiveStream[Event], wait_s: float = 0.3
         events.receive_nowait()
 
 
-async def log_line(path: Path, prefix: str, timeout_s: float = 5.0) -> str:
+async def log_line(path: Path, prefix: str, timeout_s: float = 30.0) -> str:
     """Wait for a line starting with ``prefix`` in a worker's log and return the rest of it."""
     with anyio.fail_after(timeout_s):
         while True:
@@ -276,7 +276,7 @@ async def test_adopt_watches_a_stranger_until_it_is_gone(tmp_path: Path, track: 
         await no_event(events, 2 * POLL_S)
         proc.kill()
         await anyio.to_thread.run_sync(proc.wait)  # reap it: a zombie must also count as gone
-        exited = await next_event(events, timeout_s=10 * POLL_S)
+        exited = await next_event(events)
         assert exited == WorkerExited(t=exited.t, worker_id="envs-7")
         assert exited.exit_code is None and exited.signal is None
 
@@ -291,7 +291,7 @@ async def test_adopt_sees_a_zombie_as_gone(tmp_path: Path, track: Track) -> None
         async with running(tmp_path) as (executor, events):
             assert await executor.adopt("envs-7", proc.pid, start_time)
             proc.kill()  # not reaped until the finally: a zombie the whole time
-            exited = await next_event(events, timeout_s=10 * POLL_S)
+            exited = await next_event(events)
             assert exited == WorkerExited(t=exited.t, worker_id="envs-7")
     finally:
         proc.kill()
@@ -382,7 +382,7 @@ async def test_a_recycled_pid_is_never_signalled(
             assert alive(proc.pid)
             monkeypatch.undo()
             await executor.execute(KillWorker(worker_id="envs-7", pid=proc.pid, reason="test"))
-            exited = await next_event(events, timeout_s=10 * POLL_S)
+            exited = await next_event(events)
             assert exited == WorkerExited(t=exited.t, worker_id="envs-7")
     finally:
         proc.kill()
