@@ -9,8 +9,8 @@ import orjson
 import pytest
 
 from adapters.log import EventLog
-from adapters.runtime.runner import Rejected, Runner
-from core import Command, Config, Configured, PolicySpec, PoolPinned, PoolSpec, Reducer
+from adapters.runtime.runner import Runner, Stopping
+from core import Command, Config, Configured, PolicySpec, PoolPinned, PoolSpec, Reducer, Refused
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ async def test_submitted_events_are_logged_reduced_and_executed(tmp_path: Path) 
         tg.start_soon(runner.run)
         commands = await runner.submit(Configured(t=0.0, config=Config(pools=[SPEC])))
         assert [type(c).__name__ for c in commands] == ["ScalePool", "SpawnWorker", "SpawnWorker"]
-        with pytest.raises(Rejected, match="outside pool 'envs' bounds"):
+        with pytest.raises(Refused, match="outside pool 'envs' bounds"):
             await runner.submit(PoolPinned(t=1.0, pool="envs", count=9))
         with anyio.fail_after(5):
             while len(executor.commands) < 3:
@@ -106,7 +106,7 @@ async def test_a_submitter_waiting_at_the_stop_is_told_deo_is_stopping(tmp_path:
     async def submit() -> None:
         try:
             await runner.submit(Configured(t=0.0, config=Config(pools=[SPEC])))
-        except Rejected as exc:
+        except Stopping as exc:
             answers.append(str(exc))
 
     async with anyio.create_task_group() as outer:
