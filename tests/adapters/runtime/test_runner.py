@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 
 import anyio
@@ -10,7 +11,17 @@ import pytest
 
 from adapters.log import EventLog
 from adapters.runtime.runner import Runner, Stopping
-from core import Command, Config, Configured, PolicySpec, PoolPinned, PoolSpec, Reducer, Refused
+from core import (
+    Command,
+    Config,
+    Configured,
+    PolicySpec,
+    PoolPinned,
+    PoolSpec,
+    Reducer,
+    Refused,
+    UnknownSubject,
+)
 
 
 @pytest.fixture
@@ -116,3 +127,25 @@ async def test_a_submitter_waiting_at_the_stop_is_told_deo_is_stopping(tmp_path:
             tg.start_soon(runner.run)
             tg.cancel_scope.cancel()
     assert answers == ["deo is stopping"]
+
+
+@pytest.mark.anyio
+async def test_a_submitter_gets_the_error_the_core_raised_not_a_copy_of_its_message(
+    tmp_path: Path,
+) -> None:
+    runner, _ = make(tmp_path)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run)
+        await runner.submit(Configured(t=0.0, config=Config(pools=[SPEC])))
+        with pytest.raises(UnknownSubject, match="unknown pool 'nope'") as unknown:
+            await runner.submit(PoolPinned(t=1.0, pool="nope", count=1))
+        with pytest.raises(Refused, match="outside pool 'envs' bounds") as refused:
+            await runner.submit(PoolPinned(t=2.0, pool="envs", count=9))
+        tg.cancel_scope.cancel()
+    assert (type(unknown.value), unknown.value.http_status) == (UnknownSubject, 404)
+    assert (type(refused.value), refused.value.http_status) == (Refused, 409)
+    # Raised by the reducer: its traceback reaches into the handler that refused the event.
+    frames = [frame.name for frame in traceback.extract_tb(refused.value.__traceback__)]
+    assert "_pinned" in frames, frames
+    with pytest.raises(Stopping, match="deo is stopping"):
+        await runner.submit(PoolPinned(t=3.0, pool="envs", count=1))
