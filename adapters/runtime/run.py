@@ -200,7 +200,7 @@ async def run(
     runtime_env = {API_URL_ENV: url, WORKER_TOKEN_ENV: worker_token, RUN_ID_ENV: run_id}
 
     def emit(event: Event) -> None:
-        runner.emit(event)
+        runner.emit(event)  # the runner, built below around the processes, takes their reports
 
     processes = LocalProcesses(
         emit,
