@@ -1,10 +1,12 @@
 """``deo run``: the local runtime, assembled.
 
-Start-up: open the log (snapshot + tail rebuild the state), reconcile with the processes that are
-really there (adopt a worker whose pid still has its recorded start time, record the rest lost),
-apply the configuration file if it changed, then run the runner, the process executor, the HTTP
-API and the sources in one task group. SIGINT/SIGTERM stop deo and leave the workers running; a
-restart adopts them. ``deo stop --drain`` drains every worker first.
+Start-up: resolve the device id each configured GPU has for CUDA (from deo's own
+CUDA_VISIBLE_DEVICES) into the configuration, open the log (snapshot + tail rebuild the state),
+reconcile with the processes that are really there (adopt a worker whose pid still has its
+recorded start time, record the rest lost), apply the configuration if it changed, then run the
+runner, the process executor, the HTTP API and the sources in one task group. SIGINT/SIGTERM
+stop deo and leave the workers running; a restart adopts them. ``deo stop --drain`` drains every
+worker first.
 """
 
 from __future__ import annotations
@@ -26,17 +28,15 @@ from adapters.log import EventLog
 from adapters.runtime.config_file import RunSettings
 from adapters.runtime.live import live_view
 from adapters.runtime.processes import LocalProcesses, process_start_time
-from adapters.runtime.runner import Rejected, Runner
+from adapters.runtime.runner import Runner
 from adapters.sources.atropos import AtroposSource, poll_atropos
-from adapters.sources.heartbeat import HEARTBEAT_ENV, heartbeat_files, heartbeat_path
+from adapters.sources.heartbeat import heartbeat_files
 from adapters.sources.json_pressure import poll_json
 from core import (
-    Command,
     Configured,
     DeoError,
     Event,
     Reducer,
-    SpawnWorker,
     State,
     WorkerAdopted,
     WorkerLost,
@@ -47,7 +47,8 @@ __all__ = ["find_spawned", "reconcile", "run"]
 
 log = logging.getLogger("deo.run")
 
-#: Variables deo adds for workers besides the core's (CUDA_VISIBLE_DEVICES, DEO_WORKER_ID, ...).
+#: Variables every worker of this run inherits, besides those the core gives each worker
+#: (CUDA_VISIBLE_DEVICES, DEO_WORKER_ID, ...) and the executor's DEO_HEARTBEAT_FILE.
 API_URL_ENV = "DEO_API_URL"
 WORKER_TOKEN_ENV = "DEO_WORKER_TOKEN"
 #: Names the log a worker belongs to, so a restart never takes another deo's worker for its own.
@@ -74,10 +75,15 @@ def worker_token_for(log_path: Path) -> str:
         return token
 
 
-def worker_environ(token_env: str) -> dict[str, str]:
+def worker_environ(token_env: str, runtime: dict[str, str]) -> dict[str, str]:
     """What workers inherit: deo's environment without the operator token or deo's own
-    variables (a worker holding the operator token could act as the operator)."""
-    return {k: v for k, v in os.environ.items() if k != token_env and not k.startswith("DEO_")}
+    variables (a worker holding the operator token could act as the operator), plus the
+    ``runtime`` variables of this run."""
+    environ = {k: v for k, v in os.environ.items() if k != token_env and not k.startswith("DEO_")}
+    # NVML numbers GPUs in PCI order, and so do the device ids the core hands out: make CUDA's
+    # indices mean the same GPUs (unless deo's own environment chose an order).
+    environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    return {**environ, **runtime}
 
 
 def find_spawned(worker_id: str, run_id: str) -> tuple[int, int] | None:
@@ -145,32 +151,6 @@ async def reconcile(
     return events
 
 
-@attrs.define
-class _WorkerEnv:
-    """Adds the runtime's variables to every spawn before the process executor sees it."""
-
-    inner: LocalProcesses
-    env: dict[str, str]
-    heartbeats: Path
-    #: Configured GPU id -> the id this machine's CUDA knows it by (see adapters.sources.nvml).
-    physical_gpus: dict[str, str] = attrs.field(factory=dict)
-
-    async def execute(self, command: Command) -> None:
-        if isinstance(command, SpawnWorker):
-            extra = {
-                **self.env,
-                HEARTBEAT_ENV: str(heartbeat_path(self.heartbeats, command.worker_id)),
-            }
-            if command.gpus:
-                extra[GPU_ENV] = ",".join(self.physical_gpus.get(g, g) for g in command.gpus)
-                # NVML numbers GPUs in PCI order; make CUDA's indices mean the same GPUs
-                # (unless deo's own environment chose an order).
-                if "CUDA_DEVICE_ORDER" not in os.environ:
-                    extra["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-            command = attrs.evolve(command, env={**command.env, **extra})
-        await self.inner.execute(command)
-
-
 async def run(
     settings: RunSettings, *, out: Callable[[str], None] = print, live: bool = False
 ) -> int:
@@ -188,7 +168,10 @@ async def run(
     clock = time.time  # wall time: it must keep meaning the same across restarts
     # Everything that can fail at start-up fails before any worker is touched.
     try:
-        physical_gpus = physical_gpu_ids(settings.config.gpus, os.environ.get(GPU_ENV))
+        # The configuration carries the device ids, so the core writes each worker's
+        # CUDA_VISIBLE_DEVICES itself and the log records what the worker was given.
+        devices = physical_gpu_ids(settings.config.gpus, os.environ.get(GPU_ENV))
+        config = attrs.evolve(settings.config, gpu_devices=devices)
     except DeoError as exc:
         out(f"deo: {exc}")
         return 2
@@ -214,42 +197,38 @@ async def run(
     port = sock.getsockname()[1]
     url = f"http://{settings.api.host}:{port}"
     settings.worker_logs.mkdir(parents=True, exist_ok=True)
-    send, receive = anyio.create_memory_object_stream[Event](float("inf"))
+    runtime_env = {API_URL_ENV: url, WORKER_TOKEN_ENV: worker_token, RUN_ID_ENV: run_id}
+
+    def emit(event: Event) -> None:
+        runner.emit(event)  # the runner, built below around the processes, takes their reports
+
     processes = LocalProcesses(
-        send,
+        emit,
         clock=clock,
         log_dir=settings.worker_logs,
-        environ=worker_environ(settings.api.token_env),
+        environ=worker_environ(settings.api.token_env, runtime_env),
     )
-    runtime_env = {API_URL_ENV: url, WORKER_TOKEN_ENV: worker_token, RUN_ID_ENV: run_id}
-    executor = _WorkerEnv(processes, runtime_env, settings.worker_logs, physical_gpus)
     runner = Runner(
         event_log,
         Reducer(recovery.state),
-        executor,
+        processes,
         clock=clock,
         tick_interval_s=settings.tick_interval_s,
     )
     app = build_app(runner, token=token, worker_token=worker_token)
-
-    async def forward() -> None:
-        async for event in receive:
-            runner.emit(event)
-
     refused = False
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: serve(app, sock=sock))
             out(f"deo: API on {url} (log {settings.log})")
             tg.start_soon(processes.run)
-            tg.start_soon(forward)
             for event in await reconcile(recovery.state, processes, clock, run_id):
                 runner.emit(event)
             tg.start_soon(runner.run)
-            if recovery.state.config != settings.config:
+            if recovery.state.config != config:
                 try:
-                    await runner.submit(Configured(t=clock(), config=settings.config))
-                except Rejected as exc:
+                    await runner.submit(Configured(t=clock(), config=config))
+                except DeoError as exc:
                     # e.g. a GPU removed from the file while a worker still holds it
                     out(f"deo: the configuration was refused: {exc}")
                     refused = True
@@ -262,9 +241,8 @@ async def run(
                     tg.start_soon(poll_atropos, source, runner.emit, clock)
                 else:
                     tg.start_soon(poll_json, source, runner.emit, clock)
-            if settings.config.gpus:
-                gpus = settings.config.gpus
-                tg.start_soon(poll_gpus, settings.nvml, gpus, runner.emit, clock, out)
+            if config.gpus:
+                tg.start_soon(poll_gpus, settings.nvml, devices, runner.emit, clock, out)
             if live:
                 tg.start_soon(live_view, runner, _write)
             tg.start_soon(_stop_on_signal, tg.cancel_scope, out)

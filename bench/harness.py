@@ -37,6 +37,7 @@ from adapters.sim.oracle import oracle
 from adapters.sim.scenario import Scenario, ScenarioError, load_scenario
 from bench.baselines import baseline_specs, register
 from core.config import PolicySpec
+from core.errors import DeoError
 
 __all__ = [
     "DEFAULT_OUT",
@@ -84,7 +85,7 @@ _SHARE_TIE = 1e-9
 _HOURS_TIE = 1e-9
 
 
-class BenchError(Exception):
+class BenchError(DeoError):
     """Input the benchmark cannot use; the message names what is wrong and where."""
 
 

@@ -26,7 +26,15 @@ from core.commands import (
     UncordonGpu,
 )
 from core.config import Config, CordonRules, CrashLoopRules, PolicySpec, PoolSpec
-from core.errors import ConfigError, DeoError, IllegalTransition, InvalidEvent, InvariantViolation
+from core.errors import (
+    ConfigError,
+    DeoError,
+    IllegalTransition,
+    InvalidEvent,
+    InvariantViolation,
+    Refused,
+    UnknownSubject,
+)
 from core.events import (
     AutoscalingPaused,
     AutoscalingResumed,
@@ -84,6 +92,7 @@ __all__ = [
     "PoolState",
     "QueueSampled",
     "RaiseAlert",
+    "Refused",
     "Reducer",
     "ResolveAlert",
     "ScalePool",
@@ -95,6 +104,7 @@ __all__ = [
     "Tick",
     "Trigger",
     "UncordonGpu",
+    "UnknownSubject",
     "Worker",
     "WorkerAdopted",
     "WorkerExited",

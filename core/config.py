@@ -229,6 +229,12 @@ def _pool_tuple(value: Iterable[PoolSpec]) -> tuple[PoolSpec, ...]:
     return tuple(value)
 
 
+def _distinct_devices(value: Mapping[str, str] | None) -> dict[str, str]:
+    # A GPU that is its own device is the default: leaving it out keeps one way to say it, so
+    # equal configurations compare (and are logged) equal.
+    return {gpu: device for gpu, device in (value or {}).items() if gpu != device}
+
+
 @attrs.frozen(slots=True, kw_only=True)
 class Config:
     """Everything the core needs to know: pools, the GPUs it may place workers on, cordon rules."""
@@ -236,6 +242,10 @@ class Config:
     pools: tuple[PoolSpec, ...] = attrs.field(default=(), converter=_pool_tuple)
     #: GPU ids as CUDA_VISIBLE_DEVICES takes them: indices ("0") or UUIDs ("GPU-...").
     gpus: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
+    #: GPU id -> the device id a worker on it is given in CUDA_VISIBLE_DEVICES, for the GPUs
+    #: whose two ids differ (``deo run`` resolves them from its own CUDA_VISIBLE_DEVICES, where
+    #: a configured index counts within deo's list). A GPU not listed is its own device.
+    gpu_devices: dict[str, str] = attrs.field(factory=dict, converter=_distinct_devices, hash=False)
     cordon: CordonRules = attrs.field(factory=CordonRules)
 
     def __attrs_post_init__(self) -> None:
@@ -248,12 +258,29 @@ class Config:
                 raise ConfigError(f"gpus: {gpu!r} is not a GPU id (an index or a UUID)")
             if self.gpus.count(gpu) > 1:
                 raise ConfigError(f"gpus: {gpu!r} listed twice")
+        devices: dict[str, str] = {}
+        for gpu, device in self.gpu_devices.items():
+            if gpu not in self.gpus:
+                raise ConfigError(f"gpu_devices: {gpu!r} is not one of the gpus declared")
+            if not isinstance(device, str) or not device or "," in device:
+                raise ConfigError(f"gpu_devices.{gpu}: {device!r} is not a device id")
+        for gpu in self.gpus:
+            device = self.device_of(gpu)
+            if device in devices:
+                raise ConfigError(
+                    f"gpu_devices: {devices[device]!r} and {gpu!r} are the same device {device!r}"
+                )
+            devices[device] = gpu
         for pool in self.pools:
             if pool.gpus_per_worker > len(self.gpus):
                 raise ConfigError(
                     f"pools.{pool.name}.gpus_per_worker ({pool.gpus_per_worker}) exceeds the "
                     f"{len(self.gpus)} GPUs declared"
                 )
+
+    def device_of(self, gpu_id: str) -> str:
+        """The device id a worker on GPU ``gpu_id`` sees in CUDA_VISIBLE_DEVICES."""
+        return self.gpu_devices.get(gpu_id, gpu_id)
 
     def pool(self, name: str) -> PoolSpec | None:
         """The pool called ``name``, or None."""

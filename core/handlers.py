@@ -13,7 +13,7 @@ from typing import Any
 from core import commands as c
 from core import events as e
 from core.config import Config
-from core.errors import ConfigError, InvalidEvent
+from core.errors import ConfigError, Refused
 from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
 from core.policies import build
 from core.records import replace
@@ -213,7 +213,7 @@ def _pinned(step: Step, event: e.PoolPinned) -> None:
             step.put_pool(replace(pool, pinned=None, desired=pool.pinned))
         return
     if not spec.min_workers <= event.count <= spec.max_workers:
-        raise InvalidEvent(
+        raise Refused(
             f"PoolPinned: count {event.count} is outside pool {spec.name!r} bounds "
             f"[{spec.min_workers}, {spec.max_workers}]"
         )
@@ -269,7 +269,7 @@ def _started(step: Step, event: e.WorkerStarted) -> None:
     if worker is None:
         return
     if worker.pid is not None:
-        raise InvalidEvent(
+        raise Refused(
             f"WorkerStarted: worker {worker.worker_id!r} already started as pid {worker.pid}"
         )
     spec = step.pools[worker.pool].spec
@@ -359,18 +359,16 @@ def _spawn_failed(step: Step, event: e.SpawnFailed) -> None:
     if worker is None:
         return
     if worker.pid is not None:
-        raise InvalidEvent(
-            f"SpawnFailed: worker {worker.worker_id!r} is running as pid {worker.pid}"
-        )
+        raise Refused(f"SpawnFailed: worker {worker.worker_id!r} is running as pid {worker.pid}")
     step.exit_worker(worker, failure=True, why=f"failed to spawn: {event.error}")
 
 
 def _adopted(step: Step, event: e.WorkerAdopted) -> None:
     worker = step.worker(event.worker_id, event)
     if worker is None:
-        raise InvalidEvent(f"WorkerAdopted: worker {event.worker_id!r} already exited")
+        raise Refused(f"WorkerAdopted: worker {event.worker_id!r} already exited")
     if worker.pid is None:
-        raise InvalidEvent(f"WorkerAdopted: worker {event.worker_id!r} never started")
+        raise Refused(f"WorkerAdopted: worker {event.worker_id!r} never started")
     step.seen(worker.worker_id)
     spec = step.pools[worker.pool].spec
     if worker.state is S.DRAINING:

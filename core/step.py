@@ -15,7 +15,7 @@ from typing import Any
 from core import commands as c
 from core import events as e
 from core.config import PoolSpec
-from core.errors import InvalidEvent
+from core.errors import UnknownSubject
 from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
 from core.policies import PolicyContext, build
 from core.records import replace
@@ -101,7 +101,7 @@ class Step:
         pool = self.pools.get(name)
         if pool is None:
             known = ", ".join(sorted(self.pools)) or "none declared"
-            raise InvalidEvent(f"{type(event).__name__}: unknown pool {name!r} (pools: {known})")
+            raise UnknownSubject(f"{type(event).__name__}: unknown pool {name!r} (pools: {known})")
         return pool
 
     def worker(self, worker_id: str, event: e.Event) -> Worker | None:
@@ -114,13 +114,13 @@ class Step:
             pool = self.pools.get(parsed[0])
             if pool is not None and parsed[1] < pool.next_index:
                 return None
-        raise InvalidEvent(f"{type(event).__name__}: unknown worker {worker_id!r}")
+        raise UnknownSubject(f"{type(event).__name__}: unknown worker {worker_id!r}")
 
     def gpu(self, gpu_id: str, event: e.Event) -> Gpu:
         gpu = self.gpus.get(gpu_id)
         if gpu is None:
             known = ", ".join(self.gpus) or "none declared"
-            raise InvalidEvent(f"{type(event).__name__}: unknown GPU {gpu_id!r} (GPUs: {known})")
+            raise UnknownSubject(f"{type(event).__name__}: unknown GPU {gpu_id!r} (GPUs: {known})")
         return gpu
 
     # --- alerts ----------------------------------------------------------------------------------
@@ -297,7 +297,8 @@ class Step:
             del free[: spec.gpus_per_worker]
             worker_id = f"{name}-{index}"
             env = dict(spec.env)
-            env.update(CUDA_VISIBLE_DEVICES=",".join(gpus), DEO_WORKER_ID=worker_id, DEO_POOL=name)
+            devices = ",".join(self.config.device_of(gpu) for gpu in gpus)
+            env.update(CUDA_VISIBLE_DEVICES=devices, DEO_WORKER_ID=worker_id, DEO_POOL=name)
             placed = f" on GPU {','.join(gpus)}" if gpus else ""
             self.put_worker(
                 Worker(

@@ -9,12 +9,16 @@ resume, pin, drain, cordon, uncordon, pressure), the operator or the worker toke
 ``POST /v1/workers/{id}/heartbeat``. A missing token is 401, a wrong one 403.
 
 Every write is turned into one core event and handed to :meth:`Runner.submit`, which answers with
-the commands it produced or the reducer's refusal. The request is checked (auth, size, JSON,
-field types) and its event constructed *before* it is submitted, because the runner logs every
-event it is given: a malformed request must leave no trace in the event log, while a refusal by
-the reducer (an unknown pool, a pin outside the bounds) is a real input and is logged as rejected.
+the commands it produced or raises the error the core refused the event with. The request is
+checked (auth, size, JSON, field types) and its event constructed *before* it is submitted,
+because the runner logs every event it is given: a malformed request must leave no trace in the
+event log, while a refusal by the reducer (an unknown pool, a pin outside the bounds) is a real
+input and is logged as rejected.
 
-Errors are JSON ``{"error": "..."}`` naming what was wrong.
+Errors are JSON ``{"error": "..."}`` naming what was wrong, with the status every
+:class:`~core.errors.DeoError` carries (``http_status``): 400/413/422 for a malformed request, 401
+and 403 for a missing or wrong token, 404 for an unknown pool, worker or GPU, 409 for a request
+the subject's current state refuses, 503 while deo stops.
 """
 
 from __future__ import annotations
@@ -38,16 +42,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from adapters.describe import pool_summary
-from adapters.runtime.runner import Rejected, Runner
+from adapters.runtime.runner import Runner
 from core import (
     AutoscalingPaused,
     AutoscalingResumed,
     Command,
+    DeoError,
     DrainRequested,
     Event,
     GpuCordonRequested,
     GpuUncordonRequested,
-    InvalidEvent,
     LoadSampled,
     PoolPinned,
     QueueSampled,
@@ -71,13 +75,12 @@ _QUEUE_FIELDS = ("queued_sequences", "batch_size_seqs", "trainer_step")
 # --- responses and errors ------------------------------------------------------------------------
 
 
-class _ApiError(Exception):
-    """A request deo refuses, answered as ``{"error": message}`` with ``status``."""
+class _ApiError(DeoError):
+    """A request refused before it became an event (auth, size, JSON), with its status."""
 
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status = status
-        self.message = message
+        self.http_status = status
         self.headers = headers
 
 
@@ -87,9 +90,11 @@ def _json(content: Any, status: int = 200, headers: Mapping[str, str] | None = N
     return Response(orjson.dumps(content), status, headers, media_type="application/json")
 
 
-async def _api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, _ApiError)
-    return _json({"error": exc.message}, exc.status, exc.headers)
+async def _deo_error(request: Request, exc: Exception) -> Response:
+    # The request's own refusals and the core's alike: the error's class carries the status.
+    assert isinstance(exc, DeoError)
+    headers = exc.headers if isinstance(exc, _ApiError) else None
+    return _json({"error": str(exc)}, exc.http_status, headers)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -381,19 +386,6 @@ class _StateCollector:
         yield from (workers, target, queued, cordoned, alerts, handled)
 
 
-def _subject_known(event: Event, state: State) -> bool:
-    """Whether the pool, worker or GPU an event names exists: a refusal of an event whose subject
-    is unknown is a 404, any other refusal (a pin outside the bounds, ...) a 409."""
-    pool = getattr(event, "pool", None)
-    if pool is not None and pool not in state.pools:
-        return False
-    worker_id = getattr(event, "worker_id", None)
-    if worker_id is not None and worker_id not in state.workers:
-        return False
-    gpu_id = getattr(event, "gpu_id", None)
-    return gpu_id is None or gpu_id in state.gpus
-
-
 # --- the app -------------------------------------------------------------------------------------
 
 _Build = Callable[[Request, dict[str, Any], float], Event]
@@ -418,20 +410,16 @@ def build_app(
     def action(
         accepted: tuple[bytes, ...], build: _Build
     ) -> Callable[[Request], Awaitable[Response]]:
-        """An endpoint that turns a request into one event and answers with its commands."""
+        """An endpoint that turns a request into one event and answers with its commands.
+
+        A field the event refuses (InvalidEvent) and a refusal by the core reach the client
+        through the DeoError handler, with the status of the error's class."""
 
         async def endpoint(request: Request) -> Response:
             _authorize(request, accepted)
             body = await _read_object(request, max_body_bytes)
-            try:
-                event = build(request, body, runner.clock())
-            except InvalidEvent as exc:
-                raise _ApiError(422, str(exc)) from None
-            try:
-                commands = await runner.submit(event)
-            except Rejected as exc:
-                status = 409 if _subject_known(event, runner.state) else 404
-                raise _ApiError(status, str(exc)) from None
+            event = build(request, body, runner.clock())
+            commands = await runner.submit(event)
             return _json(_commands_json(commands))
 
         return endpoint
@@ -519,7 +507,7 @@ def build_app(
     return Starlette(
         routes=routes,
         exception_handlers={
-            _ApiError: _api_error,
+            DeoError: _deo_error,
             HTTPException: _http_error,
             Exception: _server_error,
         },

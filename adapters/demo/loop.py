@@ -39,7 +39,7 @@ from adapters.postmortem.engine import replay
 from adapters.runtime.config_file import ApiSettings, RunSettings
 from adapters.sources.atropos import AtroposSource
 from adapters.sources.nvml import NvmlSettings
-from core import Config, PolicySpec, PoolSpec, ScalePool
+from core import Config, DeoError, PolicySpec, PoolSpec, ScalePool
 
 __all__ = ["DemoSettings", "run_demo"]
 
@@ -147,7 +147,7 @@ async def _process(argv: list[str], log: Path) -> AsyncIterator[Process]:
             await proc.aclose()
 
 
-class DemoFailed(Exception):
+class DemoFailed(DeoError):
     """Something the demo needs did not come up; the message says what and where to look."""
 
 

@@ -2,7 +2,13 @@
 
 :class:`LocalProcesses` turns ``SpawnWorker``, ``DrainWorker``, ``TerminateWorker`` and
 ``KillWorker`` into processes and signals, and reports what happens as core events
-(``WorkerStarted``, ``SpawnFailed``, ``WorkerExited``) sent into an anyio object stream.
+(``WorkerStarted``, ``SpawnFailed``, ``WorkerExited``) handed to an ``emit`` callable, like the
+sources (``deo run`` gives it :meth:`Runner.emit <adapters.runtime.runner.Runner.emit>`).
+
+- A worker's environment is what every worker inherits (``environ``) plus the ``SpawnWorker``'s
+  ``env`` as the core wrote it (CUDA_VISIBLE_DEVICES among it), so the logged command says what
+  the worker got. The executor adds only the path of the worker's heartbeat file
+  (``DEO_HEARTBEAT_FILE``), beside its log.
 
 - A worker is started from its argv list (never a shell) in its own session, so it leads its own
   process group; stdin is /dev/null and stdout and stderr are appended to ``LOG_DIR/ID.log``.
@@ -41,8 +47,9 @@ from typing import NamedTuple
 
 import anyio
 import attrs
-from anyio.abc import ObjectSendStream, TaskGroup
+from anyio.abc import TaskGroup
 
+from adapters.sources.heartbeat import HEARTBEAT_ENV, heartbeat_path
 from core import (
     Command,
     DrainWorker,
@@ -101,8 +108,6 @@ class _Worker:
     popen: subprocess.Popen[bytes] | None = None
     #: Readable once the child exits; None when the kernel has no pidfds (then we poll).
     pidfd: int | None = None
-    #: WorkerStarted was sent: no exit may be reported before it.
-    announced: bool = False
     #: A watcher task is running for it.
     watched: bool = False
     #: Set once the exit is known (the child reaped, or the adopted process gone).
@@ -132,7 +137,8 @@ def _signal_for(command: _Signalling) -> tuple[signal.Signals, bool]:
 def _start(
     command: SpawnWorker, log_path: Path, environ: dict[str, str]
 ) -> subprocess.Popen[bytes] | str:
-    """Start the worker's process, or say why it could not be started."""
+    """Start the worker's process with ``environ`` and the command's env (which wins), or say
+    why it could not be started."""
     argv = list(command.argv)  # a list, so Popen executes it directly: never a shell
     if not argv:
         return "cannot execute an empty argv"
@@ -177,18 +183,18 @@ class LocalProcesses:
 
     def __init__(
         self,
-        events: ObjectSendStream[Event],
+        emit: Callable[[Event], None],
         *,
         clock: Callable[[], float],
         log_dir: Path,
         poll_interval_s: float = 0.5,
         environ: Mapping[str, str] | None = None,
     ) -> None:
-        """``environ`` is what workers inherit (default: this process's environment); each
-        spawn's own variables are added to it."""
+        """``emit`` takes each event and must not block. ``environ`` is what workers inherit
+        (default: this process's environment); each spawn's own variables are added to it."""
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
-        self._events = events
+        self._emit = emit
         self._clock = clock
         self._log_dir = log_dir
         self._environ = dict(os.environ if environ is None else environ)
@@ -208,7 +214,7 @@ class LocalProcesses:
         for a worker not spawned yet are applied once it is; for one that exited they are ignored.
         """
         if isinstance(command, SpawnWorker):
-            await self._spawn(command)
+            self._spawn(command)
         elif isinstance(command, DrainWorker | TerminateWorker | KillWorker):
             _signal_for(command)  # a bad signal name fails here, not when it is finally applied
             worker = self._workers.get(command.worker_id)
@@ -232,7 +238,7 @@ class LocalProcesses:
         stat = _read_stat(pid)
         if stat is None or stat.state == "Z" or stat.start_time != start_time:
             return False
-        worker = _Worker(worker_id=worker_id, pid=pid, start_time=start_time, announced=True)
+        worker = _Worker(worker_id=worker_id, pid=pid, start_time=start_time)
         self._workers[worker_id] = worker
         for pending in self._pending.pop(worker_id, []):
             self._signal(worker, pending)
@@ -258,16 +264,18 @@ class LocalProcesses:
 
     # --- internals -------------------------------------------------------------------------------
 
-    async def _spawn(self, command: SpawnWorker) -> None:
+    def _spawn(self, command: SpawnWorker) -> None:
         worker_id = command.worker_id
         if worker_id in self._workers or worker_id in self._finished:
             return  # worker ids are never reused: this is a duplicate, and one process is enough
-        started = _start(command, self._log_dir / f"{worker_id}.log", self._environ)
+        environ = {
+            **self._environ,
+            HEARTBEAT_ENV: str(heartbeat_path(self._log_dir, worker_id)),
+        }
+        started = _start(command, self._log_dir / f"{worker_id}.log", environ)
         if isinstance(started, str):
             self._pending.pop(worker_id, None)
-            await self._events.send(
-                SpawnFailed(t=self._clock(), worker_id=worker_id, error=started)
-            )
+            self._emit(SpawnFailed(t=self._clock(), worker_id=worker_id, error=started))
             return
         # Only we reap this child, so its /proc entry outlives even an instant exit until we do.
         start_time = process_start_time(started.pid)
@@ -282,16 +290,16 @@ class LocalProcesses:
             pidfd=_open_pidfd(started.pid),
         )
         self._workers[worker_id] = worker
-        # Spawning has no await before this point, so commands that came before the spawn are
-        # the only ones pending, and they apply in the order they came.
+        # Spawning has no await, so commands that came before the spawn are the only ones
+        # pending, they apply in the order they came, and WorkerStarted is emitted before any
+        # watcher could report the exit.
         for pending in self._pending.pop(worker_id, []):
             self._signal(worker, pending)
-        await self._events.send(
+        self._emit(
             WorkerStarted(
                 t=self._clock(), worker_id=worker_id, pid=worker.pid, start_time=start_time
             )
         )
-        worker.announced = True
         self._watch(worker)
 
     def _signal(self, worker: _Worker, command: _Signalling) -> None:
@@ -318,7 +326,7 @@ class LocalProcesses:
             log.warning("cannot signal %s (pid %d): %s", worker.worker_id, worker.pid, exc)
 
     def _watch(self, worker: _Worker) -> None:
-        if self._task_group is None or worker.watched or not worker.announced:
+        if self._task_group is None or worker.watched:
             return  # run() starts it later, or it is watched already
         worker.watched = True
         self._task_group.start_soon(self._watch_worker, worker, name=f"watch {worker.worker_id}")
@@ -331,9 +339,7 @@ class LocalProcesses:
                 else:
                     await self._adopted_gone(worker)
                     worker.exit = WorkerExited(t=self._clock(), worker_id=worker.worker_id)
-            # The exit is kept until it is sent, so a cancellation here loses nothing: the next
-            # run() sends it.
-            await self._events.send(worker.exit)
+            self._emit(worker.exit)
             del self._workers[worker.worker_id]
             self._finished.add(worker.worker_id)
         finally:

@@ -6,8 +6,10 @@ one channel; the runner is the only writer of the log:
     event -> log (write-ahead) -> Reducer.step -> log the commands -> flush -> executor.execute
 
 Operator actions arrive through :meth:`Runner.submit`, which waits for the reducer's answer so an
-API caller learns whether its request was accepted. Cancelling :meth:`Runner.run` stops the loop
-and leaves workers running: the control plane's death must not kill work.
+API caller learns whether its request was accepted: the commands, or the very error the core
+refused the event with (its class says why, down to the HTTP status the API answers with).
+Cancelling :meth:`Runner.run` stops the loop and leaves workers running: the control plane's
+death must not kill work.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ import orjson
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from adapters.log import EventLog
-from core import Command, DeoError, Event, Reducer, State, Tick
+from core import Command, DeoError, Event, InvalidEvent, Reducer, State, Tick
 
-__all__ = ["Decision", "Executor", "Rejected", "Runner"]
+__all__ = ["Decision", "Executor", "Runner", "Stopping"]
 
 log = logging.getLogger("deo.runner")
 
@@ -49,8 +51,10 @@ class Decision:
     command: Command
 
 
-class Rejected(Exception):
-    """The reducer refused a submitted event; the message says why (it is also in the log)."""
+class Stopping(DeoError):
+    """deo stopped before it handled a submitted event: nothing was logged for it."""
+
+    http_status = 503
 
 
 @attrs.define(slots=True)
@@ -105,16 +109,25 @@ class Runner:
             self._send.send_nowait(_Item(event))
 
     async def submit(self, event: Event) -> list[Command]:
-        """Queue an event and wait for the commands it produced; :class:`Rejected` if refused."""
+        """Queue an event and wait for the commands it produced.
+
+        Raises the :class:`DeoError` the core refused the event with (a "rejected" record in the
+        log says the same), or :class:`Stopping` if deo stopped before handling it.
+        """
         reply_send, reply_receive = anyio.create_memory_object_stream[list[Command] | DeoError](1)
-        await self._send.send(_Item(event, reply_send))
+        try:
+            await self._send.send(_Item(event, reply_send))
+        except anyio.ClosedResourceError:
+            reply_send.close()
+            reply_receive.close()
+            raise Stopping("deo is stopping") from None
         async with reply_receive:
             try:
                 answer = await reply_receive.receive()
             except anyio.EndOfStream:
-                raise Rejected("deo is stopping") from None
+                raise Stopping("deo is stopping") from None
         if isinstance(answer, DeoError):
-            raise Rejected(str(answer))
+            raise answer
         return answer
 
     async def run(self) -> None:
@@ -188,7 +201,7 @@ class Runner:
         except orjson.JSONEncodeError as exc:
             # Nothing was written for it (records are encoded before they are buffered).
             log.error("cannot log %s: %s", type(event).__name__, exc)
-            return DeoError(f"{type(event).__name__} cannot be logged: {exc}")
+            return InvalidEvent(f"{type(event).__name__} cannot be logged: {exc}")
         for command in commands:
             self.decisions.append(Decision(t=self.reducer.state.now, command=command))
             log.info("%s: %s", type(command).__name__, command.reason)

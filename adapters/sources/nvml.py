@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import re
 import threading
 import warnings
@@ -25,7 +24,7 @@ import anyio
 import attrs
 import orjson
 
-from core import ConfigError, Event, GpuLost, GpuSampled, InvalidEvent
+from core import ConfigError, DeoError, Event, GpuLost, GpuSampled, InvalidEvent
 
 __all__ = [
     "APPLICATION_XIDS",
@@ -287,11 +286,11 @@ class GpuReader(Protocol):
         ...
 
 
-class NvmlUnavailable(Exception):
+class NvmlUnavailable(DeoError):
     """NVML cannot be used here (no pynvml, no libnvidia-ml, no driver); the message says why."""
 
 
-class GpuSourceError(Exception):
+class GpuSourceError(DeoError):
     """A whole poll failed (the readings file is missing or malformed, ...)."""
 
 
@@ -704,27 +703,23 @@ def open_reader(
 
 async def poll_gpus(
     settings: NvmlSettings,
-    gpus: Sequence[str],
+    devices: Mapping[str, str],
     emit: Callable[[Event], None],
     clock: Callable[[], float],
     out: Callable[[str], None],
-    environ: Mapping[str, str] = os.environ,
 ) -> None:
-    """Read the health of ``gpus`` (configured ids) every ``settings.interval_s`` until cancelled.
+    """Read the health of the GPUs in ``devices`` every ``settings.interval_s`` until cancelled.
 
-    Emits ``GpuSampled`` per GPU and poll and ``GpuLost`` when a GPU is lost, each carrying the
-    configured id. Without NVML (no pynvml, no driver) or with backend "off" it says so in one
-    line through ``out`` and returns: deo runs on with GPUs from the configuration only.
+    ``devices`` maps each configured GPU id to its device id, as :func:`physical_gpu_ids` made it
+    (the configuration's ``device_of``). Emits ``GpuSampled`` per GPU and poll and ``GpuLost``
+    when a GPU is lost, each carrying the configured id. Without NVML (no pynvml, no driver) or
+    with backend "off" it says so in one line through ``out`` and returns: deo runs on with GPUs
+    from the configuration only.
     """
-    if not gpus:
+    if not devices:
         return
     if settings.backend == "off":
         out("deo: GPU health not monitored (nvml.backend = off)")
-        return
-    try:
-        physical = physical_gpu_ids(gpus, environ.get("CUDA_VISIBLE_DEVICES"))
-    except ConfigError as exc:
-        out(f"deo: {exc}; GPU health not monitored")
         return
     nvml = None
     if settings.backend in ("auto", "pynvml"):
@@ -736,7 +731,7 @@ async def poll_gpus(
     try:
         # A wedged driver can block NVML for minutes: a stopping deo does not wait for it.
         reader = await anyio.to_thread.run_sync(
-            open_reader, settings, physical, nvml, abandon_on_cancel=True
+            open_reader, settings, devices, nvml, abandon_on_cancel=True
         )
     except NvmlUnavailable as exc:
         out(_unavailable(exc))
@@ -744,8 +739,8 @@ async def poll_gpus(
     if reader is None:
         return
     source = f"file {settings.file}" if settings.backend == "file" else "NVML"
-    out(f"deo: GPU health of {len(gpus)} GPU(s) from {source} every {settings.interval_s:g}s")
-    monitor = GpuMonitor(gpus)
+    out(f"deo: GPU health of {len(devices)} GPU(s) from {source} every {settings.interval_s:g}s")
+    monitor = GpuMonitor(list(devices))
     try:
         while True:
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from core.codec import decode, encode
+from core.commands import SpawnWorker
 from core.config import (
     ARGV_PLACEHOLDERS,
     Config,
@@ -19,8 +22,11 @@ from core.config import (
     PoolSpec,
 )
 from core.errors import ConfigError, InvalidEvent
+from core.events import Configured
+from core.reducer import Reducer
 
 ARGV = ("python", "env.py")
+STATIC_ONE = PolicySpec(name="static", params={"count": 1})
 
 
 def pool(name: str = "envs", **kwargs: Any) -> PoolSpec:
@@ -244,6 +250,54 @@ def test_config_pool_lookup() -> None:
     assert config.pool("c") is None
     assert config.pools == (a, b)
     assert config.gpus == ("0",)
+
+
+# --- GPU devices --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("gpus", "devices", "message"),
+    [
+        (["0", "1"], {"2": "5"}, "gpu_devices: '2' is not one of the gpus declared"),
+        (["0"], {"0": ""}, "gpu_devices.0: '' is not a device id"),
+        (["0"], {"0": "3,4"}, "gpu_devices.0: '3,4' is not a device id"),
+        (["0"], {"0": 3}, "gpu_devices.0: 3 is not a device id"),
+        (["0", "1"], {"0": "1"}, "gpu_devices: '0' and '1' are the same device '1'"),
+        (["0", "1"], {"0": "7", "1": "7"}, "gpu_devices: '0' and '1' are the same device '7'"),
+    ],
+)
+def test_bad_gpu_devices_name_the_gpu(
+    gpus: list[str], devices: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Config(gpus=gpus, gpu_devices=devices)
+
+
+def test_a_gpu_is_its_own_device_unless_mapped_and_identity_entries_are_not_kept() -> None:
+    config = Config(gpus=["0", "1", "GPU-a"], gpu_devices={"0": "3", "1": "1"})
+    assert [config.device_of(g) for g in config.gpus] == ["3", "1", "GPU-a"]
+    assert config.gpu_devices == {"0": "3"}
+    # One way to say "its own device": a resolved identity mapping equals no mapping at all.
+    assert Config(gpus=["0"], gpu_devices={"0": "0"}) == Config(gpus=["0"])
+
+
+def test_workers_are_given_the_device_ids_and_keep_the_configured_ones() -> None:
+    spec = pool(gpus_per_worker=2, max_workers=1, policy=STATIC_ONE)
+    config = Config(pools=[spec], gpus=["0", "1"], gpu_devices={"0": "3", "1": "1"})
+    reducer = Reducer()
+    [spawn] = [c for c in reducer.step(Configured(t=0.0, config=config)) if type(c) is SpawnWorker]
+    assert spawn.env["CUDA_VISIBLE_DEVICES"] == "3,1"
+    assert spawn.gpus == ("0", "1") == reducer.state.workers["envs-0"].gpus
+
+
+def test_a_configured_record_from_before_gpu_devices_decodes_to_identity() -> None:
+    record = encode(Configured(t=1.0, config=Config(gpus=["0", "1"])))
+    del record["config"]["gpu_devices"]  # as deo wrote it before the field existed
+    event = decode(record)
+    assert event.config.gpu_devices == {}
+    assert event.config.device_of("1") == "1"
+    mapped = Configured(t=1.0, config=Config(gpus=["0", "1"], gpu_devices={"0": "3", "1": "1"}))
+    assert decode(encode(mapped)) == mapped
 
 
 # --- argv rendering -----------------------------------------------------------------------------

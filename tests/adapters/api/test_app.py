@@ -549,6 +549,110 @@ async def test_unknown_subjects_are_404_and_logged_as_rejected(tmp_path: Path) -
             assert b'"kind":"rejected"' in h.log_bytes()[len(before) :]
 
 
+# Every write endpoint, and what each kind of refusal answers: 404 for a subject the core does not
+# know, 409 for one whose state refuses the request (logged as rejected, like the 404), 400/422
+# for a body that never becomes an event (never logged).
+REFUSALS: list[tuple[str, str, dict[str, Any], int, str]] = [
+    ("heartbeat", "/v1/workers/ghost/heartbeat", {}, 404, "unknown worker 'ghost'"),
+    ("heartbeat", "/v1/workers/envs-0/heartbeat", {"json": {"x": 1}}, 422, "unexpected field"),
+    ("heartbeat", "/v1/workers/envs-0/heartbeat", {"content": b"{"}, 400, "not valid JSON"),
+    ("pause", "/v1/pause", {"json": {"pool": "nope"}}, 404, "unknown pool 'nope'"),
+    ("pause", "/v1/pause", {"json": {"pool": 3}}, 422, "field 'pool'"),
+    ("pause", "/v1/pause", {"content": b"[1,"}, 400, "not valid JSON"),
+    ("resume", "/v1/resume", {"json": {"pool": "nope"}}, 404, "unknown pool 'nope'"),
+    ("resume", "/v1/resume", {"json": {"pool": ["envs"]}}, 422, "field 'pool'"),
+    ("resume", "/v1/resume", {"content": b"nope"}, 400, "not valid JSON"),
+    ("pin", "/v1/pools/nope/pin", {"json": {"count": 1}}, 404, "unknown pool 'nope'"),
+    ("pin", "/v1/pools/envs/pin", {"json": {"count": 5}}, 409, "outside pool 'envs' bounds"),
+    ("pin", "/v1/pools/infer/pin", {"json": {"count": 0}}, 409, "outside pool 'infer' bounds"),
+    ("pin", "/v1/pools/envs/pin", {"json": {"count": 1.0}}, 422, "field 'count'"),
+    ("pin", "/v1/pools/envs/pin", {"content": b"{count: 1}"}, 400, "not valid JSON"),
+    ("pressure", "/v1/pools/nope/pressure", {"json": {"in_flight_requests": 1}}, 404, "'nope'"),
+    ("pressure", "/v1/pools/infer/pressure", {"json": {"load": 1}}, 422, "'load'"),
+    ("pressure", "/v1/pools/infer/pressure", {"content": b"{"}, 400, "not valid JSON"),
+    ("drain", "/v1/workers/ghost/drain", {}, 404, "unknown worker 'ghost'"),
+    ("drain", "/v1/workers/envs-99/drain", {}, 404, "unknown worker 'envs-99'"),
+    ("drain", "/v1/workers/envs-0/drain", {"json": {"now": True}}, 422, "'now'"),
+    ("drain", "/v1/workers/envs-0/drain", {"content": b"{"}, 400, "not valid JSON"),
+    ("cordon", "/v1/gpus/7/cordon", {}, 404, "unknown GPU '7' (GPUs: 0, 1)"),
+    ("cordon", "/v1/gpus/0/cordon", {"json": {"why": "x"}}, 422, "'why'"),
+    ("cordon", "/v1/gpus/0/cordon", {"content": b"{"}, 400, "not valid JSON"),
+    ("uncordon", "/v1/gpus/7/uncordon", {}, 404, "unknown GPU '7'"),
+    ("uncordon", "/v1/gpus/0/uncordon", {"json": {"why": "x"}}, 422, "'why'"),
+    ("uncordon", "/v1/gpus/0/uncordon", {"content": b"{"}, 400, "not valid JSON"),
+]
+
+
+@pytest.mark.anyio
+async def test_each_write_answers_its_refusal_with_the_status_of_the_error_class(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path) as h:
+        await start_worker(h, "envs-0", 4242)
+        for index, (endpoint, url, kwargs, status, message) in enumerate(REFUSALS):
+            state = h.runner.state
+            before = h.log_bytes()
+            response = await h.client.post(url, headers=OPERATOR, **kwargs)
+            where = (index, endpoint, url, response.text)
+            assert response.status_code == status, where
+            assert response.headers["content-type"] == "application/json", where
+            assert message in response.json()["error"], where
+            written = h.log_bytes()[len(before) :]
+            if status in (404, 409):
+                # The core refused a real input: logged with its refusal, the state unchanged.
+                assert b'"kind":"rejected"' in written, where
+                assert message.encode() in written, where
+            else:
+                assert written == b"", where
+            assert h.runner.state.pools == state.pools, where
+            assert h.runner.state.workers == state.workers, where
+            assert h.runner.state.gpus == state.gpus, where
+        seen = {endpoint for endpoint, *_ in REFUSALS}
+        assert seen == {
+            "heartbeat",
+            "pause",
+            "resume",
+            "pin",
+            "pressure",
+            "drain",
+            "cordon",
+            "uncordon",
+        }
+
+
+@pytest.mark.anyio
+async def test_a_write_while_deo_stops_is_a_503_and_logs_nothing(tmp_path: Path) -> None:
+    log_path = tmp_path / "deo.jsonl"
+    log, _ = EventLog.open(log_path, fsync=False)
+    runner = Runner(log, Reducer(), RecordingExecutor(), clock=ManualClock(), tick_interval_s=3600)
+    app = build_app(runner, token=TOKEN, worker_token=WORKER_TOKEN)
+    ports: list[int] = []
+    listening = anyio.Event()
+
+    def started(port: int) -> None:
+        ports.append(port)
+        listening.set()
+
+    async with anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as loop:
+            loop.start_soon(runner.run)
+            await runner.submit(Configured(t=0.0, config=Config(pools=POOLS, gpus=["0"])))
+            loop.cancel_scope.cancel()  # the runner stops; the server below still answers
+        tg.start_soon(functools.partial(serve, app, port=0, started=started))
+        with anyio.fail_after(10):
+            await listening.wait()
+        log.flush()
+        before = log_path.read_bytes()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports[0]}") as client:
+            response = await client.post("/v1/pools/envs/pin", json={"count": 1}, headers=OPERATOR)
+        assert response.status_code == 503
+        assert response.json() == {"error": "deo is stopping"}
+        log.flush()
+        assert log_path.read_bytes() == before
+        tg.cancel_scope.cancel()
+    log.close()
+
+
 @pytest.mark.anyio
 async def test_unknown_routes_and_methods_answer_json(tmp_path: Path) -> None:
     async with running(tmp_path) as h:

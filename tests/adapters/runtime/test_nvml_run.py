@@ -60,7 +60,9 @@ def alive(pid: int) -> bool:
 class Deo:
     """One ``deo run`` with three GPUs whose health comes from ``gpus.json``."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, visible: str | None = None) -> None:
+        #: deo's own CUDA_VISIBLE_DEVICES (None: unset); the readings file is keyed by device ids.
+        self.visible = visible
         self.dir = tmp_path
         self.marker = uuid.uuid4().hex
         self.log = tmp_path / "run.jsonl"
@@ -113,6 +115,8 @@ count = 2
     def start(self) -> None:
         # NVML ids ignore CUDA_VISIBLE_DEVICES, deo's do not: run deo without one.
         env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        if self.visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.visible
         self.process = subprocess.Popen(
             [sys.executable, "-m", "adapters.cli", "run", "--config", str(self.config)],
             cwd=self.dir,
@@ -219,10 +223,14 @@ def deo(tmp_path: Path) -> Iterator[Deo]:
     instance.cleanup()
 
 
-def visible_devices(pid: int) -> str:
+def environ(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` was started with."""
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    env = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
-    return env["CUDA_VISIBLE_DEVICES"]
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def visible_devices(pid: int) -> str:
+    return environ(pid)["CUDA_VISIBLE_DEVICES"]
 
 
 # --- scenarios -----------------------------------------------------------------------------------
@@ -358,3 +366,56 @@ def test_a_lost_gpu_terminates_its_worker_and_stays_cordoned(deo: Deo) -> None:
     wait_for("the operator's uncordon", lambda: deo.commands("UncordonGpu", gpu_id=lost))
     assert deo.gpus()[lost]["causes"] == []
     deo.verified()
+
+
+def test_under_a_remapping_cuda_visible_devices_workers_get_what_the_log_says(
+    tmp_path: Path,
+) -> None:
+    # deo itself sees devices 2, 0 and 1 as its GPUs 0, 1 and 2.
+    deo = Deo(tmp_path, visible="2,0,1")
+    devices = {"0": "2", "1": "0", "2": "1"}
+    try:
+        deo.start()
+        first, second, _ = deo.two_active()
+        [configured] = [
+            r["event"]
+            for r in deo.records()
+            if r["kind"] == "event" and r["event"]["@"] == "Configured"
+        ]
+        assert configured["config"]["gpu_devices"] == devices
+        spawns = {spawn["worker_id"]: spawn for _, spawn in deo.commands("SpawnWorker")}
+        for worker in (first, second):
+            logged = spawns[worker["id"]]["env"]
+            [gpu] = worker["gpus"]
+            assert logged["CUDA_VISIBLE_DEVICES"] == devices[gpu], worker
+            got = environ(worker["pid"])
+            # Every variable the log says the worker was given is what it has.
+            assert {name: got.get(name) for name in logged} == logged, worker
+        # Health read from the device is reported under the configured id.
+        [hot] = first["gpus"]
+        deo.set_gpu(devices[hot], temperature_c=87, throttle_reasons=["thermal"])
+        wait_for("the cordon", lambda: deo.commands("CordonGpu", gpu_id=hot))
+        deo.verified()
+    finally:
+        deo.cleanup()
+
+
+def test_a_gpu_outside_deos_cuda_visible_devices_stops_deo_before_it_starts(
+    tmp_path: Path,
+) -> None:
+    deo = Deo(tmp_path)  # for its configuration: GPUs 0, 1 and 2
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1", "DEO_TOKEN": TOKEN}
+    proc = subprocess.run(
+        [sys.executable, "-m", "adapters.cli", "run", "--config", str(deo.config)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (
+        "deo.gpus: GPU '1' is outside deo's CUDA_VISIBLE_DEVICES='1', which makes 1 GPU(s) "
+        "visible (ids 0-0)" in proc.stdout
+    )
+    assert not deo.log.exists()  # nothing was started or written

@@ -130,7 +130,9 @@ Running = tuple[LocalProcesses, MemoryObjectReceiveStream[Event]]
 async def running(log_dir: Path) -> AsyncIterator[Running]:
     """An executor with run() going, and the stream its events arrive on."""
     send, receive = anyio.create_memory_object_stream[Event](100)
-    executor = LocalProcesses(send, clock=time.monotonic, log_dir=log_dir, poll_interval_s=POLL_S)
+    executor = LocalProcesses(
+        send.send_nowait, clock=time.monotonic, log_dir=log_dir, poll_interval_s=POLL_S
+    )
     async with send, receive, anyio.create_task_group() as tg:
         tg.start_soon(executor.run)
         yield executor, receive
@@ -319,7 +321,9 @@ async def test_adopt_with_a_wrong_start_time_touches_nothing(tmp_path: Path, tra
 @pytest.mark.anyio
 async def test_cancelling_run_leaves_workers_running(tmp_path: Path, track: Track) -> None:
     send, events = anyio.create_memory_object_stream[Event](100)
-    executor = LocalProcesses(send, clock=time.monotonic, log_dir=tmp_path, poll_interval_s=POLL_S)
+    executor = LocalProcesses(
+        send.send_nowait, clock=time.monotonic, log_dir=tmp_path, poll_interval_s=POLL_S
+    )
     async with send, events:
         async with anyio.create_task_group() as tg:
             tg.start_soon(executor.run)
@@ -387,3 +391,37 @@ async def test_a_recycled_pid_is_never_signalled(
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.anyio
+async def test_a_worker_gets_the_inherited_environment_and_the_commands_env_untouched(
+    tmp_path: Path, track: Track
+) -> None:
+    events: list[Event] = []
+    inherited = {"PATH": os.environ["PATH"], "KEPT": "k", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    executor = LocalProcesses(
+        events.append, clock=time.monotonic, log_dir=tmp_path, environ=inherited
+    )
+    command = spawn("envs-0", python(SLEEPER))
+    command = SpawnWorker(
+        worker_id=command.worker_id,
+        pool=command.pool,
+        argv=command.argv,
+        gpus=("1",),
+        env={**command.env, "CUDA_VISIBLE_DEVICES": "3"},
+        reason=command.reason,
+    )
+    await executor.execute(command)
+    [event] = events
+    assert isinstance(event, WorkerStarted)
+    track(event.pid)
+    raw = Path(f"/proc/{event.pid}/environ").read_bytes().split(b"\0")
+    env = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+    # The command's env as the core wrote it wins over what is inherited; the executor adds
+    # only the heartbeat file beside the worker's log.
+    assert env == {
+        **inherited,
+        **command.env,
+        "DEO_HEARTBEAT_FILE": str(tmp_path / "envs-0.heartbeat"),
+    }
+    assert env["CUDA_VISIBLE_DEVICES"] == "3"

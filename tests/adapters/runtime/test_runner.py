@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import orjson
 import pytest
 
 from adapters.log import EventLog
-from adapters.runtime.runner import Rejected, Runner
+from adapters.runtime.runner import Runner, Stopping
 from core import (
     Command,
     Config,
@@ -19,6 +20,8 @@ from core import (
     PoolPinned,
     PoolSpec,
     Reducer,
+    Refused,
+    UnknownSubject,
     WorkerStarted,
     encode,
 )
@@ -84,7 +87,7 @@ async def test_submitted_events_are_logged_reduced_and_executed(tmp_path: Path) 
         tg.start_soon(runner.run)
         commands = await runner.submit(Configured(t=0.0, config=Config(pools=[SPEC])))
         assert [type(c).__name__ for c in commands] == ["ScalePool", "SpawnWorker", "SpawnWorker"]
-        with pytest.raises(Rejected, match="outside pool 'envs' bounds"):
+        with pytest.raises(Refused, match="outside pool 'envs' bounds"):
             await runner.submit(PoolPinned(t=1.0, pool="envs", count=9))
         with anyio.fail_after(5):
             while len(executor.commands) < 3:
@@ -166,7 +169,7 @@ async def test_a_refused_event_is_reported_to_its_submitter_and_changes_nothing(
         await runner.submit(Configured(t=0.0, config=Config(pools=[SPEC])))
         await wait_until_executed(executor, 3)
         before = runner.state
-        with pytest.raises(Rejected, match="outside pool 'envs' bounds"):
+        with pytest.raises(Refused, match="outside pool 'envs' bounds"):
             await runner.submit(PoolPinned(t=1.0, pool="envs", count=9))
         await anyio.wait_all_tasks_blocked()
         tg.cancel_scope.cancel()
@@ -233,7 +236,7 @@ async def test_a_submitter_waiting_at_the_stop_is_told_deo_is_stopping(tmp_path:
     async def submit() -> None:
         try:
             await runner.submit(Configured(t=0.0, config=Config(pools=[SPEC])))
-        except Rejected as exc:
+        except Stopping as exc:
             answers.append(str(exc))
 
     async with anyio.create_task_group() as outer:
@@ -243,3 +246,25 @@ async def test_a_submitter_waiting_at_the_stop_is_told_deo_is_stopping(tmp_path:
             tg.start_soon(runner.run)
             tg.cancel_scope.cancel()
     assert answers == ["deo is stopping"]
+
+
+@pytest.mark.anyio
+async def test_a_submitter_gets_the_error_the_core_raised_not_a_copy_of_its_message(
+    tmp_path: Path,
+) -> None:
+    runner, _ = make(tmp_path)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run)
+        await runner.submit(Configured(t=0.0, config=Config(pools=[SPEC])))
+        with pytest.raises(UnknownSubject, match="unknown pool 'nope'") as unknown:
+            await runner.submit(PoolPinned(t=1.0, pool="nope", count=1))
+        with pytest.raises(Refused, match="outside pool 'envs' bounds") as refused:
+            await runner.submit(PoolPinned(t=2.0, pool="envs", count=9))
+        tg.cancel_scope.cancel()
+    assert (type(unknown.value), unknown.value.http_status) == (UnknownSubject, 404)
+    assert (type(refused.value), refused.value.http_status) == (Refused, 409)
+    # Raised by the reducer: its traceback reaches into the handler that refused the event.
+    frames = [frame.name for frame in traceback.extract_tb(refused.value.__traceback__)]
+    assert "_pinned" in frames, frames
+    with pytest.raises(Stopping, match="deo is stopping"):
+        await runner.submit(PoolPinned(t=3.0, pool="envs", count=1))

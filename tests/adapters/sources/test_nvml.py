@@ -643,9 +643,11 @@ async def poll_for(
     settings: NvmlSettings,
     gpus: list[str],
     until: Callable[[list[Event]], bool] = lambda events: False,
-    environ: dict[str, str] | None = None,
+    visible: str | None = None,
 ) -> tuple[list[Event], list[str]]:
-    """Run poll_gpus until it returns or ``until(events)``; the events and lines it gave."""
+    """Run poll_gpus until it returns or ``until(events)``; the events and lines it gave.
+
+    ``visible`` is deo's own CUDA_VISIBLE_DEVICES, which ``deo run`` resolves the devices from."""
     events: list[Event] = []
     lines: list[str] = []
     clock = iter(range(1, 10_000))
@@ -660,11 +662,10 @@ async def poll_for(
             async def poll() -> None:
                 await poll_gpus(
                     settings,
-                    gpus,
+                    physical_gpu_ids(gpus, visible),
                     events.append,
                     lambda: float(next(clock)),
                     lines.append,
-                    environ or {},
                 )
                 tg.cancel_scope.cancel()
 
@@ -720,7 +721,7 @@ async def test_the_poller_emits_nvml_readings_under_the_configured_ids(
         NvmlSettings(backend="pynvml", interval_s=0.01),
         ["0", "1"],
         until=lambda events: len(events) >= 5,
-        environ={"CUDA_VISIBLE_DEVICES": "1,2"},
+        visible="1,2",
     )
     assert lines == ["deo: GPU health of 2 GPU(s) from NVML every 0.01s"]
     assert events[0] == GpuSampled(
@@ -742,7 +743,7 @@ async def test_the_poller_keeps_going_through_a_bad_file(tmp_path: Path) -> None
         async with anyio.create_task_group() as tg:
 
             async def poll() -> None:
-                await poll_gpus(settings, ["0"], events.append, lambda: 1.0, lines.append, {})
+                await poll_gpus(settings, {"0": "0"}, events.append, lambda: 1.0, lines.append)
 
             async def fix() -> None:
                 while not any("No such file" in line for line in lines):
@@ -782,7 +783,7 @@ async def test_a_read_stuck_in_the_driver_does_not_hold_up_a_stopping_deo(
         with anyio.fail_after(10):  # far below the 30 s the read is stuck for
             async with anyio.create_task_group() as tg:
                 tg.start_soon(
-                    poll_gpus, NvmlSettings(), ["0"], print, lambda: 1.0, lines.append, {}
+                    poll_gpus, NvmlSettings(), {"0": "0"}, print, lambda: 1.0, lines.append
                 )
                 await anyio.sleep(0.2)
                 tg.cancel_scope.cancel()
@@ -794,31 +795,20 @@ async def test_a_read_stuck_in_the_driver_does_not_hold_up_a_stopping_deo(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize(
-    ("settings", "gpus", "environ", "expected"),
+    ("settings", "gpus", "expected"),
     [
         (
             NvmlSettings(backend="off"),
             ["0"],
-            {},
             ["deo: GPU health not monitored (nvml.backend = off)"],
         ),
-        (NvmlSettings(), [], {}, []),
-        (
-            NvmlSettings(backend="file", file=Path("unused.json")),
-            ["3"],
-            {"CUDA_VISIBLE_DEVICES": "0"},
-            [
-                "deo: deo.gpus: GPU '3' is outside deo's CUDA_VISIBLE_DEVICES='0', which makes 1 "
-                "GPU(s) visible (ids 0-0); a configured index counts within that list; GPU health "
-                "not monitored"
-            ],
-        ),
+        (NvmlSettings(), [], []),
     ],
 )
 async def test_nothing_to_monitor_returns_at_once(
-    settings: NvmlSettings, gpus: list[str], environ: dict[str, str], expected: list[str]
+    settings: NvmlSettings, gpus: list[str], expected: list[str]
 ) -> None:
-    events, lines = await poll_for(settings, gpus, environ=environ)
+    events, lines = await poll_for(settings, gpus)
     assert events == [] and lines == expected
 
 
@@ -844,7 +834,6 @@ async def test_the_real_nvml_reads_every_gpu_sanely() -> None:
         NvmlSettings(backend="pynvml", interval_s=0.05),
         [*ids, uuids[0]],
         until=lambda events: len(events) >= 2 * (count + 1),
-        environ={},
     )
     assert lines[0] == f"deo: GPU health of {count + 1} GPU(s) from NVML every 0.05s", lines
     assert not [line for line in lines[1:] if "cannot read health" in line], lines
