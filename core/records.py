@@ -2,9 +2,10 @@
 
 ``attrs.evolve`` re-runs ``__init__`` (converters, validators) on every copy, which dominated the
 cost of a step. The reducer only ever replaces fields with values it computed itself, already of
-the right type, so it copies the slots directly, with a copier generated once per class (the way
-attrs generates ``__init__``). Records from outside (events, configuration) are still built
-through their constructors and validated.
+the right type, so it copies the slots directly. A class opts in with :func:`replaceable`, which
+generates its copier once, when the class is defined (the way attrs generates ``__init__``), and
+keeps it on the class: nothing is cached at run time. Records from outside (events,
+configuration) are still built through their constructors and validated.
 """
 
 from __future__ import annotations
@@ -14,46 +15,78 @@ from typing import Any, TypeVar
 
 import attrs
 
-__all__ = ["replace"]
+__all__ = ["replace", "replaceable"]
 
 R = TypeVar("R", bound=attrs.AttrsInstance)
+C = TypeVar("C", bound=type)
 
 _Copier = Callable[[Any, dict[str, Any]], Any]
-_COPIERS: dict[tuple[type, tuple[str, ...]], _Copier] = {}
+#: The class attribute that holds a replaceable class's copier.
+_COPIER = "_replace_copier"
 
 
-def _copier(cls: type, changed: tuple[str, ...]) -> _Copier:
+def _copier(cls: type) -> _Copier:
     names = [f.name for f in attrs.fields(cls)]
-    unknown = set(changed) - set(names)
-    if unknown:
-        raise TypeError(f"{cls.__name__} has no field {sorted(unknown)}")
     lines = [
         "def copy(record, changes):",
+        "    if record.__class__ is not _cls:",
+        "        _wrong_class(record, _cls)",
         "    new = _new(_cls)",
         "    put = _bind(new)",
-        *(
-            f"    put({name!r}, changes[{name!r}])"
-            if name in changed
-            else f"    put({name!r}, record.{name})"
-            for name in names
-        ),
+        *(f"    put({name!r}, record.{name})" for name in names),
+        "    try:",
+        "        for name, value in changes.items():",
+        "            put(name, value)",
+        "    except AttributeError:",
+        "        _unknown(_cls, changes)",
         "    return new",
     ]
     namespace: dict[str, Any] = {
         "_new": object.__new__,
         "_bind": object.__setattr__.__get__,
         "_cls": cls,
+        "_wrong_class": _wrong_class,
+        "_unknown": _unknown,
     }
     exec("\n".join(lines), namespace)  # generated from the class's own field names only
     copy: _Copier = namespace["copy"]
     return copy
 
 
+def _wrong_class(record: object, cls: type) -> None:
+    raise TypeError(
+        f"replace(): {type(record).__name__} is a subclass of {cls.__name__} and has no copier "
+        f"of its own; decorate it with @replaceable"
+    )
+
+
+def _unknown(cls: type, changes: dict[str, Any]) -> None:
+    names = {f.name for f in attrs.fields(cls)}
+    raise TypeError(f"{cls.__name__} has no field {sorted(set(changes) - names)}")
+
+
+def replaceable(cls: C) -> C:
+    """Class decorator (outside ``@attrs.frozen(slots=True)``): lets :func:`replace` copy ``cls``.
+
+    The copier is generated here, once per class.
+    """
+    with_fields: bool = attrs.has(cls)  # a plain bool: attrs.has would narrow ``cls``
+    if not with_fields or "__slots__" not in vars(cls):
+        raise TypeError(f"@replaceable: {cls.__name__} is not an attrs class with slots")
+    setattr(cls, _COPIER, _copier(cls))
+    return cls
+
+
 def replace(record: R, **changes: Any) -> R:
-    """A copy of the frozen slots ``record`` with ``changes`` applied (not re-validated)."""
-    key = (type(record), tuple(changes))
-    copy = _COPIERS.get(key)
-    if copy is None:
-        copy = _COPIERS[key] = _copier(*key)
+    """A copy of the frozen slots ``record`` with ``changes`` applied (not re-validated).
+
+    :class:`TypeError` if its class is not :func:`replaceable` or has no such field.
+    """
+    try:
+        copy: _Copier = getattr(type(record), _COPIER)
+    except AttributeError:
+        raise TypeError(
+            f"replace(): {type(record).__name__} is not @replaceable; use attrs.evolve"
+        ) from None
     result: R = copy(record, changes)
     return result
