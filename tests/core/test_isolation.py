@@ -18,6 +18,7 @@ import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import attrs
@@ -26,21 +27,28 @@ import pytest
 from core import (
     Config,
     Configured,
+    DrainRequested,
     DrainWorker,
+    InvariantViolation,
     LoadSampled,
     PolicySpec,
+    PoolPinned,
     PoolSpec,
     Reducer,
     ScalePool,
     SpawnWorker,
     State,
+    Worker,
     WorkerExited,
+    WorkerReady,
     WorkerStarted,
     reduce,
 )
 from core.invariants import state_violations
 from core.policies import BUILT_INS, Decision, PolicyContext
+from core.records import replace
 from core.state import count_workers
+from core.step import Step
 
 CORE = Path(__file__).resolve().parents[2] / "core"
 
@@ -172,6 +180,53 @@ def test_the_free_reduce_and_a_reducer_agree_and_share_nothing() -> None:
     assert state == reducer.state and free_commands == commands
     assert state.workers is not reducer.state.workers  # each step makes its own collections
     assert state.worker_counts == reducer.state.worker_counts == {"envs": (3, 0)}
+
+
+# --- worker counts kept by each step --------------------------------------------------------------
+
+
+def test_counts_follow_every_worker_change_and_equal_a_recount() -> None:
+    reducer = Reducer(check_invariants=True)  # checks the counts against a recount every step
+    pool = PoolSpec(
+        name="envs",
+        argv=["x"],
+        max_workers=4,
+        require_ready=True,
+        policy=PolicySpec(name="static", params={"count": 3}),
+    )
+    reducer.step(Configured(t=0.0, config=Config(pools=[pool])))
+    assert reducer.state.worker_counts == {"envs": (3, 0)}  # requested
+    reducer.step(WorkerStarted(t=1.0, worker_id="envs-0", pid=100, start_time=1))
+    reducer.step(WorkerReady(t=2.0, worker_id="envs-0"))
+    assert reducer.state.worker_counts == {"envs": (3, 1)}  # one active
+    reducer.step(DrainRequested(t=3.0, worker_id="envs-0"))
+    # envs-0 draining (not counted), envs-3 requested in its place
+    assert reducer.state.worker_counts == {"envs": (3, 0)}
+    reducer.step(WorkerExited(t=4.0, worker_id="envs-0", exit_code=0))
+    assert reducer.state.worker_counts == {"envs": (3, 0)}
+    reducer.step(PoolPinned(t=5.0, pool="envs", count=0))
+    assert reducer.state.worker_counts == {}  # all draining: the pool has no entry
+    assert dict(reducer.state.worker_counts) == count_workers(reducer.state.workers.values())
+
+
+def test_the_invariant_check_catches_counts_that_are_not_a_recount() -> None:
+    state = started_state()
+    assert state_violations(state) == []
+    wrong = replace(state, worker_counts=MappingProxyType({"envs": (3, 1)}))
+    assert any("differ from a recount" in v for v in state_violations(wrong))
+    assert wrong == state  # derived: not compared, which is why the check must look
+
+
+def test_a_worker_written_past_put_worker_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A plausible wrong reducer: a step that writes the worker table without keeping the counts.
+    def put_worker_without_counting(self: Step, worker: Worker) -> None:
+        self._own("workers")[worker.worker_id] = worker
+
+    monkeypatch.setattr(Step, "put_worker", put_worker_without_counting)
+    reducer = Reducer(check_invariants=True)
+    pool = PoolSpec(name="envs", argv=["x"], policy=PolicySpec(name="static", params={"count": 1}))
+    with pytest.raises(InvariantViolation, match="differ from a recount"):
+        reducer.step(Configured(t=0.0, config=Config(pools=[pool])))
 
 
 # --- read-only state ------------------------------------------------------------------------------
