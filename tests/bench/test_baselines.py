@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
 
+from adapters.log import EventLog
 from bench.baselines import (
     BASELINE_POLICIES,
     CATALOG,
@@ -576,3 +578,30 @@ def test_static_holds_the_pool_maximum() -> None:
     assert world.feed(load(0, 0)) == []  # never asked, whatever the pressure
     assert world.feed(queue(1, 0)) == []
     assert world.workers == 10
+
+
+def test_a_log_of_a_baseline_run_recovers_only_with_the_catalog(tmp_path: Path) -> None:
+    pool = PoolSpec(
+        name="envs",
+        argv=["x"],
+        max_workers=10,
+        policy=PolicySpec(name="ray-serve"),
+        **SPECS["ray-serve"][1],
+    )
+    path = tmp_path / "run.deo.jsonl"
+    reducer = Reducer(policies=CATALOG)
+    log, _ = EventLog.open(path, fsync=False, policies=CATALOG)
+    with log:
+        log.record(reducer, Configured(t=0.0, config=Config(pools=[pool])))
+        log.record(reducer, load(1.0, 12))
+        log.snapshot(reducer.state)
+    assert isinstance(reducer.state.pools["envs"].policy_memory, RayServeMemory)
+
+    log, recovery = EventLog.open(path, fsync=False, policies=CATALOG)
+    log.close()
+    assert recovery.state == reducer.state
+    assert recovery.replayed == 0  # from the snapshot, which holds the baseline's memory
+    # Without the catalog neither the snapshot nor the Configured event can be read back.
+    log, recovery = EventLog.open(path, fsync=False)
+    log.close()
+    assert "envs" not in recovery.state.pools
