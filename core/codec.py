@@ -72,24 +72,24 @@ def encode(value: Any) -> Any:
     """
     cls = type(value)
     names = _FIELDS.get(cls)
-    if names is None and attrs.has(cls):
-        names = _encoded_fields(cls)
-    if names is not None:
-        out: dict[str, Any] = {TYPE_KEY: cls.__name__}
-        for name in names:
-            out[name] = encode(getattr(value, name))
-        return out
-    if value is None or cls in (str, int, float, bool):
-        return value
-    if cls is tuple or cls is list:
-        return [encode(v) for v in value]
-    if cls is frozenset or cls is set:
-        return sorted(encode(v) for v in value)
-    if cls is dict or cls is MappingProxyType:
-        return {k: encode(v) for k, v in value.items()}
-    if isinstance(value, enum.Enum):
-        return value.value
-    raise TypeError(f"cannot encode {cls.__name__}: {value!r}")
+    if names is None:
+        if value is None or cls in (str, int, float, bool):
+            return value
+        if cls is tuple or cls is list:
+            return [encode(v) for v in value]
+        if cls is frozenset or cls is set:
+            return sorted(encode(v) for v in value)
+        if cls is dict or cls is MappingProxyType:
+            return {k: encode(v) for k, v in value.items()}
+        if isinstance(value, enum.Enum):
+            return value.value
+        if not attrs.has(cls):
+            raise TypeError(f"cannot encode {cls.__name__}: {value!r}")
+        names = _encoded_fields(cls)  # a class defined outside the core
+    out: dict[str, Any] = {TYPE_KEY: cls.__name__}
+    for name in names:
+        out[name] = encode(getattr(value, name))
+    return out
 
 
 def decode(value: Any, types: Mapping[str, type] = REGISTRY) -> Any:
