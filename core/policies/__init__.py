@@ -50,7 +50,8 @@ POLICIES: Mapping[str, type] = MappingProxyType(
 
 
 def _read_only(value: Mapping[str, type]) -> Mapping[str, type]:
-    return value if type(value) is MappingProxyType else MappingProxyType(dict(value))
+    # A copy, even of a read-only view: the dict behind a caller's view could still change.
+    return MappingProxyType(dict(value))
 
 
 def _classes(value: Iterable[type]) -> tuple[type, ...]:
