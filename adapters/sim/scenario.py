@@ -259,7 +259,7 @@ class EnvPool:
         """``policy`` with the world's facts filled in where it takes them and lacks them."""
         cls = policies.policies.get(policy.name)
         if cls is None:
-            return policy  # build() reports the unknown name
+            return policy  # PolicyCatalog.build reports the unknown name
         facts: dict[str, Any] = {
             "max_batches_offpolicy": self.max_batches_offpolicy,
             "group_size": self.group_size,
