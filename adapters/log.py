@@ -24,7 +24,7 @@ import contextlib
 import datetime as dt
 import fcntl
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -32,6 +32,8 @@ import attrs
 import orjson
 
 from core import Command, DeoError, Event, Reducer, State, decode, encode
+from core.codec import types_with
+from core.policies import BUILT_INS, PolicyCatalog
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -150,10 +152,16 @@ class EventLog:
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike[str], *, fsync: bool = True, snapshot_every: int = 10_000
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        fsync: bool = True,
+        snapshot_every: int = 10_000,
+        policies: PolicyCatalog = BUILT_INS,
     ) -> tuple[EventLog, Recovery]:
         """Open ``path`` for appending, creating it with a header if needed, and rebuild the state
-        it records (from the snapshot, then the records after it)."""
+        it records (from the snapshot, then the records after it) with the reducer's
+        ``policies`` (whose records its snapshot may hold)."""
         path = Path(path)
         file = path.open("ab")
         try:
@@ -167,7 +175,7 @@ class EventLog:
         seq = lines = 0
         if path.stat().st_size > 0:
             try:
-                state, seq, lines, replayed, problems, set_aside = _recover(path)
+                state, seq, lines, replayed, problems, set_aside = _recover(path, policies)
             except BaseException:
                 file.close()
                 raise
@@ -276,7 +284,7 @@ class EventLog:
         self.close()
 
 
-def _load_snapshot(path: Path) -> tuple[State, int, int, int] | None:
+def _load_snapshot(path: Path, types: Mapping[str, type]) -> tuple[State, int, int, int] | None:
     """(state, seq, offset, lines) from the snapshot beside ``path``, if one fits the log."""
     target = snapshot_path(path)
     try:
@@ -285,7 +293,7 @@ def _load_snapshot(path: Path) -> tuple[State, int, int, int] | None:
             return None
         if payload.get("header") != _first_line(path) or payload["offset"] > path.stat().st_size:
             return None  # a snapshot of another log, or of a longer one
-        state = decode(payload["state"])
+        state = decode(payload["state"], types)
         if not isinstance(state, State):
             return None
         return state, int(payload["seq"]), int(payload["offset"]), int(payload["lines"])
@@ -294,15 +302,15 @@ def _load_snapshot(path: Path) -> tuple[State, int, int, int] | None:
 
 
 def _recover(
-    path: Path,
+    path: Path, policies: PolicyCatalog
 ) -> tuple[State, int, int, int, tuple[LogProblem, ...], Path | None]:
-    snapshot = _load_snapshot(path)
+    snapshot = _load_snapshot(path, types_with(policies.records))
     problems: list[LogProblem] = []
     if snapshot is None:
         state, seq, offset, lines = State(), 0, 0, 0
     else:
         state, seq, offset, lines = snapshot
-    reducer = Reducer(state)
+    reducer = Reducer(state, policies=policies)
     replayed = 0
     torn: LogProblem | None = None
     for item in read_lines(path, offset=offset, first_line=lines + 1):

@@ -1,9 +1,9 @@
 """The published controllers deo is benchmarked against, as policies the real reducer can run.
 
-These are comparison baselines, not policies a user should pick: they live with the benchmark and
-reach ``core.policies.POLICIES`` only through an explicit :func:`register`. Each reproduces its
-published rule, including where that rule is wrong for a trainer queue (the point of a baseline is
-to measure the rule people actually ran).
+These are comparison baselines, not policies a user should pick: they live with the benchmark, and
+a reducer runs them only when its caller hands it :data:`CATALOG` (the core's policies and these).
+Each reproduces its published rule, including where that rule is wrong for a trainer queue (the
+point of a baseline is to measure the rule people actually ran).
 
 * ``deo-proposal`` (:class:`DeoProposalPolicy`): the Atropos DEO proposal's ScalingController.
 * ``ray-serve`` (:class:`RayServePolicy`): Ray Serve's default autoscaling policy.
@@ -19,19 +19,21 @@ reducer's central window does not change their published behaviour).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import attrs
 
-from core import codec, policies
 from core.config import PolicySpec
 from core.errors import ConfigError
 from core.events import LoadSampled, QueueSampled
+from core.policies import BUILT_INS, PolicyCatalog
 from core.policies.base import Decision, PolicyContext
 
 __all__ = [
     "BASELINE_POLICIES",
+    "CATALOG",
     "HPA_TARGET_OF_CAPACITY",
     "RAY_TARGET_OF_MAX_ONGOING",
     "DeoProposalMemory",
@@ -39,7 +41,6 @@ __all__ = [
     "RayServeMemory",
     "RayServePolicy",
     "baseline_specs",
-    "register",
 ]
 
 
@@ -302,32 +303,27 @@ class RayServePolicy:
         )
 
 
-# --- registration and the benchmark's line-up ----------------------------------------------------
+# --- the catalog and the benchmark's line-up ------------------------------------------------------
 
-#: The baselines this module adds to ``core.policies.POLICIES``.
-BASELINE_POLICIES: dict[str, type] = {
-    "deo-proposal": DeoProposalPolicy,
-    "ray-serve": RayServePolicy,
-}
-_MEMORIES: tuple[type, ...] = (DeoProposalMemory, RayServeMemory)
+#: The baselines defined here, by name.
+BASELINE_POLICIES: Mapping[str, type] = MappingProxyType(
+    {
+        "deo-proposal": DeoProposalPolicy,
+        "ray-serve": RayServePolicy,
+    }
+)
+#: The core's policies and the baselines, with the baselines' memories for the codec (a state
+#: snapshot of a pool run by a baseline encodes and decodes like any other): what the harness
+#: hands to the simulator, and through it to the reducer and the event log.
+CATALOG: PolicyCatalog = BUILT_INS.extended(
+    BASELINE_POLICIES, records=(DeoProposalMemory, RayServeMemory)
+)
 
 #: Ray Serve's default target_ongoing_requests (2) over its default max_ongoing_requests (5).
 RAY_TARGET_OF_MAX_ONGOING = 2 / 5
 #: The HPA's target per worker as a share of its capacity (no published default; see
 #: :func:`baseline_specs`).
 HPA_TARGET_OF_CAPACITY = 0.8
-
-
-def register() -> None:
-    """Make the baselines buildable by ``core.policies.build`` (idempotent).
-
-    Their memories join the codec's registry as well, so a state snapshot of a pool run by a
-    baseline encodes and decodes like any other.
-    """
-    for name, cls in BASELINE_POLICIES.items():
-        policies.register(name, cls)
-    for cls in _MEMORIES:
-        codec.register(cls)
 
 
 def baseline_specs(

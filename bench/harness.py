@@ -35,7 +35,7 @@ import attrs
 from adapters.sim.driver import simulate
 from adapters.sim.oracle import oracle
 from adapters.sim.scenario import Scenario, ScenarioError, load_scenario
-from bench.baselines import baseline_specs, register
+from bench.baselines import CATALOG, baseline_specs
 from core.config import PolicySpec
 from core.errors import DeoError
 
@@ -212,7 +212,6 @@ def lineup(scenario: Scenario) -> tuple[dict[str, tuple[PolicySpec, dict[str, An
     The baselines are parameterised from the first pool (group size, groups in flight); the
     static baseline holds the largest pool maximum, which the reducer clamps to each pool's own.
     """
-    register()
     first = scenario.pools[0]
     largest = max(pool.max_workers for pool in scenario.pools)
     specs: dict[str, tuple[PolicySpec, dict[str, Any]]] = {DEO: (PolicySpec(name="buffer"), {})}
@@ -252,7 +251,7 @@ def _run_policy(
     scenario: Scenario, name: str, spec: PolicySpec, overrides: dict[str, Any]
 ) -> PolicyRun:
     started = time.perf_counter()
-    result = simulate(scenario, spec, pool_overrides=overrides)
+    result = simulate(scenario, spec, pool_overrides=overrides, policies=CATALOG)
     elapsed = time.perf_counter() - started
     m = result.metrics
     metrics = Metrics(
@@ -609,7 +608,8 @@ def _load_all(paths: Iterable[Path]) -> list[tuple[Path, Scenario]]:
     loaded = []
     for path in paths:
         try:
-            loaded.append((path, load_scenario(path)))
+            # With the baselines: a scenario may name one as its pools' policy.
+            loaded.append((path, load_scenario(path, policies=CATALOG)))
         except ScenarioError as exc:
             message = str(exc)
             raise BenchError(
@@ -633,7 +633,6 @@ def run_bench(
     Everything that can be wrong with the input (the directory, the names, a scenario file, the
     markers of ``out``) is checked before anything runs, and raises :class:`BenchError`.
     """
-    register()  # before reading: a scenario may name a baseline as its pools' policy
     scenarios = _load_all(find_scenarios(scenarios_dir, only))
     try:
         existing = out.read_text(encoding="utf-8") if out.exists() else ""

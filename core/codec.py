@@ -1,15 +1,21 @@
 """Events, commands and state to and from JSON-ready primitives (and back, unchanged).
 
-An attrs object becomes a dict with its class name under ``"@"`` and its fields; tuples and
-lists become lists, frozensets sorted lists, enums their values. Decoding looks the class up in a
-closed registry (never an arbitrary import) and rebuilds it through its constructor, so every
-decoded object is validated exactly like a new one. Field converters turn lists back into tuples
-and frozensets, which is why ``decode(encode(x)) == x`` for everything registered here.
+An attrs object becomes a dict with its class name under ``"@"`` and the fields its constructor
+takes (derived fields are left out); tuples and lists become lists, frozensets sorted lists,
+mappings dicts, enums their values. Decoding looks the class up in a closed registry (never an
+arbitrary import) and rebuilds it through its constructor, so every decoded object is validated
+exactly like a new one. Field converters turn lists back into tuples and frozensets, which is why
+``decode(encode(x)) == x`` for everything registered here.
+
+:data:`REGISTRY` holds the core's own classes and never changes; classes defined elsewhere (a
+benchmark's policy memories) are decoded with ``decode(value, types=types_with(classes))``.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -17,7 +23,7 @@ import attrs
 from core import commands, config, events, policies, state
 from core.errors import InvalidEvent
 
-__all__ = ["REGISTRY", "decode", "encode", "register"]
+__all__ = ["REGISTRY", "decode", "encode", "types_with"]
 
 TYPE_KEY = "@"
 
@@ -32,62 +38,74 @@ def _registry() -> dict[str, type]:
     return found
 
 
-REGISTRY: dict[str, type] = _registry()
-_FIELDS: dict[type, tuple[str, ...]] = {
-    cls: tuple(f.name for f in attrs.fields(cls)) for cls in REGISTRY.values()
-}
+def _encoded_fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in attrs.fields(cls) if f.init)
 
 
-def register(cls: type) -> None:
-    """Add an attrs class defined outside the core (a benchmark's policy memory) to the registry.
+#: The core's classes by name: what ``decode`` rebuilds unless told of more.
+REGISTRY: Mapping[str, type] = MappingProxyType(_registry())
+_FIELDS: Mapping[type, tuple[str, ...]] = MappingProxyType(
+    {cls: _encoded_fields(cls) for cls in REGISTRY.values()}
+)
 
-    Idempotent; :class:`ValueError` if another class already has its name.
+
+def types_with(classes: Iterable[type], types: Mapping[str, type] = REGISTRY) -> Mapping[str, type]:
+    """``types`` (the core's) and ``classes`` (attrs classes defined elsewhere), for ``decode``.
+
+    :class:`ValueError` if a class is not an attrs class, or another class already has its name.
     """
-    existing = REGISTRY.get(cls.__name__)
-    if existing is not None and existing is not cls:
-        raise ValueError(f"codec: {cls.__name__!r} is already registered as {existing!r}")
-    if not attrs.has(cls):
-        raise ValueError(f"codec: {cls!r} is not an attrs class")
-    REGISTRY[cls.__name__] = cls
-    _FIELDS[cls] = tuple(f.name for f in attrs.fields(cls))
+    found = dict(types)
+    for cls in classes:
+        if not attrs.has(cls):
+            raise ValueError(f"codec: {cls!r} is not an attrs class")
+        existing = found.setdefault(cls.__name__, cls)
+        if existing is not cls:
+            raise ValueError(f"codec: {cls.__name__!r} is already {existing!r}; cannot add {cls!r}")
+    return MappingProxyType(found)
 
 
 def encode(value: Any) -> Any:
-    """``value`` as JSON-ready primitives (dicts, lists, str, int, float, bool, None)."""
+    """``value`` as JSON-ready primitives (dicts, lists, str, int, float, bool, None).
+
+    Any attrs object encodes; one defined outside the core decodes only with its class named in
+    ``decode``'s ``types``.
+    """
     cls = type(value)
     names = _FIELDS.get(cls)
-    if names is not None:
-        out: dict[str, Any] = {TYPE_KEY: cls.__name__}
-        for name in names:
-            out[name] = encode(getattr(value, name))
-        return out
-    if value is None or cls in (str, int, float, bool):
-        return value
-    if cls is tuple or cls is list:
-        return [encode(v) for v in value]
-    if cls is frozenset or cls is set:
-        return sorted(encode(v) for v in value)
-    if cls is dict:
-        return {k: encode(v) for k, v in value.items()}
-    if isinstance(value, enum.Enum):
-        return value.value
-    raise TypeError(f"cannot encode {cls.__name__}: {value!r}")
+    if names is None:
+        if value is None or cls in (str, int, float, bool):
+            return value
+        if cls is tuple or cls is list:
+            return [encode(v) for v in value]
+        if cls is frozenset or cls is set:
+            return sorted(encode(v) for v in value)
+        if cls is dict or cls is MappingProxyType:
+            return {k: encode(v) for k, v in value.items()}
+        if isinstance(value, enum.Enum):
+            return value.value
+        if not attrs.has(cls):
+            raise TypeError(f"cannot encode {cls.__name__}: {value!r}")
+        names = _encoded_fields(cls)  # a class defined outside the core
+    out: dict[str, Any] = {TYPE_KEY: cls.__name__}
+    for name in names:
+        out[name] = encode(getattr(value, name))
+    return out
 
 
-def decode(value: Any) -> Any:
-    """The object ``encode`` made ``value`` from; :class:`InvalidEvent` if it names no known type
-    or its fields do not fit."""
+def decode(value: Any, types: Mapping[str, type] = REGISTRY) -> Any:
+    """The object ``encode`` made ``value`` from; :class:`InvalidEvent` if it names a type not in
+    ``types`` (see :func:`types_with`) or its fields do not fit."""
     kind = type(value)
     if kind is list:
-        return [decode(v) if type(v) in _NESTED else v for v in value]
+        return [decode(v, types) if type(v) in _NESTED else v for v in value]
     if kind is not dict:
         return value
     name = value.get(TYPE_KEY)
     # Most values are primitives: recurse only into containers (replay decodes millions).
-    fields = {k: decode(v) if type(v) in _NESTED else v for k, v in value.items()}
+    fields = {k: decode(v, types) if type(v) in _NESTED else v for k, v in value.items()}
     if name is None:
         return fields
-    cls = REGISTRY.get(name)
+    cls = types.get(name)
     if cls is None:
         raise InvalidEvent(f"unknown record type {name!r}")
     del fields[TYPE_KEY]

@@ -7,7 +7,8 @@ commands its event calls for.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from core import commands as c
@@ -15,7 +16,6 @@ from core import events as e
 from core.config import Config
 from core.errors import ConfigError, Refused
 from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
-from core.policies import build
 from core.records import replace
 from core.state import Gpu, PoolState, State, Worker
 from core.step import Step
@@ -152,7 +152,7 @@ def _configured(step: Step, event: e.Configured) -> None:
             gpus[gpu_id] = Gpu(gpu_id=gpu_id)
     declared = {p.name for p in config.pools}
     for spec in config.pools:
-        policy = build(spec.policy)  # raises ConfigError naming the bad parameter
+        policy = step.policies.build(spec.policy)  # raises ConfigError naming the bad parameter
         pool = step.pools.get(spec.name)
         if pool is None:
             initial = policy.initial_target(spec.min_workers, spec.max_workers)
@@ -337,9 +337,9 @@ def heartbeat_only(state: State, event: e.WorkerHeartbeat) -> State:
     if worker is None:
         Step(state, t).worker(event.worker_id, event)  # a late heartbeat, or an error
         return replace(state, now=t)
-    last_seen = dict(state.last_seen)
+    last_seen = state.last_seen.copy()
     last_seen[worker.worker_id] = t
-    return replace(state, now=t, last_seen=last_seen)
+    return replace(state, now=t, last_seen=MappingProxyType(last_seen))
 
 
 def _exited(step: Step, event: e.WorkerExited) -> None:
@@ -450,7 +450,7 @@ def _gpu_lost(step: Step, event: e.GpuLost) -> None:
             step.terminate(worker, "gpu_lost", f"{why}: {worker.worker_id} replaced elsewhere")
 
 
-HANDLERS: dict[type, Callable[[Step, Any], None]] = {
+HANDLERS: Mapping[type, Callable[[Step, Any], None]] = {
     e.Tick: _tick,
     e.Configured: _configured,
     e.AutoscalingPaused: _paused,
@@ -471,3 +471,4 @@ HANDLERS: dict[type, Callable[[Step, Any], None]] = {
     e.GpuSampled: _gpu_sampled,
     e.GpuLost: _gpu_lost,
 }
+HANDLERS = MappingProxyType(HANDLERS)  # read-only: no handler is added at run time

@@ -17,7 +17,7 @@ from core import commands as c
 from core import events as e
 from core.errors import InvariantViolation
 from core.lifecycle import COUNTED, WorkerState
-from core.state import State
+from core.state import State, count_workers
 
 __all__ = ["raise_on_violation", "state_violations", "step_violations"]
 
@@ -59,6 +59,13 @@ def state_violations(state: State) -> list[str]:
     for worker_id in state.last_seen:
         if worker_id not in state.workers:
             found.append(f"liveness kept for {worker_id}, which is not a live worker")
+    # The counts kept up to date step by step are those a recount finds.
+    recount = count_workers(state.workers.values())
+    if dict(state.worker_counts) != recount:
+        found.append(
+            f"worker counts (counted, active) {dict(sorted(state.worker_counts.items()))} "
+            f"differ from a recount {dict(sorted(recount.items()))}"
+        )
     # 5. Backoff follows the rule: delay(n) after the last of n consecutive failures.
     for name, pool in state.pools.items():
         if pool.failures and pool.last_failure_t is not None:

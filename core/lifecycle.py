@@ -24,6 +24,8 @@ Anything not in the table raises :class:`IllegalTransition` naming the worker, s
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from core.errors import IllegalTransition
 
@@ -59,7 +61,7 @@ class Trigger(enum.Enum):
 
 S, T = WorkerState, Trigger
 
-TRANSITIONS: dict[tuple[WorkerState, Trigger], WorkerState] = {
+TRANSITIONS: Mapping[tuple[WorkerState, Trigger], WorkerState] = {
     (S.REQUESTED, T.STARTED): S.STARTING,
     (S.REQUESTED, T.DRAIN): S.DRAINING,  # drained before it started: signalled once it does
     (S.REQUESTED, T.TERMINATE): S.STOPPING,
@@ -83,6 +85,7 @@ TRANSITIONS: dict[tuple[WorkerState, Trigger], WorkerState] = {
     (S.STOPPING, T.KILL): S.STOPPING,
     (S.STOPPING, T.EXIT): S.EXITED,
 }
+TRANSITIONS = MappingProxyType(TRANSITIONS)  # read-only: the table is the whole authority
 
 #: States that count toward a pool's size (and its min/max).
 COUNTED = frozenset({S.REQUESTED, S.STARTING, S.ACTIVE, S.SLEEPING})

@@ -16,14 +16,17 @@ from core import events as e
 from core.errors import InvalidEvent
 from core.handlers import HANDLERS, heartbeat_only
 from core.invariants import raise_on_violation
+from core.policies import BUILT_INS, PolicyCatalog
 from core.state import State
 from core.step import Step
 
 __all__ = ["Reducer", "reduce"]
 
 
-def reduce(state: State, event: e.Event) -> tuple[State, list[c.Command]]:
-    """One step of the fold.
+def reduce(
+    state: State, event: e.Event, policies: PolicyCatalog = BUILT_INS
+) -> tuple[State, list[c.Command]]:
+    """One step of the fold; ``policies`` names the policies a pool may run (the core's).
 
     Raises :class:`~core.errors.InvalidEvent` on bad input; the state given is left unchanged.
     """
@@ -32,7 +35,7 @@ def reduce(state: State, event: e.Event) -> tuple[State, list[c.Command]]:
     handler = HANDLERS.get(type(event))
     if handler is None:
         raise InvalidEvent(f"{type(event).__name__} is not an event the reducer knows")
-    step = Step(state, event.t)
+    step = Step(state, event.t, policies)
     handler(step, event)
     return step.finish()
 
@@ -40,17 +43,28 @@ def reduce(state: State, event: e.Event) -> tuple[State, list[c.Command]]:
 class Reducer:
     """Feed events, read commands. ``state`` is the state after the last accepted event.
 
+    ``policies``: the policies its pools may run, by name (default: the core's); a caller with
+    policies of its own (the benchmark's baselines) passes a catalog with them. Everything a
+    reducer remembers is in its state: two reducers never share anything.
+
     With ``check_invariants=True`` every step is checked against :mod:`core.invariants` and a
     violation raises :class:`~core.errors.InvariantViolation` (a bug in deo, never bad input).
     """
 
-    def __init__(self, state: State | None = None, *, check_invariants: bool = False) -> None:
+    def __init__(
+        self,
+        state: State | None = None,
+        *,
+        policies: PolicyCatalog = BUILT_INS,
+        check_invariants: bool = False,
+    ) -> None:
         self.state = state if state is not None else State()
+        self.policies = policies
         self.check_invariants = check_invariants
 
     def step(self, event: e.Event) -> list[c.Command]:
         before = self.state
-        after, commands = reduce(before, event)
+        after, commands = reduce(before, event, self.policies)
         if self.check_invariants:
             raise_on_violation(before, event, after, commands)
         self.state = after

@@ -7,17 +7,23 @@ report about it is a no-op rather than an error).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any, TypeVar
 
 import attrs
 
-from core.config import Config, PoolSpec
+from core.config import Config, PolicySpec, PoolSpec
 from core.convert import str_set, str_tuple
 from core.events import LoadSampled, QueueSampled
 from core.lifecycle import COUNTED, WorkerState
+from core.policies.base import Policy
+from core.records import replaceable
 
-__all__ = ["Gpu", "PoolState", "State", "Worker", "split_worker_id"]
+__all__ = ["Gpu", "PoolState", "State", "Worker", "count_workers", "split_worker_id"]
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 def _alert_set(value: Iterable[Iterable[str]]) -> frozenset[tuple[str, str]]:
@@ -31,6 +37,12 @@ def _worker_state(value: WorkerState | str) -> WorkerState:
     return value if type(value) is WorkerState else WorkerState(value)
 
 
+def _read_only(value: Mapping[K, V]) -> MappingProxyType[K, V]:
+    # A copy: the caller's dict stays theirs, and editing it cannot change the state.
+    return MappingProxyType(dict(value))
+
+
+@replaceable
 @attrs.frozen(slots=True, kw_only=True)
 class Worker:
     """One worker, from the moment the core asks for it until it exits."""
@@ -56,6 +68,7 @@ class Worker:
         return self.state in COUNTED
 
 
+@replaceable
 @attrs.frozen(slots=True, kw_only=True)
 class Gpu:
     """One GPU of the inventory and why, if at all, it is cordoned."""
@@ -73,6 +86,7 @@ class Gpu:
         return bool(self.causes)
 
 
+@replaceable
 @attrs.frozen(slots=True, kw_only=True)
 class PoolState:
     """One pool: its spec, target, overrides, pressure and crash-loop bookkeeping."""
@@ -95,6 +109,12 @@ class PoolState:
     last_failure_t: float | None = None
     backoff_until_t: float = 0.0
     last_scale_up_t: float | None = None
+    #: The policy built from ``spec.policy``, with the spec it was built from (a step rebuilds it
+    #: when the spec is another object). Derived, so not compared and not encoded; None until a
+    #: step first needs it.
+    built_policy: tuple[PolicySpec, Policy] | None = attrs.field(
+        default=None, init=False, eq=False, repr=False
+    )
 
     @property
     def target(self) -> int:
@@ -104,22 +124,45 @@ class PoolState:
         return self.desired if self.pinned is None else self.pinned
 
 
+@replaceable
 @attrs.frozen(slots=True, kw_only=True)
 class State:
-    """Everything the core knows. ``now`` is the latest event time seen."""
+    """Everything the core knows. ``now`` is the latest event time seen.
+
+    Its collections are read-only views (an edit raises :class:`TypeError`): a step works on
+    private copies and hands out new views when it finishes.
+    """
 
     now: float = 0.0
     config: Config = attrs.field(factory=Config)
-    pools: dict[str, PoolState] = attrs.field(factory=dict, hash=False)
-    workers: dict[str, Worker] = attrs.field(factory=dict, hash=False)
-    gpus: dict[str, Gpu] = attrs.field(factory=dict, hash=False)
+    pools: MappingProxyType[str, PoolState] = attrs.field(
+        factory=dict, converter=_read_only, hash=False
+    )
+    workers: MappingProxyType[str, Worker] = attrs.field(
+        factory=dict, converter=_read_only, hash=False
+    )
+    gpus: MappingProxyType[str, Gpu] = attrs.field(factory=dict, converter=_read_only, hash=False)
     #: Each started worker's last sign of life (start, readiness, heartbeat, adoption). Kept
     #: apart from the worker records so that a heartbeat, the most frequent event, copies a
     #: float rather than a record.
-    last_seen: dict[str, float] = attrs.field(factory=dict, hash=False)
+    last_seen: MappingProxyType[str, float] = attrs.field(
+        factory=dict, converter=_read_only, hash=False
+    )
     paused_all: bool = False
     #: Active alerts as (alert, subject) pairs, so each is raised once and resolved once.
     alerts: frozenset[tuple[str, str]] = attrs.field(default=frozenset(), converter=_alert_set)
+    #: (counted, active) workers per pool that has a counted one: :func:`count_workers` of
+    #: ``workers``, kept up to date by each step instead of recounted. Derived, so not compared
+    #: and not encoded.
+    worker_counts: MappingProxyType[str, tuple[int, int]] = attrs.field(
+        init=False, eq=False, hash=False, repr=False
+    )
+
+    def __attrs_post_init__(self) -> None:
+        # Only the constructor runs this (decoding, tests); a step passes its counts along.
+        object.__setattr__(
+            self, "worker_counts", MappingProxyType(count_workers(self.workers.values()))
+        )
 
     def workers_of(self, pool: str) -> list[Worker]:
         """Live workers of one pool, oldest first."""
@@ -127,7 +170,17 @@ class State:
 
     def counted(self, pool: str) -> int:
         """Workers counting toward the pool's size (requested, starting, active, sleeping)."""
-        return sum(1 for w in self.workers.values() if w.pool == pool and w.counted)
+        return self.worker_counts.get(pool, (0, 0))[0]
+
+
+def count_workers(workers: Iterable[Worker]) -> dict[str, tuple[int, int]]:
+    """(counted, active) workers per pool, for the pools with a counted worker."""
+    counts: dict[str, tuple[int, int]] = {}
+    for worker in workers:
+        if worker.state in COUNTED:
+            counted, active = counts.get(worker.pool, (0, 0))
+            counts[worker.pool] = (counted + 1, active + (worker.state is WorkerState.ACTIVE))
+    return counts
 
 
 def split_worker_id(worker_id: str) -> tuple[str, int] | None:

@@ -4,12 +4,13 @@ handler shares (transitions, drains, exits, reconciliation, scaling, cordons).
 ``Step`` copies each collection of the state before its first write, so the state a step started
 from is never touched and an event that raises leaves nothing half-applied. ``finish`` reconciles
 the pools the event may have affected (spawn up to each target, drain the excess) and returns the
-new state with the commands.
+new state, whose collections are read-only views of the step's copies, with the commands.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from core import commands as c
@@ -17,7 +18,7 @@ from core import events as e
 from core.config import PoolSpec
 from core.errors import UnknownSubject
 from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
-from core.policies import PolicyContext, build
+from core.policies import BUILT_INS, Policy, PolicyCatalog, PolicyContext
 from core.records import replace
 from core.state import Gpu, PoolState, State, Worker, split_worker_id
 
@@ -31,23 +32,24 @@ PLANNED_STOPS = frozenset({"scale_down", "operator", "pool_removed", "gpu_lost",
 STICKY_CAUSES = frozenset({"operator", "errors", "lost", "unkillable_worker"})
 
 
-#: The last workers dict counted and its counts (see Step.pool_counts); holding the dict keeps
-#: its identity from being reused by another.
-_counted_for: tuple[object, dict[str, tuple[int, int]]] = (None, {})
-
-
 class Step:
-    """The mutable workspace of one step; copies each collection before its first write."""
+    """The mutable workspace of one step; copies each collection before its first write.
 
-    def __init__(self, state: State, t: float) -> None:
+    ``policies`` builds the pools' policies by name (those already built for a pool's spec are
+    kept in its state).
+    """
+
+    def __init__(self, state: State, t: float, policies: PolicyCatalog = BUILT_INS) -> None:
         self.base = state
+        self.policies = policies
         # Time never goes backwards: a late event is taken at the current time.
         self.t = max(state.now, t)
         self.config = state.config
-        self.pools = state.pools
-        self.workers = state.workers
-        self.gpus = state.gpus
-        self.last_seen = state.last_seen
+        self.pools: Mapping[str, PoolState] = state.pools
+        self.workers: Mapping[str, Worker] = state.workers
+        self.gpus: Mapping[str, Gpu] = state.gpus
+        self.last_seen: Mapping[str, float] = state.last_seen
+        self.worker_counts: Mapping[str, tuple[int, int]] = state.worker_counts
         self.paused_all = state.paused_all
         self.alerts = state.alerts
         self.commands: list[c.Command] = []
@@ -57,16 +59,35 @@ class Step:
     # --- copy-on-write ---------------------------------------------------------------------------
 
     def _own(self, name: str) -> Any:
+        """The step's private copy of the collection ``name``, made on the first call."""
         if name not in self._owned:
-            setattr(self, name, dict(getattr(self, name)))
+            setattr(self, name, getattr(self, name).copy())  # the view's copy: a plain dict
             self._owned.add(name)
         return getattr(self, name)
 
+    def _count(self, worker: Worker, delta: int) -> None:
+        """Add (or with -1 take away) ``worker``'s part of its pool's worker counts."""
+        if worker.state not in COUNTED:
+            return
+        counts = self._own("worker_counts")
+        counted, active = counts.get(worker.pool, (0, 0))
+        counted += delta
+        if counted:
+            counts[worker.pool] = (counted, active + delta * (worker.state is S.ACTIVE))
+        else:
+            del counts[worker.pool]
+
     def put_worker(self, worker: Worker) -> None:
-        self._own("workers")[worker.worker_id] = worker
+        workers = self._own("workers")
+        old = workers.get(worker.worker_id)
+        workers[worker.worker_id] = worker
+        if old is None or old.state is not worker.state:
+            if old is not None:
+                self._count(old, -1)
+            self._count(worker, 1)
 
     def drop_worker(self, worker_id: str) -> None:
-        del self._own("workers")[worker_id]
+        self._count(self._own("workers").pop(worker_id), -1)
         if worker_id in self.last_seen:
             del self._own("last_seen")[worker_id]
 
@@ -80,16 +101,26 @@ class Step:
         self._own("gpus")[gpu.gpu_id] = gpu
 
     def finish(self) -> tuple[State, list[c.Command]]:
+        """Reconcile the dirty pools; the new state, its collections read-only, and the commands.
+
+        The step must not be used afterwards: the state's views show its copies.
+        """
         if self.dirty_pools:
             self.reconcile(sorted(self.dirty_pools))
+        owned = self._owned
         state = replace(
             self.base,
             now=self.t,
             config=self.config,
-            pools=self.pools,
-            workers=self.workers,
-            gpus=self.gpus,
-            last_seen=self.last_seen,
+            pools=MappingProxyType(self.pools) if "pools" in owned else self.pools,
+            workers=MappingProxyType(self.workers) if "workers" in owned else self.workers,
+            gpus=MappingProxyType(self.gpus) if "gpus" in owned else self.gpus,
+            last_seen=MappingProxyType(self.last_seen) if "last_seen" in owned else self.last_seen,
+            worker_counts=(
+                MappingProxyType(self.worker_counts)
+                if "worker_counts" in owned
+                else self.worker_counts
+            ),
             paused_all=self.paused_all,
             alerts=self.alerts,
         )
@@ -371,11 +402,19 @@ class Step:
         self.resolve_alert("pressure_stale", name, "fresh pressure sample")
         if isinstance(event, e.QueueSampled):
             self.check_backlog(pool.spec, event)
-        policy = build(pool.spec.policy)
+        built = pool.built_policy
+        if built is None or built[0] is not pool.spec.policy:
+            built = changes["built_policy"] = (
+                pool.spec.policy,
+                self.policies.build(pool.spec.policy),
+            )
+        policy: Policy = built[1]
         if policy.reacts_to is not type(event):
             self.put_pool(replace(pool, **changes))
             return
-        counted, active = self.pool_counts().get(name, (0, 0))
+        # Kept up to date by put_worker and drop_worker: a sample, far more frequent than a worker
+        # change, never recounts.
+        counted, active = self.worker_counts.get(name, (0, 0))
         decision = policy.decide(
             PolicyContext(
                 t=self.t,
@@ -408,22 +447,6 @@ class Step:
             self.resolve_alert(
                 "queue_backlog", spec.name, f"queue back to {queued_batches:.1f} batches"
             )
-
-    def pool_counts(self) -> dict[str, tuple[int, int]]:
-        """(counted, active) workers per pool. Samples arrive far more often than workers change
-        (heartbeats no longer touch the worker records), so the counts of a state's workers are
-        remembered by the identity of its dict: it is never mutated once a step has finished."""
-        global _counted_for
-        workers = self.workers
-        if "workers" not in self._owned and _counted_for[0] is workers:
-            return _counted_for[1]
-        counts: dict[str, tuple[int, int]] = {}
-        for w in workers.values():
-            counted, active = counts.get(w.pool, (0, 0))
-            counts[w.pool] = (counted + (w.state in COUNTED), active + (w.state is S.ACTIVE))
-        if "workers" not in self._owned:
-            _counted_for = (workers, counts)
-        return counts
 
     # --- GPUs ------------------------------------------------------------------------------------
 

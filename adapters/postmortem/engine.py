@@ -16,6 +16,7 @@ import orjson
 
 from adapters.log import Line, LogProblem, check_header, read_lines
 from core import Command, Configured, DeoError, Event, State, decode, encode, reduce
+from core.policies import BUILT_INS, PolicyCatalog
 
 __all__ = ["Replayed", "apply_settings", "parse_setting", "replay"]
 
@@ -63,8 +64,10 @@ def replay(
     *,
     problems: list[LogProblem],
     transform: Callable[[Event], Event] | None = None,
+    policies: PolicyCatalog = BUILT_INS,
 ) -> Iterator[Replayed]:
-    """Re-reduce every event of ``path``; unreadable lines are appended to ``problems``."""
+    """Re-reduce every event of ``path`` with ``policies`` (those of the run that wrote it);
+    unreadable lines are appended to ``problems``."""
     state = State()
     pending: _Pending | None = None
 
@@ -73,7 +76,7 @@ def replay(
         before = state
         event = transform(item.event) if transform is not None else item.event
         try:
-            state, produced = reduce(before, event)
+            state, produced = reduce(before, event, policies)
             error = None
         except DeoError as exc:
             produced, error = [], str(exc)

@@ -212,7 +212,7 @@ def _explain(
             event_json = orjson.dumps(encode(step.event)).decode()
             print(f"caused by line {step.line} (seq {step.seq}): {event_json}", file=out)
             pool = getattr(command, "pool", None) or subject
-            if pool in step.before.pools:
+            if pool is not None and pool in step.before.pools:
                 print(f"before it: {pool_summary(step.before, pool)}", file=out)
                 print(f"after it:  {pool_summary(step.after, pool)}", file=out)
             history = list(recent.get(pool, ()))

@@ -18,6 +18,7 @@ from adapters.sim.oracle import oracle
 from adapters.sim.scenario import Scenario
 from adapters.sim.world import World
 from core import Command, Configured, Event, PolicySpec, Reducer
+from core.policies import BUILT_INS, PolicyCatalog
 
 __all__ = ["simulate"]
 
@@ -32,25 +33,27 @@ def simulate(
     pool_overrides: Mapping[str, Any] | None = None,
     log_path: Path | None = None,
     check_invariants: bool = False,
+    policies: PolicyCatalog = BUILT_INS,
 ) -> SimResult:
     """Run ``scenario`` with the real reducer and return its metrics and series.
 
     ``policy`` replaces every pool's policy (None: the scenario's own); ``pool_overrides``
     replaces PoolSpec fields of every pool (``{"stabilization_s": 0.0}``). With ``log_path`` every
     event and command is written to a fresh event log there (``deo replay`` verifies it).
-    ``check_invariants`` checks the core's invariants after every step (slower).
+    ``check_invariants`` checks the core's invariants after every step (slower). ``policies``:
+    the policies a pool may run, by name (the benchmark passes one with its baselines).
     Raises :class:`~core.errors.ConfigError` when the policy or overrides are invalid.
     """
-    config = scenario.config(policy, pool_overrides)
+    config = scenario.config(policy, pool_overrides, policies)
     world = World(scenario)
-    reducer = Reducer(check_invariants=check_invariants)
+    reducer = Reducer(policies=policies, check_invariants=check_invariants)
     log: EventLog | None = None
     if log_path is not None:
         log_path = Path(log_path)
         for stale in (log_path, snapshot_path(log_path)):
             stale.unlink(missing_ok=True)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        log, _ = EventLog.open(log_path, fsync=False)
+        log, _ = EventLog.open(log_path, fsync=False, policies=policies)
 
     def feed(event: Event) -> None:
         commands: list[Command] = reducer.step(event) if log is None else log.record(reducer, event)

@@ -14,7 +14,8 @@ documents every key)::
 :func:`load_scenario` reads a file, applies ``--set``-style overrides (dotted keys, values read
 as TOML literals) and validates everything; a mistake raises :class:`ScenarioError` naming the
 key (``pools.envs.latency_sigma: expected a number, got "high"``), unknown keys included, with a
-suggestion when one is close.
+suggestion when one is close. Pools' policies are looked up in a
+:class:`~core.policies.PolicyCatalog` (``policies=``; the core's unless the caller has more).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import attrs
 
 from core.config import Config, CrashLoopRules, PolicySpec, PoolSpec
 from core.errors import ConfigError
-from core.policies import POLICIES, build
+from core.policies import BUILT_INS, PolicyCatalog
 
 __all__ = [
     "FAULT_KINDS",
@@ -225,7 +226,10 @@ class EnvPool:
         return 0.5 * math.erfc(-(math.log(x) - mu) / (sigma * math.sqrt(2)))
 
     def pool_spec(
-        self, policy: PolicySpec | None = None, overrides: Mapping[str, Any] | None = None
+        self,
+        policy: PolicySpec | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        policies: PolicyCatalog = BUILT_INS,
     ) -> PoolSpec:
         """The core's PoolSpec for this pool; ``policy`` and ``overrides`` replace the scenario's.
 
@@ -239,7 +243,7 @@ class EnvPool:
             min_workers=self.min_workers,
             max_workers=self.max_workers,
             gpus_per_worker=self.gpus_per_worker,
-            policy=self.world_params(policy or self.policy),
+            policy=self.world_params(policy or self.policy, policies),
             require_ready=self.require_ready,
             start_timeout_s=self.start_timeout_s,
             drain_timeout_s=self.drain_timeout_s,
@@ -251,11 +255,11 @@ class EnvPool:
             spec = attrs.evolve(spec, **overrides)
         return spec
 
-    def world_params(self, policy: PolicySpec) -> PolicySpec:
+    def world_params(self, policy: PolicySpec, policies: PolicyCatalog = BUILT_INS) -> PolicySpec:
         """``policy`` with the world's facts filled in where it takes them and lacks them."""
-        cls = POLICIES.get(policy.name)
+        cls = policies.policies.get(policy.name)
         if cls is None:
-            return policy  # build() reports the unknown name
+            return policy  # PolicyCatalog.build reports the unknown name
         facts: dict[str, Any] = {
             "max_batches_offpolicy": self.max_batches_offpolicy,
             "group_size": self.group_size,
@@ -419,11 +423,14 @@ class Scenario:
         raise KeyError(name)
 
     def config(
-        self, policy: PolicySpec | None = None, pool_overrides: Mapping[str, Any] | None = None
+        self,
+        policy: PolicySpec | None = None,
+        pool_overrides: Mapping[str, Any] | None = None,
+        policies: PolicyCatalog = BUILT_INS,
     ) -> Config:
         """The core's configuration: every pool (``policy``/``pool_overrides`` applied), GPUs."""
         return Config(
-            pools=[pool.pool_spec(policy, pool_overrides) for pool in self.pools],
+            pools=[pool.pool_spec(policy, pool_overrides, policies) for pool in self.pools],
             gpus=self.gpu_ids,
         )
 
@@ -431,7 +438,11 @@ class Scenario:
 # --- reading files --------------------------------------------------------------------------------
 
 
-def load_scenario(path: str | Path, overrides: Mapping[str, str] | None = None) -> Scenario:
+def load_scenario(
+    path: str | Path,
+    overrides: Mapping[str, str] | None = None,
+    policies: PolicyCatalog = BUILT_INS,
+) -> Scenario:
     """Read the TOML scenario at ``path``, apply ``overrides`` (``{"trainer.step_s": "2"}``).
 
     Override values are TOML literals (``2``, ``2.5``, ``true``, ``"text"``, ``[1, 2]``); a value
@@ -454,7 +465,7 @@ def load_scenario(path: str | Path, overrides: Mapping[str, str] | None = None) 
         _override(data, key, parse_override(raw))
     if "name" not in data:
         data["name"] = path.stem
-    return parse_scenario(data)
+    return parse_scenario(data, policies)
 
 
 def parse_override(raw: str) -> Any:
@@ -498,7 +509,7 @@ def _override(data: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def parse_scenario(data: Mapping[str, Any]) -> Scenario:
+def parse_scenario(data: Mapping[str, Any], policies: PolicyCatalog = BUILT_INS) -> Scenario:
     """A scenario from parsed TOML (a dict); :class:`ScenarioError` naming the key if wrong."""
     table = dict(data)
     _known(
@@ -512,7 +523,8 @@ def parse_scenario(data: Mapping[str, Any]) -> Scenario:
     if "pools" in table:
         pools = _typed("pools", table["pools"], dict)
         values["pools"] = [
-            _env_pool(name, _typed(f"pools.{name}", raw, dict)) for name, raw in pools.items()
+            _env_pool(name, _typed(f"pools.{name}", raw, dict), policies)
+            for name, raw in pools.items()
         ]
     if "inference" in table:
         values["inference"] = _construct(
@@ -536,7 +548,7 @@ def _trainer(table: dict[str, Any]) -> TrainerSpec:
     return _construct(TrainerSpec, "trainer", values, typed=True)
 
 
-def _env_pool(name: str, table: dict[str, Any]) -> EnvPool:
+def _env_pool(name: str, table: dict[str, Any], policies: PolicyCatalog) -> EnvPool:
     where = f"pools.{name}"
     values = _scalars(EnvPool, where, table, skip={"name", "policy", "crash_loop"})
     if "policy" in table:
@@ -555,7 +567,8 @@ def _env_pool(name: str, table: dict[str, Any]) -> EnvPool:
         )
     pool = _construct(EnvPool, where, {"name": name, **values}, typed=True)
     try:
-        build(pool.world_params(pool.policy))  # the policy and its parameters, checked by key
+        # The policy and its parameters, checked by key.
+        policies.build(pool.world_params(pool.policy, policies))
         pool.pool_spec()  # deo's own checks of the pool (min <= max, timeouts, ...)
     except ScenarioError:
         raise

@@ -1,12 +1,15 @@
 """Scaling policies behind one interface (see :mod:`core.policies.base`).
 
-``build(spec)`` turns a :class:`~core.config.PolicySpec` into a policy object, naming the bad key
-when a parameter is unknown or out of range.
+A :class:`PolicyCatalog` turns a :class:`~core.config.PolicySpec` into a policy object, naming the
+bad key when a parameter is unknown or out of range. :data:`BUILT_INS` holds the policies of the
+core; policies defined elsewhere (the benchmark's baselines) join a catalog of their own, which
+the caller hands to its :class:`~core.reducer.Reducer`. Nothing here is registered globally.
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 
 import attrs
 
@@ -19,6 +22,7 @@ from core.policies.static import StaticPolicy
 from core.policies.threshold import ThresholdMemory, ThresholdPolicy
 
 __all__ = [
+    "BUILT_INS",
     "POLICIES",
     "BufferMemory",
     "BufferPolicy",
@@ -26,76 +30,91 @@ __all__ = [
     "HpaMemory",
     "HpaPolicy",
     "Policy",
+    "PolicyCatalog",
     "PolicyContext",
     "StaticPolicy",
     "ThresholdMemory",
     "ThresholdPolicy",
     "build",
-    "register",
 ]
 
-POLICIES: dict[str, type] = {
-    "buffer": BufferPolicy,
-    "hpa": HpaPolicy,
-    "static": StaticPolicy,
-    "threshold": ThresholdPolicy,
-}
+#: The core's policies by name.
+POLICIES: Mapping[str, type] = MappingProxyType(
+    {
+        "buffer": BufferPolicy,
+        "hpa": HpaPolicy,
+        "static": StaticPolicy,
+        "threshold": ThresholdPolicy,
+    }
+)
 
 
-def register(name: str, cls: type) -> None:
-    """Make a policy defined outside the core (a benchmark's baseline) buildable by ``name``.
+def _read_only(value: Mapping[str, type]) -> Mapping[str, type]:
+    # A copy, even of a read-only view: the dict behind a caller's view could still change.
+    return MappingProxyType(dict(value))
 
-    Idempotent; :class:`ConfigError` if ``name`` already names another class.
+
+def _classes(value: Iterable[type]) -> tuple[type, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class PolicyCatalog:
+    """The policies a reducer can build by name, and the record types they add to the codec.
+
+    ``records``: attrs classes defined outside the core that a state of a pool run by these
+    policies holds (their memories); ``codec.decode`` needs them to read such a state back.
     """
-    existing = POLICIES.get(name)
-    if existing is not None and existing is not cls:
-        raise ConfigError(
-            f"policy {name!r} is already registered as {existing.__qualname__}; "
-            f"cannot register {cls.__qualname__}"
-        )
-    POLICIES[name] = cls
+
+    policies: Mapping[str, type] = attrs.field(default=POLICIES, converter=_read_only)
+    records: tuple[type, ...] = attrs.field(default=(), converter=_classes)
+
+    def extended(self, policies: Mapping[str, type], records: Iterable[type] = ()) -> PolicyCatalog:
+        """This catalog and ``policies`` (and their ``records``); :class:`ConfigError` if a name
+        already names another class."""
+        for name, cls in policies.items():
+            existing = self.policies.get(name)
+            if existing is not None and existing is not cls:
+                raise ConfigError(
+                    f"policy {name!r} is already {existing.__qualname__}; "
+                    f"cannot add {cls.__qualname__} under that name"
+                )
+        added = tuple(cls for cls in records if cls not in self.records)
+        return PolicyCatalog(policies={**self.policies, **policies}, records=self.records + added)
+
+    def build(self, spec: PolicySpec) -> Policy:
+        """The policy ``spec`` names, with its parameters; :class:`ConfigError` if either is
+        wrong."""
+        cls = self.policies.get(spec.name)
+        if cls is None:
+            known = ", ".join(sorted(self.policies))
+            raise ConfigError(f"policy.name: unknown policy {spec.name!r}; known: {known}")
+        fields = {f.name: f for f in attrs.fields(cls)}
+        params = {}
+        for key, value in spec.params.items():
+            field = fields.get(key)
+            if field is None:
+                known = ", ".join(sorted(fields)) or "none"
+                raise ConfigError(
+                    f"policy.{key}: {spec.name!r} has no such parameter; known: {known}"
+                )
+            expected = type(field.default)
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if type(value) is not expected:
+                raise ConfigError(
+                    f"policy.{key}: expected {expected.__name__}, got {type(value).__name__} "
+                    f"{value!r}"
+                )
+            params[key] = value
+        policy: Policy = cls(**params)
+        return policy
 
 
-#: Policies already built, by the identity of their spec (which the entry keeps alive, so the id
-#: cannot be reused): the reducer asks for the same spec object on every sample.
-_BY_SPEC: dict[int, tuple[PolicySpec, Policy]] = {}
+#: The core's own policies.
+BUILT_INS = PolicyCatalog()
 
 
 def build(spec: PolicySpec) -> Policy:
-    """The policy ``spec`` names, with its parameters; :class:`ConfigError` if either is wrong."""
-    entry = _BY_SPEC.get(id(spec))
-    if entry is not None and entry[0] is spec:
-        return entry[1]
-    # Keyed by parameter types too: 2 == 2.0 == True, yet only one of them may be valid.
-    key = (spec.name, tuple(sorted((k, type(v).__name__, v) for k, v in spec.params.items())))
-    policy = _build(key, spec)
-    if len(_BY_SPEC) > 1024:
-        _BY_SPEC.clear()
-    _BY_SPEC[id(spec)] = (spec, policy)
-    return policy
-
-
-@functools.lru_cache(maxsize=256)
-def _build(key: object, spec: PolicySpec) -> Policy:
-    cls = POLICIES.get(spec.name)
-    if cls is None:
-        raise ConfigError(
-            f"policy.name: unknown policy {spec.name!r}; known: {', '.join(sorted(POLICIES))}"
-        )
-    fields = {f.name: f for f in attrs.fields(cls)}
-    params = {}
-    for key, value in spec.params.items():
-        field = fields.get(key)
-        if field is None:
-            known = ", ".join(sorted(fields)) or "none"
-            raise ConfigError(f"policy.{key}: {spec.name!r} has no such parameter; known: {known}")
-        expected = type(field.default)
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if type(value) is not expected:
-            raise ConfigError(
-                f"policy.{key}: expected {expected.__name__}, got {type(value).__name__} {value!r}"
-            )
-        params[key] = value
-    policy: Policy = cls(**params)
-    return policy
+    """The built-in policy ``spec`` names (see :meth:`PolicyCatalog.build`)."""
+    return BUILT_INS.build(spec)

@@ -56,11 +56,12 @@ import attrs
 from core.errors import ConfigError
 from core.events import QueueSampled
 from core.policies.base import Decision, PolicyContext
-from core.records import replace
+from core.records import replace, replaceable
 
 __all__ = ["BufferMemory", "BufferPolicy"]
 
 
+@replaceable
 @attrs.frozen(slots=True, kw_only=True)
 class BufferMemory:
     last_t: float

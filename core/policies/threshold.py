@@ -20,7 +20,7 @@ import attrs
 from core.errors import ConfigError
 from core.events import LoadSampled
 from core.policies.base import Decision, PolicyContext
-from core.records import replace
+from core.records import replace, replaceable
 
 __all__ = ["ThresholdMemory", "ThresholdPolicy"]
 
@@ -30,6 +30,7 @@ def _pairs(value: Iterable[Sequence[float]]) -> tuple[tuple[float, float], ...]:
     return tuple((float(t), float(ratio)) for t, ratio in value)
 
 
+@replaceable
 @attrs.frozen(slots=True, kw_only=True)
 class ThresholdMemory:
     #: (t, load ratio) of the samples of the last ``stability_s`` seconds.

@@ -20,18 +20,21 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
+from adapters.log import EventLog
 from bench.baselines import (
     BASELINE_POLICIES,
+    CATALOG,
     DeoProposalMemory,
     DeoProposalPolicy,
     RayServeMemory,
     RayServePolicy,
     baseline_specs,
-    register,
 )
 from core import (
     Command,
@@ -49,11 +52,9 @@ from core import (
     WorkerStarted,
     codec,
 )
+from core.codec import types_with
 from core.errors import ConfigError
-from core.policies import POLICIES, Decision, HpaPolicy, PolicyContext, build
-from core.records import replace
-
-register()
+from core.policies import BUILT_INS, POLICIES, Decision, HpaPolicy, PolicyContext
 
 GROUP_SIZE = 4
 GROUPS_IN_FLIGHT = 10  # verl capacity 10, HPA target 8 (0.8 x 10), Ray target 4 (2/5 x 10)
@@ -61,8 +62,8 @@ SPECS = baseline_specs(group_size=GROUP_SIZE, groups_in_flight=GROUPS_IN_FLIGHT,
 
 
 def built(spec: PolicySpec) -> Any:
-    """``core.policies.build``, typed loosely: baselines narrow ``reacts_to``."""
-    return build(spec)
+    """The benchmark catalog's ``build``, typed loosely: baselines narrow ``reacts_to``."""
+    return CATALOG.build(spec)
 
 
 def policy_of(name: str) -> Any:
@@ -119,7 +120,7 @@ class World:
 
     def __init__(self, name: str, *, initial: int, min_workers: int = 1) -> None:
         spec, overrides = SPECS[name]
-        self.reducer = Reducer(check_invariants=True)
+        self.reducer = Reducer(policies=CATALOG, check_invariants=True)
         self.pids = itertools.count(1000)
         pool = PoolSpec(
             name="envs",
@@ -152,7 +153,7 @@ class World:
 
 
 def pool_with(pool: PoolSpec, policy: PolicySpec) -> PoolSpec:
-    return replace(pool, policy=policy)
+    return attrs.evolve(pool, policy=policy)
 
 
 def load(t: float, in_flight: int) -> LoadSampled:
@@ -168,30 +169,32 @@ def queue(t: float, queued_seqs: int, batch: int = 64) -> QueueSampled:
 # --- registration and specs -----------------------------------------------------------------------
 
 
-def test_register_makes_the_baselines_buildable_and_is_idempotent() -> None:
-    register()
-    register()
-    assert POLICIES["deo-proposal"] is DeoProposalPolicy
-    assert POLICIES["ray-serve"] is RayServePolicy
+def test_the_catalog_builds_the_baselines_and_the_core_policies() -> None:
+    assert CATALOG.policies["deo-proposal"] is DeoProposalPolicy
+    assert CATALOG.policies["ray-serve"] is RayServePolicy
     assert built(PolicySpec(name="deo-proposal", params={"group_size": 16})) == DeoProposalPolicy(
         group_size=16
     )
     assert built(PolicySpec(name="ray-serve", params={"upscale_delay_s": 5})) == RayServePolicy(
         upscale_delay_s=5.0
     )
-    # The core policies are still there, untouched.
+    # The core policies are there as well; the core's own catalog never learns of the baselines.
     for name in ("buffer", "hpa", "static", "threshold"):
-        assert name in POLICIES
+        assert CATALOG.policies[name] is POLICIES[name]
+    assert set(BUILT_INS.policies) == {"buffer", "hpa", "static", "threshold"}
+    with pytest.raises(ConfigError, match="unknown policy 'ray-serve'"):
+        BUILT_INS.build(PolicySpec(name="ray-serve"))
 
 
-def test_register_refuses_to_replace_another_policy_of_the_same_name() -> None:
-    saved = POLICIES["ray-serve"]
-    POLICIES["ray-serve"] = DeoProposalPolicy
-    try:
-        with pytest.raises(ConfigError, match="'ray-serve' is already registered"):
-            register()
-    finally:
-        POLICIES["ray-serve"] = saved
+def test_a_reducer_without_the_catalog_refuses_a_baseline_by_name() -> None:
+    pool = PoolSpec(name="envs", argv=["x"], policy=PolicySpec(name="ray-serve"))
+    with pytest.raises(ConfigError, match="unknown policy 'ray-serve'"):
+        Reducer().step(Configured(t=0.0, config=Config(pools=[pool])))
+    reducer = Reducer(policies=CATALOG)
+    reducer.step(Configured(t=0.0, config=Config(pools=[pool])))
+    reducer.step(LoadSampled(t=1.0, pool="envs", in_flight_requests=3))
+    built_policy = reducer.state.pools["envs"].built_policy
+    assert built_policy is not None and built_policy[1] == RayServePolicy()
 
 
 @pytest.mark.parametrize(
@@ -213,14 +216,14 @@ def test_register_refuses_to_replace_another_policy_of_the_same_name() -> None:
 )
 def test_bad_parameters_name_the_key(name: str, params: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError) as info:
-        build(PolicySpec(name=name, params=params))
+        CATALOG.build(PolicySpec(name=name, params=params))
     assert key in str(info.value)
 
 
 def test_baseline_specs_build_and_carry_the_published_parameters() -> None:
     assert set(SPECS) == {"deo-proposal", "ray-serve", "verl", "k8s-hpa", "static"}
     for name, (spec, overrides) in SPECS.items():
-        build(spec)  # every spec is valid
+        CATALOG.build(spec)  # every spec is valid
         PoolSpec(name="envs", argv=["x"], max_workers=10, **overrides)  # so are the overrides
         expected = {} if name == "static" else {"stabilization_s": 0.0}
         assert overrides == expected, name
@@ -265,8 +268,9 @@ def test_baseline_specs_reject_bad_input(args: tuple[Any, Any, Any]) -> None:
     ],
 )
 def test_memories_survive_the_codec(memory: object) -> None:
-    # A state snapshot of a pool run by a baseline encodes its memory like any other.
-    assert codec.decode(codec.encode(memory)) == memory
+    # A state snapshot of a pool run by a baseline encodes its memory like any other, and decodes
+    # with the catalog's records.
+    assert codec.decode(codec.encode(memory), types_with(CATALOG.records)) == memory
 
 
 def test_published_defaults() -> None:
@@ -574,3 +578,30 @@ def test_static_holds_the_pool_maximum() -> None:
     assert world.feed(load(0, 0)) == []  # never asked, whatever the pressure
     assert world.feed(queue(1, 0)) == []
     assert world.workers == 10
+
+
+def test_a_log_of_a_baseline_run_recovers_only_with_the_catalog(tmp_path: Path) -> None:
+    pool = PoolSpec(
+        name="envs",
+        argv=["x"],
+        max_workers=10,
+        policy=PolicySpec(name="ray-serve"),
+        **SPECS["ray-serve"][1],
+    )
+    path = tmp_path / "run.deo.jsonl"
+    reducer = Reducer(policies=CATALOG)
+    log, _ = EventLog.open(path, fsync=False, policies=CATALOG)
+    with log:
+        log.record(reducer, Configured(t=0.0, config=Config(pools=[pool])))
+        log.record(reducer, load(1.0, 12))
+        log.snapshot(reducer.state)
+    assert isinstance(reducer.state.pools["envs"].policy_memory, RayServeMemory)
+
+    log, recovery = EventLog.open(path, fsync=False, policies=CATALOG)
+    log.close()
+    assert recovery.state == reducer.state
+    assert recovery.replayed == 0  # from the snapshot, which holds the baseline's memory
+    # Without the catalog neither the snapshot nor the Configured event can be read back.
+    log, recovery = EventLog.open(path, fsync=False)
+    log.close()
+    assert "envs" not in recovery.state.pools

@@ -11,7 +11,18 @@ import orjson
 import pytest
 from hypothesis import assume, given
 
-from core import Command, Config, DeoError, Event, InvalidEvent, PolicySpec, PoolSpec, codec
+from core import (
+    Command,
+    Config,
+    Configured,
+    DeoError,
+    Event,
+    InvalidEvent,
+    PolicySpec,
+    PoolSpec,
+    Reducer,
+    codec,
+)
 from core import commands as c
 from core import events as e
 
@@ -132,22 +143,54 @@ def test_bad_records_raise_the_core_error(record: dict[str, Any], message: str) 
         codec.decode(record)
 
 
-def test_register_adds_an_outside_class_once_and_refuses_a_clash() -> None:
+def test_outside_classes_decode_only_with_the_types_that_name_them() -> None:
     @attrs.frozen(slots=True, kw_only=True)
     class OutsideMemory:
         count: int = 0
 
-    codec.register(OutsideMemory)
-    codec.register(OutsideMemory)  # idempotent
-    assert codec.decode(codec.encode(OutsideMemory(count=3))) == OutsideMemory(count=3)
+    encoded = codec.encode(OutsideMemory(count=3))
+    assert encoded == {"@": "OutsideMemory", "count": 3}
+    with pytest.raises(InvalidEvent, match="unknown record type 'OutsideMemory'"):
+        codec.decode(encoded)  # the core's registry is closed and never grows
+    types = codec.types_with([OutsideMemory])
+    assert codec.decode(encoded, types) == OutsideMemory(count=3)
+    assert "OutsideMemory" not in codec.REGISTRY
+    assert codec.types_with([OutsideMemory], types) == types  # naming it twice is harmless
 
     @attrs.frozen(slots=True, kw_only=True)
     class OutsideMemory2:
         count: int = 0
 
     OutsideMemory2.__name__ = "OutsideMemory"
-    with pytest.raises(ValueError, match="already registered"):
-        codec.register(OutsideMemory2)
+    with pytest.raises(ValueError, match="'OutsideMemory' is already"):
+        codec.types_with([OutsideMemory2], types)
+    with pytest.raises(ValueError, match="'Tick' is already"):
+        codec.types_with([attrs.make_class("Tick", ["t"])])
     with pytest.raises(ValueError, match="not an attrs class"):
-        codec.register(int)
-    del codec.REGISTRY["OutsideMemory"]
+        codec.types_with([int])
+    with pytest.raises(TypeError):
+        codec.REGISTRY["OutsideMemory"] = OutsideMemory  # type: ignore[index]
+
+
+def test_a_state_encodes_its_read_only_collections_and_decodes_them_read_only() -> None:
+    reducer = Reducer()
+    static = PolicySpec(name="static", params={"count": 2})
+    reducer.step(
+        Configured(
+            t=0.0,
+            config=Config(pools=[PoolSpec(name="envs", argv=["x"], max_workers=4, policy=static)]),
+        )
+    )
+    reducer.step(e.LoadSampled(t=1.0, pool="envs", in_flight_requests=3))
+    state = reducer.state
+    assert state.pools["envs"].built_policy is not None
+    encoded = codec.encode(state)
+    assert type(encoded["pools"]) is dict and type(encoded["workers"]) is dict
+    # Derived fields (kept for speed, rebuilt on construction) are not written.
+    assert "worker_counts" not in encoded and "built_policy" not in encoded["pools"]["envs"]
+    decoded = through_the_log(state)
+    assert decoded == state
+    assert decoded.worker_counts == state.worker_counts == {"envs": (2, 0)}
+    assert decoded.pools["envs"].built_policy is None  # built again by the first step needing it
+    with pytest.raises(TypeError):
+        decoded.workers["envs-9"] = decoded.workers["envs-0"]  # type: ignore[index]

@@ -7,7 +7,6 @@ Policies never clamp to the pool's bounds (the reducer does), so targets here ma
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -19,27 +18,20 @@ from core.config import PolicySpec
 from core.errors import ConfigError
 from core.events import LoadSampled, QueueSampled
 from core.policies import (
+    BUILT_INS,
     POLICIES,
     BufferMemory,
     BufferPolicy,
     Decision,
     HpaMemory,
     HpaPolicy,
+    PolicyCatalog,
     PolicyContext,
     StaticPolicy,
     ThresholdMemory,
     ThresholdPolicy,
     build,
 )
-
-
-@pytest.fixture(autouse=True)
-def _fresh_build_cache() -> Iterator[None]:
-    # build() is lru_cached on PolicySpec; start every test from an empty cache.
-    clear = getattr(build, "cache_clear", lambda: None)
-    clear()
-    yield
-    clear()
 
 
 def load_ctx(
@@ -195,7 +187,7 @@ def test_build_passes_every_parameter() -> None:
     assert build(PolicySpec(name="threshold", params=params)) == ThresholdPolicy(**params)
 
 
-def test_validation_does_not_depend_on_the_build_cache() -> None:
+def test_validation_looks_at_the_parameter_type_not_only_its_value() -> None:
     build(PolicySpec(name="threshold", params={"step": 2}))
     with pytest.raises(ConfigError, match=r"policy\.step"):
         build(PolicySpec(name="threshold", params={"step": 2.0}))
@@ -966,16 +958,32 @@ def test_buffer_properties(
         memory = after
 
 
-def test_register_makes_an_outside_policy_buildable_once() -> None:
-    from core.policies import register
+def test_a_catalog_extended_with_an_outside_policy_builds_it_and_leaves_the_built_ins() -> None:
+    @attrs.frozen(slots=True, kw_only=True)
+    class OutsideMemory:
+        seen: int = 0
 
-    register("outside-static", StaticPolicy)
-    register("outside-static", StaticPolicy)  # idempotent
-    try:
-        assert build(PolicySpec(name="outside-static", params={"count": 3})) == StaticPolicy(
-            count=3
-        )
-        with pytest.raises(ConfigError, match="already registered as StaticPolicy"):
-            register("outside-static", HpaPolicy)
-    finally:
-        POLICIES.pop("outside-static")
+    outside = BUILT_INS.extended({"outside-static": StaticPolicy}, records=[OutsideMemory])
+    assert outside.build(PolicySpec(name="outside-static", params={"count": 3})) == StaticPolicy(
+        count=3
+    )
+    assert outside.records == (OutsideMemory,)
+    assert outside.extended({"outside-static": StaticPolicy}, [OutsideMemory]) == outside
+    # The built-ins know nothing of it: nothing was registered anywhere.
+    assert "outside-static" not in POLICIES and "outside-static" not in BUILT_INS.policies
+    with pytest.raises(ConfigError, match="unknown policy 'outside-static'"):
+        build(PolicySpec(name="outside-static"))
+    with pytest.raises(ConfigError, match="'outside-static' is already StaticPolicy"):
+        outside.extended({"outside-static": HpaPolicy})
+    with pytest.raises(ConfigError, match="'buffer' is already BufferPolicy"):
+        BUILT_INS.extended({"buffer": HpaPolicy})
+
+
+def test_registries_are_read_only() -> None:
+    catalog = PolicyCatalog(policies={"mine": StaticPolicy})
+    with pytest.raises(TypeError):
+        POLICIES["mine"] = StaticPolicy  # type: ignore[index]
+    with pytest.raises(TypeError):
+        catalog.policies["other"] = HpaPolicy  # type: ignore[index]
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        catalog.policies = {}  # type: ignore[misc]
