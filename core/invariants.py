@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from core import commands as c
 from core import events as e
 from core.errors import InvariantViolation
-from core.lifecycle import COUNTED, WorkerState
+from core.lifecycle import COUNTED, DEADLINE_ACTIONS
 from core.state import State
+from core.vocabulary import AlertName, DecisionSource
 
 __all__ = ["raise_on_violation", "state_violations", "step_violations"]
 
@@ -41,7 +42,7 @@ def state_violations(state: State) -> list[str]:
         if (
             not pool.removed
             and n < pool.spec.min_workers
-            and ("below_min", name) not in state.alerts
+            and (AlertName.BELOW_MIN, name) not in state.alerts
         ):
             found.append(f"2: pool {name} has {n} < min {pool.spec.min_workers} without an alert")
     for worker in state.workers.values():
@@ -50,11 +51,8 @@ def state_violations(state: State) -> list[str]:
             found.append(f"worker {worker.worker_id} belongs to no pool")
         elif worker.index >= owner.next_index:
             found.append(f"worker {worker.worker_id} has an index the pool never handed out")
-        # 3. Every drain and stop has a deadline.
-        if (
-            worker.state in (WorkerState.DRAINING, WorkerState.STOPPING)
-            and worker.deadline_t is None
-        ):
+        # 3. Every drain and stop has a deadline (the states with a deadline action).
+        if worker.state in DEADLINE_ACTIONS and worker.deadline_t is None:
             found.append(f"3: worker {worker.worker_id} is {worker.state.value} without a deadline")
     for worker_id in state.last_seen:
         if worker_id not in state.workers:
@@ -90,7 +88,7 @@ def step_violations(
                     f"5: {command.worker_id} spawned at t={t} during backoff until "
                     f"{pool.backoff_until_t} ({pool.failures} failures)"
                 )
-        elif isinstance(command, c.ScalePool) and command.source == "policy":
+        elif isinstance(command, c.ScalePool) and command.source == DecisionSource.POLICY:
             # 6. Only a fresh sample for the pool lets a policy decide.
             fresh = (
                 isinstance(event, (e.QueueSampled, e.LoadSampled)) and event.pool == command.pool
