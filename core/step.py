@@ -25,7 +25,6 @@ from core.vocabulary import PLANNED_STOPS, STICKY_CAUSES, AlertName, DecisionSou
 __all__ = ["Step"]
 
 S = WorkerState
-A = AlertName
 
 
 #: The last workers dict counted and its counts (see Step.pool_counts); holding the dict keeps
@@ -207,7 +206,7 @@ class Step:
             )
             if failures >= rules.alert_after:
                 self.raise_alert(
-                    A.CRASH_LOOP,
+                    AlertName.CRASH_LOOP,
                     pool.spec.name,
                     f"{failures} early failures in a row (last: {worker.worker_id} {why}); "
                     f"next spawn in {backoff:g}s",
@@ -236,7 +235,7 @@ class Step:
     def _reset_failures(self, pool: PoolState, why: str) -> PoolState:
         if pool.failures == 0:
             return pool
-        self.resolve_alert(A.CRASH_LOOP, pool.spec.name, f"healthy run: {why}")
+        self.resolve_alert(AlertName.CRASH_LOOP, pool.spec.name, f"healthy run: {why}")
         return replace(pool, failures=0, backoff_until_t=0.0)
 
     def resolve_pool_alerts(self, pool: str, why: str) -> None:
@@ -277,7 +276,7 @@ class Step:
             elif count < target:
                 count = self._grow(pool, count, free)
             else:
-                self.resolve_alert(A.NO_FREE_GPUS, name, f"{name} reached {target} workers")
+                self.resolve_alert(AlertName.NO_FREE_GPUS, name, f"{name} reached {target} workers")
             self._check_min(pool, count)
 
     def _shrink(self, pool: PoolState, counted: list[Worker], excess: int) -> None:
@@ -303,7 +302,7 @@ class Step:
         while count < pool.target:
             if len(free) < spec.gpus_per_worker:
                 self.raise_alert(
-                    A.NO_FREE_GPUS,
+                    AlertName.NO_FREE_GPUS,
                     name,
                     f"{name} wants {pool.target} workers, has {count}: needs "
                     f"{spec.gpus_per_worker} free healthy GPU(s), {len(free)} available",
@@ -339,7 +338,9 @@ class Step:
             index += 1
             count += 1
         else:
-            self.resolve_alert(A.NO_FREE_GPUS, name, f"{name} reached {pool.target} workers")
+            self.resolve_alert(
+                AlertName.NO_FREE_GPUS, name, f"{name} reached {pool.target} workers"
+            )
         if index != pool.next_index:
             self.put_pool(replace(pool, next_index=index))
         return count
@@ -348,13 +349,17 @@ class Step:
         name = pool.spec.name
         minimum = 0 if pool.removed else pool.spec.min_workers
         if counted >= minimum:
-            self.resolve_alert(A.BELOW_MIN, name, f"{name} has {counted} >= min {minimum} workers")
+            self.resolve_alert(
+                AlertName.BELOW_MIN, name, f"{name} has {counted} >= min {minimum} workers"
+            )
             return
         if self.t < pool.backoff_until_t:
             why = f"crash-loop backoff until t={pool.backoff_until_t:g}"
         else:
             why = f"no free healthy GPU for {pool.spec.gpus_per_worker} per worker"
-        self.raise_alert(A.BELOW_MIN, name, f"{name} has {counted} < min {minimum} workers: {why}")
+        self.raise_alert(
+            AlertName.BELOW_MIN, name, f"{name} has {counted} < min {minimum} workers: {why}"
+        )
 
     # --- scaling decisions -----------------------------------------------------------------------
 
@@ -385,8 +390,8 @@ class Step:
         name = pool.spec.name
         changes: dict[str, Any] = {"last_sample_t": self.t, "source_error": None}
         changes["queue" if isinstance(event, e.QueueSampled) else "load"] = event
-        self.resolve_alert(A.SOURCE_DOWN, name, "pressure source answered again")
-        self.resolve_alert(A.PRESSURE_STALE, name, "fresh pressure sample")
+        self.resolve_alert(AlertName.SOURCE_DOWN, name, "pressure source answered again")
+        self.resolve_alert(AlertName.PRESSURE_STALE, name, "fresh pressure sample")
         if isinstance(event, e.QueueSampled):
             self.check_backlog(pool.spec, event)
         policy = build(pool.spec.policy)
@@ -417,14 +422,14 @@ class Step:
         queued_batches = sample.queued_sequences / sample.batch_size_seqs
         if queued_batches > spec.queue_alert_batches:
             self.raise_alert(
-                A.QUEUE_BACKLOG,
+                AlertName.QUEUE_BACKLOG,
                 spec.name,
                 f"{queued_batches:.1f} batches queued, more than the {spec.queue_alert_batches:g} "
                 f"the trainer can use before the data goes stale",
             )
         else:
             self.resolve_alert(
-                A.QUEUE_BACKLOG, spec.name, f"queue back to {queued_batches:.1f} batches"
+                AlertName.QUEUE_BACKLOG, spec.name, f"queue back to {queued_batches:.1f} batches"
             )
 
     def pool_counts(self) -> dict[str, tuple[int, int]]:
