@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import attrs
 
-from core.convert import str_set, str_tuple
+from core.convert import str_tuple
+from core.vocabulary import (
+    AlertName,
+    DecisionSource,
+    as_alert_name,
+    as_cordon_causes,
+    as_decision_source,
+)
 
 __all__ = [
     "Command",
@@ -78,12 +85,12 @@ class KillWorker(Command):
 
 @attrs.frozen(slots=True, kw_only=True)
 class ScalePool(Command):
-    """A pool's target count changed. ``source`` is "policy", "operator" or "config"."""
+    """A pool's target count changed; ``source`` says who set it."""
 
     pool: str
     previous: int
     target: int
-    source: str
+    source: DecisionSource = attrs.field(converter=as_decision_source)
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -91,7 +98,7 @@ class CordonGpu(Command):
     """A GPU takes no new workers; ``causes`` lists every active cordon cause."""
 
     gpu_id: str
-    causes: frozenset[str] = attrs.field(converter=str_set)
+    causes: frozenset[str] = attrs.field(converter=as_cordon_causes)
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -105,7 +112,7 @@ class UncordonGpu(Command):
 class RaiseAlert(Command):
     """Something needs a person: ``alert`` names the kind, ``subject`` the pool, worker or GPU."""
 
-    alert: str
+    alert: AlertName = attrs.field(converter=as_alert_name)
     subject: str
 
 
@@ -113,5 +120,5 @@ class RaiseAlert(Command):
 class ResolveAlert(Command):
     """A raised alert's condition has cleared."""
 
-    alert: str
+    alert: AlertName = attrs.field(converter=as_alert_name)
     subject: str

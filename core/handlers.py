@@ -13,16 +13,65 @@ from typing import Any
 
 from core import commands as c
 from core import events as e
-from core.config import Config
+from core.config import Config, PoolSpec
 from core.errors import ConfigError, Refused
-from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
+from core.lifecycle import COUNTED, DEADLINE_ACTIONS, Trigger, WorkerState
 from core.records import replace
 from core.state import Gpu, PoolState, State, Worker
 from core.step import Step
+from core.vocabulary import AlertName, CordonCause, DecisionSource, StopCause, as_cordon_causes
 
 __all__ = ["HANDLERS", "heartbeat_only"]
 
 S = WorkerState
+
+
+def _sigterm(step: Step, worker: Worker, spec: PoolSpec) -> None:
+    step.terminate(
+        worker,
+        StopCause.DRAIN_DEADLINE,
+        f"{worker.worker_id} still running {spec.drain_timeout_s:g}s after the drain signal: "
+        f"SIGTERM",
+    )
+
+
+def _sigkill(step: Step, worker: Worker, spec: PoolSpec) -> None:
+    step.transition(worker, Trigger.KILL, deadline_t=step.t + spec.stop_timeout_s)
+    step.commands.append(
+        c.KillWorker(
+            worker_id=worker.worker_id,
+            pid=worker.pid,
+            reason=f"{worker.worker_id} still running {spec.stop_timeout_s:g}s after SIGTERM: "
+            f"SIGKILL to its process group",
+        )
+    )
+
+
+def _give_up(step: Step, worker: Worker, spec: PoolSpec) -> None:
+    if worker.pid is None:
+        why = f"{worker.worker_id} never started"
+        failure = step.is_failure(worker)
+        step.exit_worker(worker, failure=failure, why=why, trigger=Trigger.GIVE_UP)
+        return
+    # Its process may live on, holding its GPUs: no new worker goes there until a person looks.
+    why = f"{worker.worker_id} did not exit {spec.stop_timeout_s:g}s after SIGKILL"
+    step.raise_alert(AlertName.UNKILLABLE_WORKER, worker.worker_id, why + "; GPUs cordoned")
+    for gpu_id in worker.gpus:
+        gpu = step.gpus.get(gpu_id)
+        if gpu is not None:
+            causes = gpu.causes | {CordonCause.UNKILLABLE_WORKER}
+            step.set_causes(gpu, causes, None, why)
+    step.exit_worker(worker, failure=False, why=why, trigger=Trigger.GIVE_UP)
+
+
+#: What each deadline action of the lifecycle (``DEADLINE_ACTIONS``) does besides its transition.
+_ON_DEADLINE: Mapping[Trigger, Callable[[Step, Worker, PoolSpec], None]] = MappingProxyType(
+    {
+        Trigger.TERMINATE: _sigterm,
+        Trigger.KILL: _sigkill,
+        Trigger.GIVE_UP: _give_up,
+    }
+)
 
 
 def _tick(step: Step, event: e.Tick) -> None:
@@ -36,45 +85,16 @@ def _tick(step: Step, event: e.Tick) -> None:
             if limit is None or t - last_seen.get(worker.worker_id, t) <= limit:
                 continue
         spec = step.pools[worker.pool].spec
-        if state in (S.DRAINING, S.STOPPING):
+        action = DEADLINE_ACTIONS.get(state)
+        if action is not None:
             assert worker.deadline_t is not None
-            if t < worker.deadline_t:
-                continue
-            if state is S.DRAINING:
-                step.terminate(
-                    worker,
-                    "drain_deadline",
-                    f"{worker.worker_id} still running {spec.drain_timeout_s:g}s after the "
-                    f"drain signal: SIGTERM",
-                )
-            elif not worker.killed:
-                step.transition(
-                    worker, Trigger.KILL, killed=True, deadline_t=t + spec.stop_timeout_s
-                )
-                step.commands.append(
-                    c.KillWorker(
-                        worker_id=worker.worker_id,
-                        pid=worker.pid,
-                        reason=f"{worker.worker_id} still running {spec.stop_timeout_s:g}s after "
-                        f"SIGTERM: SIGKILL to its process group",
-                    )
-                )
-            elif worker.pid is None:
-                why = f"{worker.worker_id} never started"
-                step.exit_worker(worker, failure=step.is_failure(worker), why=why)
-            else:
-                why = f"{worker.worker_id} did not exit {spec.stop_timeout_s:g}s after SIGKILL"
-                step.raise_alert("unkillable_worker", worker.worker_id, why + "; GPUs cordoned")
-                for gpu_id in worker.gpus:
-                    gpu = step.gpus.get(gpu_id)
-                    if gpu is not None:
-                        step.set_causes(gpu, gpu.causes | {"unkillable_worker"}, None, why)
-                step.exit_worker(worker, failure=False, why=why)
+            if t >= worker.deadline_t:
+                _ON_DEADLINE[action](step, worker, spec)
             continue
         if state is S.REQUESTED and t - worker.requested_t >= spec.start_timeout_s:
             step.terminate(
                 worker,
-                "start_timeout",
+                StopCause.START_TIMEOUT,
                 f"{worker.worker_id} not started {spec.start_timeout_s:g}s after it was requested",
             )
         elif (
@@ -85,7 +105,7 @@ def _tick(step: Step, event: e.Tick) -> None:
         ):
             step.terminate(
                 worker,
-                "start_timeout",
+                StopCause.START_TIMEOUT,
                 f"{worker.worker_id} not ready {spec.start_timeout_s:g}s after starting",
             )
         elif (
@@ -95,7 +115,7 @@ def _tick(step: Step, event: e.Tick) -> None:
         ):
             step.terminate(
                 worker,
-                "hung",
+                StopCause.HUNG,
                 f"{worker.worker_id} silent for {t - last_seen[worker.worker_id]:.0f}s > grace "
                 f"{spec.heartbeat_grace_s:g}s: hung, replacing it",
             )
@@ -115,10 +135,10 @@ def _tick(step: Step, event: e.Tick) -> None:
                     )
                 )
         stale = pool.last_sample_t is not None and t - pool.last_sample_t > spec.metrics_stale_s
-        if stale and ("pressure_stale", name) not in step.alerts:
+        if stale and (AlertName.PRESSURE_STALE, name) not in step.alerts:
             assert pool.last_sample_t is not None
             step.raise_alert(
-                "pressure_stale",
+                AlertName.PRESSURE_STALE,
                 name,
                 f"no pressure sample for {t - pool.last_sample_t:.0f}s > "
                 f"{spec.metrics_stale_s:g}s: holding {pool.target} workers",
@@ -157,7 +177,10 @@ def _configured(step: Step, event: e.Configured) -> None:
         if pool is None:
             initial = policy.initial_target(spec.min_workers, spec.max_workers)
             pool = step.set_desired(
-                PoolState(spec=spec, desired=0), initial, "config", f"pool {spec.name} declared"
+                PoolState(spec=spec, desired=0),
+                initial,
+                DecisionSource.CONFIG,
+                f"pool {spec.name} declared",
             )
             step.put_pool(pool)
             continue
@@ -176,7 +199,8 @@ def _configured(step: Step, event: e.Configured) -> None:
             if policy.reacts_to is None
             else pool.desired
         )
-        step.put_pool(step.set_desired(updated, wanted, "config", f"pool {spec.name} reconfigured"))
+        reconfigured = f"pool {spec.name} reconfigured"
+        step.put_pool(step.set_desired(updated, wanted, DecisionSource.CONFIG, reconfigured))
     for name, pool in sorted(step.pools.items()):
         if name not in declared and not pool.removed:
             if any(w.pool == name for w in step.workers.values()):
@@ -223,7 +247,7 @@ def _pinned(step: Step, event: e.PoolPinned) -> None:
                 pool=spec.name,
                 previous=pool.target,
                 target=event.count,
-                source="operator",
+                source=DecisionSource.OPERATOR,
                 reason=f"operator pinned {spec.name} at {event.count} workers",
             )
         )
@@ -235,18 +259,18 @@ def _drain_requested(step: Step, event: e.DrainRequested) -> None:
     worker = step.worker(event.worker_id, event)
     if worker is None or worker.state not in COUNTED:
         return  # already leaving
-    step.drain(worker, "operator", f"operator asked to drain {worker.worker_id}")
+    step.drain(worker, StopCause.OPERATOR, f"operator asked to drain {worker.worker_id}")
 
 
 def _cordon_requested(step: Step, event: e.GpuCordonRequested) -> None:
     gpu = step.gpu(event.gpu_id, event)
-    step.set_causes(gpu, gpu.causes | {"operator"}, gpu.clean_since_t, "operator cordon")
+    step.set_causes(gpu, gpu.causes | {CordonCause.OPERATOR}, gpu.clean_since_t, "operator cordon")
 
 
 def _uncordon_requested(step: Step, event: e.GpuUncordonRequested) -> None:
     gpu = step.gpu(event.gpu_id, event)
     step.set_causes(gpu, frozenset(), step.t, "operator uncordon")
-    for alert in ("gpu_errors", "gpu_lost"):
+    for alert in (AlertName.GPU_ERRORS, AlertName.GPU_LOST):
         step.resolve_alert(alert, gpu.gpu_id, "operator uncordon")
 
 
@@ -258,7 +282,7 @@ def _source_down(step: Step, event: e.SourceDown) -> None:
     pool = step.pool(event.pool, event)
     step.put_pool(replace(pool, source_error=event.error))
     step.raise_alert(
-        "source_down",
+        AlertName.SOURCE_DOWN,
         pool.spec.name,
         f"pressure source of {pool.spec.name} down ({event.error}): holding {pool.target} workers",
     )
@@ -284,22 +308,13 @@ def _started(step: Step, event: e.WorkerStarted) -> None:
     if worker.state is S.STARTING and not spec.require_ready:
         step.transition(worker, Trigger.READY)
     elif worker.state is S.DRAINING:
-        assert worker.deadline_t is not None
-        step.commands.append(
-            c.DrainWorker(
-                worker_id=worker.worker_id,
-                pid=worker.pid,
-                signal=spec.drain_signal,
-                deadline_t=worker.deadline_t,
-                reason=f"{worker.worker_id} started after its drain was decided",
-            )
-        )
-    elif worker.state is S.STOPPING:
+        step.signal_drain(worker, f"{worker.worker_id} started after its drain was decided")
+    elif worker.state in (S.STOPPING, S.KILLED):
         _repeat_stop(step, worker, "started after it was told to stop")
 
 
 def _repeat_stop(step: Step, worker: Worker, why: str) -> None:
-    if worker.killed:
+    if worker.state is S.KILLED:
         step.commands.append(
             c.KillWorker(
                 worker_id=worker.worker_id, pid=worker.pid, reason=f"{worker.worker_id} {why}"
@@ -321,13 +336,8 @@ def _ready(step: Step, event: e.WorkerReady) -> None:
     worker = step.worker(event.worker_id, event)
     if worker is None:
         return
-    if worker.state is S.STARTING:
-        step.transition(worker, Trigger.READY)
-        step.seen(worker.worker_id)
-    elif worker.state is S.REQUESTED:
-        next_state(worker.worker_id, worker.state, Trigger.READY)  # raises: not started yet
-    else:
-        step.seen(worker.worker_id)
+    step.transition(worker, Trigger.READY)  # refused before the worker started
+    step.seen(worker.worker_id)
 
 
 def heartbeat_only(state: State, event: e.WorkerHeartbeat) -> State:
@@ -370,20 +380,11 @@ def _adopted(step: Step, event: e.WorkerAdopted) -> None:
     if worker.pid is None:
         raise Refused(f"WorkerAdopted: worker {event.worker_id!r} never started")
     step.seen(worker.worker_id)
-    spec = step.pools[worker.pool].spec
     if worker.state is S.DRAINING:
         # The drain signal may never have left before the restart: sending it again is harmless.
-        assert worker.deadline_t is not None
-        step.commands.append(
-            c.DrainWorker(
-                worker_id=worker.worker_id,
-                pid=worker.pid,
-                signal=spec.drain_signal,
-                deadline_t=worker.deadline_t,
-                reason=f"{worker.worker_id} adopted while draining: drain signal repeated",
-            )
-        )
-    elif worker.state is S.STOPPING:
+        why = f"{worker.worker_id} adopted while draining: drain signal repeated"
+        step.signal_drain(worker, why)
+    elif worker.state in (S.STOPPING, S.KILLED):
         _repeat_stop(step, worker, "adopted while stopping: signal repeated")
 
 
@@ -399,10 +400,10 @@ def _gpu_sampled(step: Step, event: e.GpuSampled) -> None:
     if gpu is None:
         return  # a GPU outside the configured inventory
     rules = step.config.cordon
-    transient: set[str] = set(event.throttle_reasons & rules.throttle_reasons)
+    transient: set[str] = set(as_cordon_causes(event.throttle_reasons & rules.throttle_reasons))
     notes = [f"throttled ({r})" for r in sorted(transient)]
     if event.temperature_c >= rules.max_temperature_c:
-        transient.add("thermal")
+        transient.add(CordonCause.THERMAL)
         notes.append(f"{event.temperature_c:g} C >= {rules.max_temperature_c:g} C")
     if event.memory_total_bytes:
         fraction = event.memory_used_bytes / event.memory_total_bytes
@@ -410,7 +411,7 @@ def _gpu_sampled(step: Step, event: e.GpuSampled) -> None:
         if fraction >= rules.max_memory_fraction and not any(
             gpu.gpu_id in w.gpus for w in step.workers.values()
         ):
-            transient.add("memory")
+            transient.add(CordonCause.MEMORY)
             notes.append(f"memory {fraction:.0%} used by others >= {rules.max_memory_fraction:.0%}")
     changes: dict[str, Any] = {
         "memory_used_bytes": event.memory_used_bytes,
@@ -427,15 +428,16 @@ def _gpu_sampled(step: Step, event: e.GpuSampled) -> None:
     gpu = replace(gpu, **changes)
     causes = set(gpu.causes)
     if event.new_errors:
-        causes.add("errors")
+        causes.add(CordonCause.ERRORS)
         notes.append(f"{event.new_errors} new XID/ECC error(s)")
     why = f"GPU {gpu.gpu_id}: " + "; ".join(notes)
     step.set_causes(gpu, frozenset(causes | transient), None, why)
     if event.new_errors:
-        step.raise_alert("gpu_errors", gpu.gpu_id, why)
+        step.raise_alert(AlertName.GPU_ERRORS, gpu.gpu_id, why)
         for worker in step.workers_on(gpu.gpu_id):
             if worker.state in COUNTED:
-                step.drain(worker, "gpu_errors", f"{why}: moving {worker.worker_id} elsewhere")
+                moving = f"{why}: moving {worker.worker_id} elsewhere"
+                step.drain(worker, StopCause.GPU_ERRORS, moving)
 
 
 def _gpu_lost(step: Step, event: e.GpuLost) -> None:
@@ -443,32 +445,35 @@ def _gpu_lost(step: Step, event: e.GpuLost) -> None:
     if gpu is None:
         return
     why = f"GPU {gpu.gpu_id} lost: {event.error}"
-    step.set_causes(gpu, gpu.causes | {"lost"}, None, why)
-    step.raise_alert("gpu_lost", gpu.gpu_id, why)
+    step.set_causes(gpu, gpu.causes | {CordonCause.LOST}, None, why)
+    step.raise_alert(AlertName.GPU_LOST, gpu.gpu_id, why)
     for worker in step.workers_on(gpu.gpu_id):
         if worker.state in COUNTED or worker.state is S.DRAINING:
-            step.terminate(worker, "gpu_lost", f"{why}: {worker.worker_id} replaced elsewhere")
+            replacing = f"{why}: {worker.worker_id} replaced elsewhere"
+            step.terminate(worker, StopCause.GPU_LOST, replacing)
 
 
-HANDLERS: Mapping[type, Callable[[Step, Any], None]] = {
-    e.Tick: _tick,
-    e.Configured: _configured,
-    e.AutoscalingPaused: _paused,
-    e.AutoscalingResumed: _resumed,
-    e.PoolPinned: _pinned,
-    e.DrainRequested: _drain_requested,
-    e.GpuCordonRequested: _cordon_requested,
-    e.GpuUncordonRequested: _uncordon_requested,
-    e.QueueSampled: _sampled,
-    e.LoadSampled: _sampled,
-    e.SourceDown: _source_down,
-    e.WorkerStarted: _started,
-    e.WorkerReady: _ready,
-    e.WorkerExited: _exited,
-    e.SpawnFailed: _spawn_failed,
-    e.WorkerAdopted: _adopted,
-    e.WorkerLost: _lost,
-    e.GpuSampled: _gpu_sampled,
-    e.GpuLost: _gpu_lost,
-}
-HANDLERS = MappingProxyType(HANDLERS)  # read-only: no handler is added at run time
+#: Read-only: no handler is added at run time.
+HANDLERS: Mapping[type, Callable[[Step, Any], None]] = MappingProxyType(
+    {
+        e.Tick: _tick,
+        e.Configured: _configured,
+        e.AutoscalingPaused: _paused,
+        e.AutoscalingResumed: _resumed,
+        e.PoolPinned: _pinned,
+        e.DrainRequested: _drain_requested,
+        e.GpuCordonRequested: _cordon_requested,
+        e.GpuUncordonRequested: _uncordon_requested,
+        e.QueueSampled: _sampled,
+        e.LoadSampled: _sampled,
+        e.SourceDown: _source_down,
+        e.WorkerStarted: _started,
+        e.WorkerReady: _ready,
+        e.WorkerExited: _exited,
+        e.SpawnFailed: _spawn_failed,
+        e.WorkerAdopted: _adopted,
+        e.WorkerLost: _lost,
+        e.GpuSampled: _gpu_sampled,
+        e.GpuLost: _gpu_lost,
+    }
+)

@@ -16,10 +16,32 @@ from collections.abc import Sequence
 from core import commands as c
 from core import events as e
 from core.errors import InvariantViolation
-from core.lifecycle import COUNTED, WorkerState
-from core.state import State, count_workers
+from core.lifecycle import COUNTED, DEADLINE_ACTIONS
+from core.state import State, Worker, count_workers
+from core.vocabulary import PLANNED_STOPS, AlertName, DecisionSource
 
-__all__ = ["raise_on_violation", "state_violations", "step_violations"]
+__all__ = ["free_healthy_gpus", "raise_on_violation", "state_violations", "step_violations"]
+
+
+def free_healthy_gpus(state: State) -> int:
+    """GPUs of the inventory that no live worker holds and no cause cordons."""
+    held = {g for w in state.workers.values() for g in w.gpus}
+    return sum(
+        1
+        for gpu_id in state.config.gpus
+        if gpu_id not in held and gpu_id in state.gpus and not state.gpus[gpu_id].causes
+    )
+
+
+def _crashed(event: e.Event, worker: Worker, t: float, early_exit_s: float) -> bool:
+    """Whether ``worker``, gone in this step, ended in what deo must count as a crash."""
+    if isinstance(event, e.SpawnFailed):
+        return True
+    if isinstance(event, e.WorkerLost) or worker.stop_cause in PLANNED_STOPS:
+        return False  # a loss says nothing of the worker; a planned stop is deo's own doing
+    if isinstance(event, e.Tick) and worker.pid is not None:
+        return False  # given up on after SIGKILL: it did not exit at all
+    return worker.started_t is None or t - worker.started_t < early_exit_s
 
 
 def state_violations(state: State) -> list[str]:
@@ -41,7 +63,7 @@ def state_violations(state: State) -> list[str]:
         if (
             not pool.removed
             and n < pool.spec.min_workers
-            and ("below_min", name) not in state.alerts
+            and (AlertName.BELOW_MIN, name) not in state.alerts
         ):
             found.append(f"2: pool {name} has {n} < min {pool.spec.min_workers} without an alert")
     for worker in state.workers.values():
@@ -50,11 +72,8 @@ def state_violations(state: State) -> list[str]:
             found.append(f"worker {worker.worker_id} belongs to no pool")
         elif worker.index >= owner.next_index:
             found.append(f"worker {worker.worker_id} has an index the pool never handed out")
-        # 3. Every drain and stop has a deadline.
-        if (
-            worker.state in (WorkerState.DRAINING, WorkerState.STOPPING)
-            and worker.deadline_t is None
-        ):
+        # 3. Every drain and stop has a deadline (the states with a deadline action).
+        if worker.state in DEADLINE_ACTIONS and worker.deadline_t is None:
             found.append(f"3: worker {worker.worker_id} is {worker.state.value} without a deadline")
     for worker_id in state.last_seen:
         if worker_id not in state.workers:
@@ -97,7 +116,7 @@ def step_violations(
                     f"5: {command.worker_id} spawned at t={t} during backoff until "
                     f"{pool.backoff_until_t} ({pool.failures} failures)"
                 )
-        elif isinstance(command, c.ScalePool) and command.source == "policy":
+        elif isinstance(command, c.ScalePool) and command.source == DecisionSource.POLICY:
             # 6. Only a fresh sample for the pool lets a policy decide.
             fresh = (
                 isinstance(event, (e.QueueSampled, e.LoadSampled)) and event.pool == command.pool
@@ -113,6 +132,46 @@ def step_violations(
                         f"4: {command.pool} scaled down at t={t}, {t - last_up:g}s after a "
                         f"scale-up (window {pool.spec.stabilization_s:g}s)"
                     )
+    # 2. An alert that a pool is below its min names a real cause: the crash-loop backoff is in
+    # force, or too few free healthy GPUs are left. Checked where the pool was just reconciled:
+    # when the alert is raised, and after a tick (which reconciles every pool with an alert).
+    below_min = {
+        command.subject
+        for command in commands
+        if isinstance(command, c.RaiseAlert) and command.alert == AlertName.BELOW_MIN
+    }
+    if isinstance(event, e.Tick):
+        below_min |= {subject for alert, subject in after.alerts if alert == AlertName.BELOW_MIN}
+    free = free_healthy_gpus(after) if below_min else 0
+    for name in sorted(below_min):
+        pool = after.pools.get(name)
+        if pool is None or pool.removed:
+            continue
+        n = after.counted(name)
+        backing_off = t < pool.backoff_until_t
+        if n < pool.spec.min_workers and not backing_off and free >= pool.spec.gpus_per_worker:
+            found.append(
+                f"2: pool {name} has {n} < min {pool.spec.min_workers} workers with {free} free "
+                f"healthy GPU(s) and no crash-loop backoff"
+            )
+    # 5. An early exit deo did not ask for is a crash: its pool counts it and backs off.
+    crashes: Counter[str] = Counter()
+    for worker_id, worker in before.workers.items():
+        pool = before.pools.get(worker.pool)
+        if worker_id in after.workers or pool is None:
+            continue
+        if _crashed(event, worker, t, pool.spec.crash_loop.early_exit_s):
+            crashes[worker.pool] += 1
+    for name, count in sorted(crashes.items()):
+        old, new = before.pools[name], after.pools.get(name)
+        if new is None:
+            continue  # a removed pool, forgotten with its last worker
+        # A healthy worker's exit in the same step may reset the count before a crash counts.
+        if not (new.last_failure_t == t and 1 <= new.failures <= old.failures + count):
+            found.append(
+                f"5: pool {name} had {count} early exit(s) at t={t} but counts {new.failures} "
+                f"failure(s) (was {old.failures}), the last at {new.last_failure_t}"
+            )
     # 3. After time passes, no drain or stop is past its deadline without escalation.
     if isinstance(event, e.Tick):
         for worker in after.workers.values():

@@ -14,11 +14,13 @@ from typing import Any, TypeVar
 import attrs
 
 from core.config import Config, PolicySpec, PoolSpec
-from core.convert import str_set, str_tuple
+from core.convert import str_tuple
+from core.errors import InvalidEvent
 from core.events import LoadSampled, QueueSampled
 from core.lifecycle import COUNTED, WorkerState
 from core.policies.base import Policy
 from core.records import replaceable
+from core.vocabulary import AlertName, StopCause, as_alert_name, as_cordon_causes, as_stop_cause
 
 __all__ = ["Gpu", "PoolState", "State", "Worker", "count_workers", "split_worker_id"]
 
@@ -26,15 +28,21 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 
-def _alert_set(value: Iterable[Iterable[str]]) -> frozenset[tuple[str, str]]:
+def _alert_set(value: Iterable[Iterable[str]]) -> frozenset[tuple[AlertName, str]]:
     if type(value) is frozenset:
         return value
     pairs = (tuple(a) for a in value)
-    return frozenset((a, s) for a, s in pairs)
+    return frozenset((as_alert_name(a), s) for a, s in pairs)
 
 
 def _worker_state(value: WorkerState | str) -> WorkerState:
-    return value if type(value) is WorkerState else WorkerState(value)
+    if type(value) is WorkerState:
+        return value
+    try:
+        return WorkerState(value)
+    except ValueError:
+        known = ", ".join(s.value for s in WorkerState)
+        raise InvalidEvent(f"unknown worker state {value!r} (known: {known})") from None
 
 
 def _read_only(value: Mapping[K, V]) -> MappingProxyType[K, V]:
@@ -43,7 +51,7 @@ def _read_only(value: Mapping[K, V]) -> MappingProxyType[K, V]:
 
 
 @replaceable
-@attrs.frozen(slots=True, kw_only=True)
+@attrs.frozen(slots=True, kw_only=True, init=False)
 class Worker:
     """One worker, from the moment the core asks for it until it exits."""
 
@@ -57,11 +65,45 @@ class Worker:
     pid: int | None = None
     #: OS process start time; with ``pid`` it identifies the process across restarts.
     start_time: int | None = None
-    #: When the current drain or stop escalates; None outside DRAINING and STOPPING.
+    #: When the reducer takes the state's deadline action (``lifecycle.DEADLINE_ACTIONS``); None
+    #: in the states that have none.
     deadline_t: float | None = None
-    killed: bool = False
-    #: Why deo is stopping it ("scale_down", "operator", "hung", ...); None if it is not.
-    stop_cause: str | None = None
+    #: Why deo is stopping it; None if it is not.
+    stop_cause: StopCause | None = attrs.field(default=None, converter=as_stop_cause)
+
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        pool: str,
+        index: int,
+        state: WorkerState | str,
+        gpus: Iterable[str],
+        requested_t: float,
+        started_t: float | None = None,
+        pid: int | None = None,
+        start_time: int | None = None,
+        deadline_t: float | None = None,
+        stop_cause: str | None = None,
+        killed: bool = False,
+    ) -> None:
+        # Snapshots written before KILLED was a state marked a killed worker STOPPING with
+        # ``killed``: read it as the state it is now.
+        if killed and _worker_state(state) is WorkerState.STOPPING:
+            state = WorkerState.KILLED
+        self.__attrs_init__(
+            worker_id=worker_id,
+            pool=pool,
+            index=index,
+            state=state,
+            gpus=gpus,
+            requested_t=requested_t,
+            started_t=started_t,
+            pid=pid,
+            start_time=start_time,
+            deadline_t=deadline_t,
+            stop_cause=stop_cause,
+        )
 
     @property
     def counted(self) -> bool:
@@ -74,7 +116,8 @@ class Gpu:
     """One GPU of the inventory and why, if at all, it is cordoned."""
 
     gpu_id: str
-    causes: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
+    #: Every active cordon cause (see :func:`core.vocabulary.cordon_causes`); empty if none.
+    causes: frozenset[str] = attrs.field(default=frozenset(), converter=as_cordon_causes)
     #: Since when samples have shown no transient cause (the uncordon hysteresis clock).
     clean_since_t: float | None = None
     memory_used_bytes: int | None = None
@@ -150,7 +193,9 @@ class State:
     )
     paused_all: bool = False
     #: Active alerts as (alert, subject) pairs, so each is raised once and resolved once.
-    alerts: frozenset[tuple[str, str]] = attrs.field(default=frozenset(), converter=_alert_set)
+    alerts: frozenset[tuple[AlertName, str]] = attrs.field(
+        default=frozenset(), converter=_alert_set
+    )
     #: (counted, active) workers per pool that has a counted one: :func:`count_workers` of
     #: ``workers``, kept up to date by each step instead of recounted. Derived, so not compared
     #: and not encoded.

@@ -21,15 +21,11 @@ from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
 from core.policies import BUILT_INS, Policy, PolicyCatalog, PolicyContext
 from core.records import replace
 from core.state import Gpu, PoolState, State, Worker, split_worker_id
+from core.vocabulary import PLANNED_STOPS, STICKY_CAUSES, AlertName, DecisionSource, StopCause
 
-__all__ = ["PLANNED_STOPS", "STICKY_CAUSES", "Step"]
+__all__ = ["Step"]
 
 S = WorkerState
-
-#: Stop causes that are deo's own decision: such exits are never counted as crashes.
-PLANNED_STOPS = frozenset({"scale_down", "operator", "pool_removed", "gpu_lost", "gpu_errors"})
-#: Cordon causes that clear by themselves after clean samples (the rest need an operator).
-STICKY_CAUSES = frozenset({"operator", "errors", "lost", "unkillable_worker"})
 
 
 class Step:
@@ -156,12 +152,12 @@ class Step:
 
     # --- alerts ----------------------------------------------------------------------------------
 
-    def raise_alert(self, alert: str, subject: str, reason: str) -> None:
+    def raise_alert(self, alert: AlertName, subject: str, reason: str) -> None:
         if (alert, subject) not in self.alerts:
             self.alerts = self.alerts | {(alert, subject)}
             self.commands.append(c.RaiseAlert(alert=alert, subject=subject, reason=reason))
 
-    def resolve_alert(self, alert: str, subject: str, reason: str) -> None:
+    def resolve_alert(self, alert: AlertName, subject: str, reason: str) -> None:
         if (alert, subject) in self.alerts:
             self.alerts = self.alerts - {(alert, subject)}
             self.commands.append(c.ResolveAlert(alert=alert, subject=subject, reason=reason))
@@ -169,27 +165,43 @@ class Step:
     # --- worker transitions ----------------------------------------------------------------------
 
     def transition(self, worker: Worker, trigger: Trigger, **changes: Any) -> Worker:
+        """``worker`` after ``trigger``, with ``changes``; an exited worker is forgotten.
+
+        The lifecycle table decides the state: :class:`~core.errors.IllegalTransition` if it has
+        no row for the worker's state and ``trigger``, and nothing is changed.
+        """
         state = next_state(worker.worker_id, worker.state, trigger)
+        if state is S.EXITED:
+            self.drop_worker(worker.worker_id)
+            return replace(worker, state=state, **changes)
+        if state is worker.state and not changes:
+            return worker  # a row that keeps the state (a late READY) leaves nothing to record
         updated = replace(worker, state=state, **changes)
         self.put_worker(updated)
         return updated
 
-    def drain(self, worker: Worker, cause: str, why: str) -> None:
+    def drain(self, worker: Worker, cause: StopCause, why: str) -> None:
         spec = self.pools[worker.pool].spec
         deadline = self.t + spec.drain_timeout_s
-        self.transition(worker, Trigger.DRAIN, deadline_t=deadline, stop_cause=cause)
+        worker = self.transition(worker, Trigger.DRAIN, deadline_t=deadline, stop_cause=cause)
+        self.signal_drain(worker, why)
+        self.dirty_pools.add(worker.pool)
+
+    def signal_drain(self, worker: Worker, why: str) -> None:
+        """Send a draining worker its pool's drain signal, with the deadline it already has."""
+        assert worker.deadline_t is not None, worker
         self.commands.append(
             c.DrainWorker(
                 worker_id=worker.worker_id,
                 pid=worker.pid,
-                signal=spec.drain_signal,
-                deadline_t=deadline,
+                signal=self.pools[worker.pool].spec.drain_signal,
+                deadline_t=worker.deadline_t,
                 reason=why,
             )
         )
-        self.dirty_pools.add(worker.pool)
 
-    def terminate(self, worker: Worker, cause: str, why: str) -> None:
+    def terminate(self, worker: Worker, cause: StopCause, why: str) -> None:
+        """SIGTERM, with the pool's stop deadline; a draining worker keeps its drain's cause."""
         spec = self.pools[worker.pool].spec
         deadline = self.t + spec.stop_timeout_s
         self.transition(
@@ -205,10 +217,13 @@ class Step:
         )
         self.dirty_pools.add(worker.pool)
 
-    def exit_worker(self, worker: Worker, *, failure: bool, why: str) -> None:
-        """The worker is gone: free its GPUs, count a failure if it was one, let the pool react."""
-        next_state(worker.worker_id, worker.state, Trigger.EXIT)  # validates the transition
-        self.drop_worker(worker.worker_id)
+    def exit_worker(
+        self, worker: Worker, *, failure: bool, why: str, trigger: Trigger = Trigger.EXIT
+    ) -> None:
+        """The worker is gone (``trigger`` leads to EXITED): free its GPUs, count a failure if it
+        was one, let the pool react."""
+        exited = self.transition(worker, trigger)
+        assert exited.state is S.EXITED, f"{trigger} leaves {worker.worker_id} {exited.state}"
         pool = self.pools[worker.pool]
         rules = pool.spec.crash_loop
         if failure:
@@ -222,7 +237,7 @@ class Step:
             )
             if failures >= rules.alert_after:
                 self.raise_alert(
-                    "crash_loop",
+                    AlertName.CRASH_LOOP,
                     pool.spec.name,
                     f"{failures} early failures in a row (last: {worker.worker_id} {why}); "
                     f"next spawn in {backoff:g}s",
@@ -251,7 +266,7 @@ class Step:
     def _reset_failures(self, pool: PoolState, why: str) -> PoolState:
         if pool.failures == 0:
             return pool
-        self.resolve_alert("crash_loop", pool.spec.name, f"healthy run: {why}")
+        self.resolve_alert(AlertName.CRASH_LOOP, pool.spec.name, f"healthy run: {why}")
         return replace(pool, failures=0, backoff_until_t=0.0)
 
     def resolve_pool_alerts(self, pool: str, why: str) -> None:
@@ -292,7 +307,7 @@ class Step:
             elif count < target:
                 count = self._grow(pool, count, free)
             else:
-                self.resolve_alert("no_free_gpus", name, f"{name} reached {target} workers")
+                self.resolve_alert(AlertName.NO_FREE_GPUS, name, f"{name} reached {target} workers")
             self._check_min(pool, count)
 
     def _shrink(self, pool: PoolState, counted: list[Worker], excess: int) -> None:
@@ -304,7 +319,7 @@ class Step:
         why = f"{pool.spec.name} has {len(counted)} workers, target {pool.target}" + (
             " (pool removed)" if pool.removed else ""
         )
-        cause = "pool_removed" if pool.removed else "scale_down"
+        cause = StopCause.POOL_REMOVED if pool.removed else StopCause.SCALE_DOWN
         for worker in sorted(counted, key=victim_order)[:excess]:
             self.drain(worker, cause, why)
 
@@ -318,7 +333,7 @@ class Step:
         while count < pool.target:
             if len(free) < spec.gpus_per_worker:
                 self.raise_alert(
-                    "no_free_gpus",
+                    AlertName.NO_FREE_GPUS,
                     name,
                     f"{name} wants {pool.target} workers, has {count}: needs "
                     f"{spec.gpus_per_worker} free healthy GPU(s), {len(free)} available",
@@ -355,7 +370,9 @@ class Step:
             index += 1
             count += 1
         else:
-            self.resolve_alert("no_free_gpus", name, f"{name} reached {pool.target} workers")
+            self.resolve_alert(
+                AlertName.NO_FREE_GPUS, name, f"{name} reached {pool.target} workers"
+            )
         if index != pool.next_index:
             self.put_pool(replace(pool, next_index=index))
         return count
@@ -364,22 +381,29 @@ class Step:
         name = pool.spec.name
         minimum = 0 if pool.removed else pool.spec.min_workers
         if counted >= minimum:
-            self.resolve_alert("below_min", name, f"{name} has {counted} >= min {minimum} workers")
+            self.resolve_alert(
+                AlertName.BELOW_MIN, name, f"{name} has {counted} >= min {minimum} workers"
+            )
             return
         if self.t < pool.backoff_until_t:
             why = f"crash-loop backoff until t={pool.backoff_until_t:g}"
         else:
             why = f"no free healthy GPU for {pool.spec.gpus_per_worker} per worker"
-        self.raise_alert("below_min", name, f"{name} has {counted} < min {minimum} workers: {why}")
+        self.raise_alert(
+            AlertName.BELOW_MIN, name, f"{name} has {counted} < min {minimum} workers: {why}"
+        )
 
     # --- scaling decisions -----------------------------------------------------------------------
 
-    def set_desired(self, pool: PoolState, target: int, source: str, why: str) -> PoolState:
+    def set_desired(
+        self, pool: PoolState, target: int, source: DecisionSource, why: str
+    ) -> PoolState:
         spec = pool.spec
         target = min(max(target, spec.min_workers), spec.max_workers)
         if target == pool.desired:
             return pool
-        if source == "policy" and target < pool.desired and pool.last_scale_up_t is not None:
+        policy = source is DecisionSource.POLICY
+        if policy and target < pool.desired and pool.last_scale_up_t is not None:
             since = self.t - pool.last_scale_up_t
             if since < spec.stabilization_s:
                 return pool  # no flapping: hold within the stabilization window
@@ -389,7 +413,7 @@ class Step:
             )
         )
         changes: dict[str, Any] = {"desired": target}
-        if source == "policy" and target > pool.desired:
+        if policy and target > pool.desired:
             changes["last_scale_up_t"] = self.t
         self.dirty_pools.add(spec.name)
         return replace(pool, **changes)
@@ -398,8 +422,8 @@ class Step:
         name = pool.spec.name
         changes: dict[str, Any] = {"last_sample_t": self.t, "source_error": None}
         changes["queue" if isinstance(event, e.QueueSampled) else "load"] = event
-        self.resolve_alert("source_down", name, "pressure source answered again")
-        self.resolve_alert("pressure_stale", name, "fresh pressure sample")
+        self.resolve_alert(AlertName.SOURCE_DOWN, name, "pressure source answered again")
+        self.resolve_alert(AlertName.PRESSURE_STALE, name, "fresh pressure sample")
         if isinstance(event, e.QueueSampled):
             self.check_backlog(pool.spec, event)
         built = pool.built_policy
@@ -430,7 +454,7 @@ class Step:
         )
         pool = replace(pool, policy_memory=decision.memory, **changes)
         if not (self.paused_all or pool.paused or pool.pinned is not None or pool.removed):
-            pool = self.set_desired(pool, decision.target, "policy", decision.reason)
+            pool = self.set_desired(pool, decision.target, DecisionSource.POLICY, decision.reason)
         self.put_pool(pool)
 
     def check_backlog(self, spec: PoolSpec, sample: e.QueueSampled) -> None:
@@ -438,14 +462,14 @@ class Step:
         queued_batches = sample.queued_sequences / sample.batch_size_seqs
         if queued_batches > spec.queue_alert_batches:
             self.raise_alert(
-                "queue_backlog",
+                AlertName.QUEUE_BACKLOG,
                 spec.name,
                 f"{queued_batches:.1f} batches queued, more than the {spec.queue_alert_batches:g} "
                 f"the trainer can use before the data goes stale",
             )
         else:
             self.resolve_alert(
-                "queue_backlog", spec.name, f"queue back to {queued_batches:.1f} batches"
+                AlertName.QUEUE_BACKLOG, spec.name, f"queue back to {queued_batches:.1f} batches"
             )
 
     # --- GPUs ------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from adapters.runtime.config_file import ApiSettings, RunSettings
 from adapters.sources.atropos import AtroposSource
 from adapters.sources.nvml import NvmlSettings
 from core import Config, DeoError, PolicySpec, PoolSpec, ScalePool
+from core.vocabulary import DecisionSource
 
 __all__ = ["DemoSettings", "run_demo"]
 
@@ -236,7 +237,11 @@ def _verify(log: Path) -> tuple[int, int, list[ScalePool]]:
     for step in replay(log, problems=problems):
         events += 1
         mismatches += not step.matches
-        decisions += [c for c in step.produced if isinstance(c, ScalePool) and c.source == "policy"]
+        decisions += [
+            c
+            for c in step.produced
+            if isinstance(c, ScalePool) and c.source == DecisionSource.POLICY
+        ]
     return events, mismatches + len(problems), decisions
 
 

@@ -27,6 +27,7 @@ import attrs
 from adapters.sim.oracle import OracleResult
 from adapters.sim.scenario import Scenario
 from adapters.sim.world import SeriesPoint, WorldRecord
+from core.vocabulary import DecisionSource
 
 __all__ = ["Metrics", "SimResult", "measure"]
 
@@ -100,7 +101,7 @@ def _flaps(scenario: Scenario, record: WorldRecord) -> int:
         window = pool.stabilization_s
         previous: tuple[float, int] | None = None
         for scale in record.scales:
-            if scale.pool != pool.name or scale.source != "policy":
+            if scale.pool != pool.name or scale.source != DecisionSource.POLICY:
                 continue
             direction = 1 if scale.target > scale.previous else -1
             if (
@@ -150,7 +151,7 @@ def measure(scenario: Scenario, record: WorldRecord, oracle: OracleResult) -> Me
         oracle_worker_hours=oracle.worker_hours,
         mean_lag_steps=mean_lag,
         p95_lag_steps=p95_lag,
-        scale_actions=sum(1 for s in record.scales if s.source == "policy"),
+        scale_actions=sum(1 for s in record.scales if s.source == DecisionSource.POLICY),
         flaps=_flaps(scenario, record),
         steps=record.steps,
         peak_workers=max((p.workers for p in record.series), default=0),

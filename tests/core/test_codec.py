@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import typing
 from typing import Any
 
@@ -67,7 +68,9 @@ configs = st.builds(
 def strategy_for(name: str, hint: Any) -> st.SearchStrategy[Any]:
     if name in ("t", "deadline_t"):
         return st.floats(0, 1e9, allow_nan=False)
-    if name in ("worker_id", "gpu_id", "pool", "subject", "alert", "source"):
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return st.sampled_from(hint)
+    if name in ("worker_id", "gpu_id", "pool", "subject"):
         return names
     if hint is Config:
         return configs

@@ -1,4 +1,9 @@
-"""core.lifecycle: the whole (state x trigger) table, allowed rows and refused ones alike."""
+"""core.lifecycle: what the transition table guarantees, and how it refuses what it lacks.
+
+The reducer's use of each row, state by state and event by event, is checked in
+test_transitions.py; here the table's own shape: every state reachable, every live state able to
+end, every deadline with an action that is a row, refusals naming worker, state and trigger.
+"""
 
 from __future__ import annotations
 
@@ -8,64 +13,109 @@ import re
 import pytest
 
 from core.errors import DeoError, IllegalTransition, InvalidEvent
-from core.lifecycle import COUNTED, LIVE, TRANSITIONS, Trigger, WorkerState, next_state
+from core.lifecycle import (
+    COUNTED,
+    DEADLINE_ACTIONS,
+    LIVE,
+    TRANSITIONS,
+    Trigger,
+    WorkerState,
+    next_state,
+)
 
 S, T = WorkerState, Trigger
-
-#: The lifecycle as the module docstring tells it, written out independently of TRANSITIONS.
-EXPECTED: dict[tuple[WorkerState, Trigger], WorkerState] = {
-    # REQUESTED: SpawnWorker emitted, no process yet
-    (S.REQUESTED, T.STARTED): S.STARTING,
-    (S.REQUESTED, T.DRAIN): S.DRAINING,
-    (S.REQUESTED, T.TERMINATE): S.STOPPING,
-    (S.REQUESTED, T.EXIT): S.EXITED,  # spawn failed
-    # STARTING: process exists, not ready yet
-    (S.STARTING, T.READY): S.ACTIVE,
-    (S.STARTING, T.DRAIN): S.DRAINING,
-    (S.STARTING, T.TERMINATE): S.STOPPING,  # never ready within the start timeout
-    (S.STARTING, T.EXIT): S.EXITED,
-    # ACTIVE: producing
-    (S.ACTIVE, T.SLEEP): S.SLEEPING,
-    (S.ACTIVE, T.DRAIN): S.DRAINING,
-    (S.ACTIVE, T.TERMINATE): S.STOPPING,
-    (S.ACTIVE, T.EXIT): S.EXITED,
-    # SLEEPING: GPU memory released, process alive
-    (S.SLEEPING, T.WAKE): S.ACTIVE,
-    (S.SLEEPING, T.DRAIN): S.DRAINING,
-    (S.SLEEPING, T.TERMINATE): S.STOPPING,
-    (S.SLEEPING, T.EXIT): S.EXITED,
-    # DRAINING: drain signal sent (or decided before the process appeared)
-    (S.DRAINING, T.STARTED): S.DRAINING,
-    (S.DRAINING, T.TERMINATE): S.STOPPING,  # missed its drain deadline
-    (S.DRAINING, T.EXIT): S.EXITED,
-    # STOPPING: SIGTERM sent; KILL stays here
-    (S.STOPPING, T.STARTED): S.STOPPING,
-    (S.STOPPING, T.KILL): S.STOPPING,
-    (S.STOPPING, T.EXIT): S.EXITED,
-}
-
-ALL_PAIRS = list(itertools.product(WorkerState, Trigger))
 WORKER = "envs-7"
+REFUSED = [pair for pair in itertools.product(WorkerState, Trigger) if pair not in TRANSITIONS]
 
 
-def test_table_is_the_documented_lifecycle() -> None:
-    assert TRANSITIONS == EXPECTED
+def successors(state: WorkerState) -> set[WorkerState]:
+    return {to for (src, _), to in TRANSITIONS.items() if src is state}
 
 
-def test_every_pair_is_covered() -> None:
-    assert len(ALL_PAIRS) == len(WorkerState) * len(Trigger) == 7 * 8
+def reachable_from(start: WorkerState) -> set[WorkerState]:
+    seen, frontier = {start}, [start]
+    while frontier:
+        for nxt in successors(frontier.pop()) - seen:
+            seen.add(nxt)
+            frontier.append(nxt)
+    return seen
+
+
+def test_every_state_is_reachable_from_requested() -> None:
+    assert reachable_from(S.REQUESTED) == set(WorkerState)
+
+
+@pytest.mark.parametrize("state", sorted(LIVE, key=lambda s: s.value), ids=lambda s: s.value)
+def test_every_live_state_can_reach_exited(state: WorkerState) -> None:
+    assert S.EXITED in reachable_from(state)
+    # An exit, a failed spawn or a loss can be reported in any live state.
+    assert next_state(WORKER, state, T.EXIT) is S.EXITED
+
+
+def test_exited_is_terminal() -> None:
+    assert successors(S.EXITED) == set()
+    for trigger in Trigger:
+        with pytest.raises(IllegalTransition):
+            next_state(WORKER, S.EXITED, trigger)
 
 
 @pytest.mark.parametrize(
-    ("state", "trigger"), ALL_PAIRS, ids=[f"{s.value}-{t.value}" for s, t in ALL_PAIRS]
+    ("state", "action"), DEADLINE_ACTIONS.items(), ids=lambda v: getattr(v, "value", "")
 )
-def test_every_state_trigger_pair(state: WorkerState, trigger: Trigger) -> None:
-    if (state, trigger) in TRANSITIONS:
-        result = next_state(WORKER, state, trigger)
-        assert result is TRANSITIONS[(state, trigger)]
-        assert result is EXPECTED[(state, trigger)]
-        return
-    assert (state, trigger) not in EXPECTED
+def test_each_deadline_action_is_a_row_that_leaves_the_state(
+    state: WorkerState, action: Trigger
+) -> None:
+    # Escalation moves on: a deadline action that kept the state would fire on every tick.
+    assert (state, action) in TRANSITIONS
+    assert next_state(WORKER, state, action) is not state
+
+
+def test_the_escalation_ladder_ends_in_exited() -> None:
+    # drain -> SIGTERM -> SIGKILL -> give up: following deadline actions always ends a worker.
+    state, ladder = S.DRAINING, []
+    while state in DEADLINE_ACTIONS:
+        trigger = DEADLINE_ACTIONS[state]
+        ladder.append(trigger)
+        state = next_state(WORKER, state, trigger)
+    assert ladder == [T.TERMINATE, T.KILL, T.GIVE_UP]
+    assert state is S.EXITED
+
+
+def test_every_state_a_stop_or_drain_enters_has_a_deadline_action() -> None:
+    # The reducer sets a deadline whenever it drains, terminates or kills: each such target state
+    # must say what happens when that deadline passes.
+    for (_, trigger), target in TRANSITIONS.items():
+        if trigger in (T.DRAIN, T.TERMINATE, T.KILL):
+            assert target in DEADLINE_ACTIONS, (trigger, target)
+    assert not set(DEADLINE_ACTIONS) & COUNTED
+
+
+def test_a_late_readiness_report_keeps_every_state_after_starting() -> None:
+    for state in LIVE - {S.REQUESTED, S.STARTING}:
+        assert next_state(WORKER, state, T.READY) is state
+    assert next_state(WORKER, S.STARTING, T.READY) is S.ACTIVE
+    with pytest.raises(IllegalTransition):
+        next_state(WORKER, S.REQUESTED, T.READY)  # not started: a report from nowhere
+
+
+def test_nothing_on_its_way_out_comes_back_to_a_counted_state() -> None:
+    leaving = LIVE - COUNTED
+    assert leaving == {S.DRAINING, S.STOPPING, S.KILLED}
+    for state in leaving:
+        assert not successors(state) & COUNTED
+
+
+def test_only_exit_and_give_up_lead_to_exited() -> None:
+    assert {t for (_, t), to in TRANSITIONS.items() if to is S.EXITED} == {T.EXIT, T.GIVE_UP}
+    assert [s for (s, t) in TRANSITIONS if t is T.GIVE_UP] == [S.KILLED]
+
+
+@pytest.mark.parametrize(
+    ("state", "trigger"), REFUSED, ids=[f"{s.value}-{t.value}" for s, t in REFUSED]
+)
+def test_a_pair_without_a_row_is_refused_naming_worker_state_and_trigger(
+    state: WorkerState, trigger: Trigger
+) -> None:
     with pytest.raises(IllegalTransition) as info:
         next_state(WORKER, state, trigger)
     message = str(info.value)
@@ -90,58 +140,12 @@ def test_message_names_an_unusual_worker_id_verbatim() -> None:
     assert str(info.value) == "worker 'pool.v2_x-12' is active: it cannot take 'started'"
 
 
-def test_exited_is_terminal() -> None:
-    assert not [pair for pair in TRANSITIONS if pair[0] is S.EXITED]
-    for trigger in Trigger:
-        with pytest.raises(IllegalTransition):
-            next_state(WORKER, S.EXITED, trigger)
-
-
-def test_every_live_state_can_exit() -> None:
-    # "Any exit, spawn failure or loss ends in EXITED"
-    for state in LIVE:
-        assert next_state(WORKER, state, T.EXIT) is S.EXITED
-
-
-def test_only_exit_leads_to_exited() -> None:
-    assert {trigger for (_, trigger), to in TRANSITIONS.items() if to is S.EXITED} == {T.EXIT}
-
-
-def test_kill_only_from_stopping_and_stays_there() -> None:
-    assert [s for (s, t) in TRANSITIONS if t is T.KILL] == [S.STOPPING]
-    assert next_state(WORKER, S.STOPPING, T.KILL) is S.STOPPING
-
-
-def test_nothing_leaves_draining_or_stopping_for_a_counted_state() -> None:
-    # On the way out is one-way: no trigger brings a draining or stopping worker back.
-    for (state, _), to in TRANSITIONS.items():
-        if state in (S.DRAINING, S.STOPPING):
-            assert to not in COUNTED
-
-
-def test_every_state_but_exited_is_reachable_from_requested() -> None:
-    seen, frontier = {S.REQUESTED}, [S.REQUESTED]
-    while frontier:
-        state = frontier.pop()
-        for (src, _), dst in TRANSITIONS.items():
-            if src is state and dst not in seen:
-                seen.add(dst)
-                frontier.append(dst)
-    assert seen == set(WorkerState)
-
-
 def test_counted_is_requested_starting_active_sleeping() -> None:
     assert frozenset({S.REQUESTED, S.STARTING, S.ACTIVE, S.SLEEPING}) == COUNTED
-    assert S.DRAINING not in COUNTED
-    assert S.STOPPING not in COUNTED
-    assert S.EXITED not in COUNTED
 
 
 def test_live_is_everything_but_exited() -> None:
     assert frozenset(WorkerState) - LIVE == {S.EXITED}
-    # draining and stopping workers still hold their process and GPUs
-    assert {S.DRAINING, S.STOPPING} <= LIVE
-    assert COUNTED < LIVE
 
 
 @pytest.mark.parametrize(
@@ -153,10 +157,11 @@ def test_live_is_everything_but_exited() -> None:
         (S.SLEEPING, "sleeping"),
         (S.DRAINING, "draining"),
         (S.STOPPING, "stopping"),
+        (S.KILLED, "killed"),
         (S.EXITED, "exited"),
     ],
 )
 def test_state_values_are_stable(state: WorkerState, value: str) -> None:
-    # The values are written to the event log and appear in messages.
+    # The values are written to snapshots and the API, and appear in messages.
     assert state.value == value
     assert WorkerState(value) is state

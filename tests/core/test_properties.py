@@ -13,9 +13,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import hypothesis.strategies as st
-from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from core import (
     AutoscalingPaused,
@@ -26,22 +35,27 @@ from core import (
     CordonRules,
     CrashLoopRules,
     DrainRequested,
+    DrainWorker,
     Event,
     GpuCordonRequested,
     GpuLost,
     GpuSampled,
     GpuUncordonRequested,
     InvalidEvent,
+    InvariantViolation,
+    KillWorker,
     LoadSampled,
     PolicySpec,
     PoolPinned,
     PoolSpec,
     QueueSampled,
+    RaiseAlert,
     Reducer,
     ScalePool,
     SourceDown,
     SpawnFailed,
     SpawnWorker,
+    TerminateWorker,
     Tick,
     WorkerAdopted,
     WorkerExited,
@@ -53,8 +67,11 @@ from core import (
     encode,
     reduce,
 )
-from core.invariants import state_violations
+from core.invariants import free_healthy_gpus, state_violations
+from core.lifecycle import COUNTED, DEADLINE_ACTIONS, TRANSITIONS, Trigger, WorkerState
 from core.state import State
+from core.step import Step
+from core.vocabulary import AlertName
 
 POLICIES = st.sampled_from(
     [
@@ -120,6 +137,8 @@ class ReducerMachine(RuleBasedStateMachine):
         self.pid = 100
         self.accepted: list[tuple[Event, list[Command]]] = []
         self.last_policy_up: dict[str, float] = {}
+        #: Workers seen to exit, for re-feeding their end.
+        self.ended: set[str] = set()
 
     # --- plumbing ---------------------------------------------------------------------------------
 
@@ -136,7 +155,21 @@ class ReducerMachine(RuleBasedStateMachine):
             self.check_history(before, command)
         self.check_backoff_reset(before)
         self.accepted.append((event, commands))
+        self.ended |= set(before.workers) - set(self.state.workers)
         return commands
+
+    def check_replacement(self, before: State, pool: str, commands: list[Command]) -> None:
+        """After a worker ends, its pool is refilled to its target unless backoff or GPUs forbid."""
+        after = self.state.pools.get(pool)
+        if after is None or any(isinstance(c, SpawnWorker) and c.pool == pool for c in commands):
+            return
+        short = self.state.counted(pool) < after.target
+        backing_off = self.state.now < after.backoff_until_t
+        no_gpus = free_healthy_gpus(self.state) < after.spec.gpus_per_worker
+        assert not short or backing_off or no_gpus, (
+            f"{pool} left at {self.state.counted(pool)} < target {after.target} with GPUs free "
+            f"and no backoff"
+        )
 
     def check_backoff_reset(self, before: State) -> None:
         """5. A crash loop ends only when a worker started since the last failure stayed up."""
@@ -187,7 +220,28 @@ class ReducerMachine(RuleBasedStateMachine):
     @rule(dt=st.sampled_from([0.1, 0.5, 1.0, 3.0, 10.0, 45.0]))
     def tick(self, dt: float) -> None:
         self.t += dt
-        self.feed(Tick(t=self.t))
+        before = self.state
+        commands = self.feed(Tick(t=self.t))
+        # Each worker past its deadline takes its state's deadline action: one rung, one command.
+        for worker in before.workers.values():
+            action = DEADLINE_ACTIONS.get(worker.state)
+            if action is None or worker.deadline_t is None or worker.deadline_t > self.t:
+                continue
+            expected = TRANSITIONS[(worker.state, action)]
+            now = self.state.workers.get(worker.worker_id)
+            assert (now.state if now else WorkerState.EXITED) is expected, (worker, now)
+            mine = [c for c in commands if getattr(c, "worker_id", None) == worker.worker_id]
+            if action is Trigger.TERMINATE:
+                assert [type(c) for c in mine] == [TerminateWorker], mine
+            elif action is Trigger.KILL:
+                assert [type(c) for c in mine] == [KillWorker], mine
+            else:
+                alerts = [c for c in commands if isinstance(c, RaiseAlert)]
+                unkillable = [a for a in alerts if a.subject == worker.worker_id]
+                assert mine == []
+                assert [a.alert for a in unkillable] == (
+                    [AlertName.UNKILLABLE_WORKER] if worker.pid is not None else []
+                )
 
     @rule(config=configs())
     def reconfigure(self, config: Config) -> None:
@@ -195,10 +249,24 @@ class ReducerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def start(self, data: st.DataObject) -> None:
-        ids = [*self.workers("requested", "draining", "stopping"), "envs-999"]
+        ids = [*self.workers("requested", "draining", "stopping", "killed"), "envs-999"]
         self.pid += 1
         worker_id = data.draw(st.sampled_from(ids))
-        self.feed(WorkerStarted(t=self.t, worker_id=worker_id, pid=self.pid, start_time=self.pid))
+        before = self.state.workers.get(worker_id)
+        commands = self.feed(
+            WorkerStarted(t=self.t, worker_id=worker_id, pid=self.pid, start_time=self.pid)
+        )
+        if before is None or before.pid is not None:
+            return  # refused
+        # Started after deo decided to let it go: the signal it missed, once, with its pid.
+        repeated = {
+            WorkerState.DRAINING: [DrainWorker],
+            WorkerState.STOPPING: [TerminateWorker],
+            WorkerState.KILLED: [KillWorker],
+        }.get(before.state, [])
+        mine = [c for c in commands if getattr(c, "worker_id", None) == worker_id]
+        assert [type(c) for c in mine] == repeated, (before.state, mine)
+        assert all(getattr(c, "pid", None) == self.pid for c in mine)
 
     @rule(data=st.data(), kind=st.sampled_from(["ready", "heartbeat", "adopted"]))
     def report(self, data: st.DataObject, kind: str) -> None:
@@ -220,7 +288,24 @@ class ReducerMachine(RuleBasedStateMachine):
             event = WorkerExited(t=self.t, worker_id=worker_id, signal=9)
         else:
             event = WorkerExited(t=self.t, worker_id=worker_id, exit_code=int(how[-1]))
-        self.feed(event)
+        before = self.state
+        commands = self.feed(event)
+        if worker_id not in self.state.workers:
+            self.check_replacement(before, before.workers[worker_id].pool, commands)
+
+    @precondition(lambda self: bool(self.ended - set(self.state.workers)))
+    @rule(data=st.data(), how=st.sampled_from(["exit", "spawn", "lost"]))
+    def repeat_end(self, data: st.DataObject, how: str) -> None:
+        # A report about a worker that already ended changes nothing but the clock.
+        worker_id = data.draw(st.sampled_from(sorted(self.ended - set(self.state.workers))))
+        event: Event = {
+            "exit": WorkerExited(t=self.t, worker_id=worker_id, exit_code=1),
+            "spawn": SpawnFailed(t=self.t, worker_id=worker_id, error="exec failed"),
+            "lost": WorkerLost(t=self.t, worker_id=worker_id, reason="gone"),
+        }[how]
+        before = self.state
+        assert self.feed(event) == []
+        assert attrs.evolve(self.state, now=before.now) == before
 
     @rule(data=st.data(), queued=st.integers(0, 600), steps=st.integers(0, 3))
     def queue_sample(self, data: st.DataObject, queued: int, steps: int) -> None:
@@ -258,7 +343,15 @@ class ReducerMachine(RuleBasedStateMachine):
             self.feed(PoolPinned(t=self.t, pool=name, count=None))
         else:
             ids = [*self.workers(), "envs-12345"]
-            self.feed(DrainRequested(t=self.t, worker_id=data.draw(st.sampled_from(ids))))
+            worker_id = data.draw(st.sampled_from(ids))
+            before = self.state.workers.get(worker_id)
+            commands = self.feed(DrainRequested(t=self.t, worker_id=worker_id))
+            drains = [c for c in commands if isinstance(c, DrainWorker)]
+            if before is not None and before.state in COUNTED:
+                assert [d.worker_id for d in drains] == [worker_id]
+                assert self.state.workers[worker_id].state is WorkerState.DRAINING
+            else:
+                assert commands == []  # already leaving, or refused
 
     @rule(
         data=st.data(),
@@ -325,3 +418,67 @@ ReducerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestReducerMachine = ReducerMachine.TestCase
+
+
+# --- the invariants catch plausible wrong reducers ---------------------------------------------
+
+
+def refuses_to_spawn(step: Step, pool: Any, count: int, free: list[str]) -> int:
+    """A wrong reducer: never spawns, and (through _check_min) blames the GPUs for it."""
+    return count
+
+
+def never_a_crash(step: Step, worker: Any) -> bool:
+    """A wrong reducer: no exit ever counts as a crash, so crash loops never back off."""
+    return False
+
+
+MUTATIONS = [
+    pytest.param("_grow", refuses_to_spawn, "2: pool envs has 0 < min 1 workers", id="no-spawn"),
+    pytest.param("is_failure", never_a_crash, "5: pool envs had 1 early exit", id="no-crash"),
+]
+
+
+def run_into_the_mutation(reducer: Reducer) -> None:
+    spec = PoolSpec(
+        name="envs",
+        argv=["worker"],
+        min_workers=1,
+        max_workers=2,
+        policy=PolicySpec(name="static", params={"count": 1}),
+    )
+    reducer.step(Configured(t=0.0, config=Config(pools=[spec])))
+    reducer.step(WorkerStarted(t=1.0, worker_id="envs-0", pid=7, start_time=7))
+    reducer.step(WorkerExited(t=2.0, worker_id="envs-0", exit_code=1))  # 1 s: an early crash
+
+
+def test_the_right_reducer_passes_the_mutation_scenario() -> None:
+    reducer = Reducer(check_invariants=True)
+    run_into_the_mutation(reducer)
+    assert reducer.state.pools["envs"].failures == 1
+
+
+@pytest.mark.parametrize(("method", "mutant", "message"), MUTATIONS)
+def test_the_invariants_catch_a_wrong_reducer(
+    monkeypatch: pytest.MonkeyPatch, method: str, mutant: Any, message: str
+) -> None:
+    monkeypatch.setattr(Step, method, mutant)
+    with pytest.raises(InvariantViolation, match=message):
+        run_into_the_mutation(Reducer(check_invariants=True))
+
+
+@pytest.mark.parametrize(("method", "mutant", "message"), MUTATIONS)
+def test_the_state_machine_catches_a_wrong_reducer(
+    monkeypatch: pytest.MonkeyPatch, method: str, mutant: Any, message: str
+) -> None:
+    monkeypatch.setattr(Step, method, mutant)
+    quick = settings(
+        max_examples=200,
+        stateful_step_count=60,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],  # the first failure is enough: no shrinking
+        suppress_health_check=list(HealthCheck),
+    )
+    with pytest.raises(InvariantViolation, match=message.split(" pool ")[0]):
+        run_state_machine_as_test(ReducerMachine, settings=quick)
