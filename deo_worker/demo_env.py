@@ -315,10 +315,13 @@ class _DemoEnv:
                 generations.start_soon(self.generate, self.started, scope, self.latency_s())
 
             while not self.drain.requested:
+                posted_before = self.posted
                 queue_groups = await _unless_drained(self.drain, self.queue_groups)
                 if queue_groups is None:
                     break
-                self.adjust(queue_groups, start)
+                # A group posted while the answer was on its way may be missing from it and is no
+                # longer in flight: count it as queued (at worst twice), never overshoot the limit.
+                self.adjust(queue_groups + self.posted - posted_before, start)
                 with anyio.move_on_after(POLL_S):
                     await self.drain.wait()
             self.api.say(f"draining, {self.in_flight} groups in flight")
