@@ -7,9 +7,12 @@ postmortem reads every decision and why, and so replay can check that it would d
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
-from core.convert import str_set, str_tuple
+from core.convert import FieldCheck, Name, Seconds, check_fields, field_checks, str_set, str_tuple
+from core.errors import InvalidEvent
 
 __all__ = [
     "Command",
@@ -27,9 +30,26 @@ __all__ = [
 
 @attrs.frozen(slots=True, kw_only=True)
 class Command:
-    """Base class of every output."""
+    """Base class of every output.
+
+    Construction checks every field against its annotation, as :class:`~core.events.Event` does,
+    and raises :class:`~core.errors.InvalidEvent` naming the class, the field and the value.
+    """
 
     reason: str
+
+    #: The checks of this class's fields, derived from its annotations when the class is made.
+    _field_checks: ClassVar[tuple[FieldCheck, ...]]
+
+    @classmethod
+    def __attrs_init_subclass__(cls) -> None:
+        cls._field_checks = field_checks(cls)
+
+    def __attrs_post_init__(self) -> None:
+        check_fields(self, self._field_checks, InvalidEvent)
+
+
+Command._field_checks = field_checks(Command)
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -40,8 +60,8 @@ class SpawnWorker(Command):
     DEO_WORKER_ID and DEO_POOL.
     """
 
-    worker_id: str
-    pool: str
+    worker_id: Name
+    pool: Name
     argv: tuple[str, ...] = attrs.field(converter=str_tuple)
     gpus: tuple[str, ...] = attrs.field(converter=str_tuple)
     env: dict[str, str] = attrs.field(hash=False)
@@ -53,26 +73,26 @@ class DrainWorker(Command):
     ``deadline_t`` if it has not exited. ``pid`` is None when the worker has not started yet:
     the drain is repeated once it does."""
 
-    worker_id: str
+    worker_id: Name
     pid: int | None
     signal: str
-    deadline_t: float
+    deadline_t: Seconds
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class TerminateWorker(Command):
     """SIGTERM to the worker; SIGKILL to its process group follows at ``deadline_t``."""
 
-    worker_id: str
+    worker_id: Name
     pid: int | None
-    deadline_t: float
+    deadline_t: Seconds
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class KillWorker(Command):
     """SIGKILL to the worker's whole process group (children included)."""
 
-    worker_id: str
+    worker_id: Name
     pid: int | None
 
 
@@ -80,7 +100,7 @@ class KillWorker(Command):
 class ScalePool(Command):
     """A pool's target count changed. ``source`` is "policy", "operator" or "config"."""
 
-    pool: str
+    pool: Name
     previous: int
     target: int
     source: str
@@ -90,7 +110,7 @@ class ScalePool(Command):
 class CordonGpu(Command):
     """A GPU takes no new workers; ``causes`` lists every active cordon cause."""
 
-    gpu_id: str
+    gpu_id: Name
     causes: frozenset[str] = attrs.field(converter=str_set)
 
 
@@ -98,7 +118,7 @@ class CordonGpu(Command):
 class UncordonGpu(Command):
     """A GPU takes new workers again."""
 
-    gpu_id: str
+    gpu_id: Name
 
 
 @attrs.frozen(slots=True, kw_only=True)

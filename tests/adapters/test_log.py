@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from conftest import write_simulated_log
 
-from adapters.log import SCHEMA_VERSION, EventLog, LogProblem, read_lines, snapshot_path
+from adapters.log import SCHEMA_VERSION, EventLog, LogProblem, LogReader, snapshot_path
 from adapters.postmortem.engine import replay
 from core import (
     Config,
@@ -53,11 +53,9 @@ def records(path: Path) -> list[dict[str, Any]]:
 
 def events_of(path: Path) -> list[Event]:
     """The input events a log recorded, in order."""
-    out = []
-    for item in read_lines(path):
-        assert not isinstance(item, LogProblem), item
-        if item.record.get("kind") == "event":
-            out.append(decode(item.record["event"]))
+    reader = LogReader(path)
+    out = [record.event for record in reader.events()]
+    assert reader.problems == []
     return out
 
 
