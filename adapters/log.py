@@ -23,8 +23,9 @@ from __future__ import annotations
 import datetime as dt
 import fcntl
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, BinaryIO
 
 import attrs
@@ -132,6 +133,12 @@ def snapshot_path(path: Path) -> Path:
     return path.with_name(path.name + ".snapshot")
 
 
+#: The fields each kind of record has besides ``kind`` and ``seq``.
+_REQUIRED: Mapping[object, tuple[str, ...]] = MappingProxyType(
+    {"event": ("event",), "commands": ("cause", "commands"), "rejected": ("cause", "error")}
+)
+
+
 def parse_record(raw: bytes, line: int, *, decode: Callable[[Any], Any]) -> Record | LogProblem:
     """One line of a log (``raw``, with its line end) as a typed record, or the problem with it.
 
@@ -150,30 +157,36 @@ def parse_record(raw: bytes, line: int, *, decode: Callable[[Any], Any]) -> Reco
     kind = record.get("kind")
     if kind == "header":
         return _header(record, line)
+    if kind not in _REQUIRED:
+        return LogProblem(line, f"unknown record kind {kind!r}")
     seq = record.get("seq")
     if type(seq) is not int or not 0 < seq <= MAX_SEQ:
-        return LogProblem(line, f"{kind} record without an integer seq (got {seq!r}); skipped")
-    try:
-        if kind == "event":
+        return LogProblem(line, f"{kind} record without an integer seq (got {seq!r})")
+    for name in _REQUIRED[kind]:
+        if name not in record:
+            return LogProblem(line, f"{kind} record without '{name}'")
+    if kind == "event":
+        try:
             event = decode(record["event"])
-            if not isinstance(event, Event):
-                return LogProblem(line, f"{type(event).__name__} is not an event")
-            return EventRecord(line, seq, event)
-        if kind == "commands":
-            cause, commands = record["cause"], record["commands"]
-            if type(cause) is not int or type(commands) is not list:
-                return LogProblem(line, f"commands record with cause {cause!r}: {commands!r}")
-            return CommandsRecord(line, seq, cause, commands)
-        if kind == "rejected":
-            cause, error = record["cause"], record["error"]
-            if type(cause) is not int or type(error) is not str:
-                return LogProblem(line, f"rejected record with cause {cause!r}: {error!r}")
-            return RejectedRecord(line, seq, cause, error)
-    except KeyError as exc:
-        return LogProblem(line, f"{kind} record without {exc}")
-    except DeoError as exc:  # the event's own check names the class, the field and the value
-        return LogProblem(line, str(exc))
-    return LogProblem(line, f"unknown record kind {kind!r}")
+        except DeoError as exc:  # the event's own check names the class, the field and the value
+            return LogProblem(line, str(exc))
+        except Exception as exc:  # anything else a line can make decoding raise is a bad line too
+            return LogProblem(line, f"unreadable event ({exc!r})")
+        if not isinstance(event, Event):
+            return LogProblem(line, f"{type(event).__name__} is not an event")
+        return EventRecord(line, seq, event)
+    cause = record["cause"]
+    if type(cause) is not int:
+        return LogProblem(line, f"{kind} record whose cause is not a seq: {cause!r}")
+    if kind == "commands":
+        commands = record["commands"]
+        if type(commands) is not list:
+            return LogProblem(line, f"commands record whose commands are not a list: {commands!r}")
+        return CommandsRecord(line, seq, cause, commands)
+    error = record["error"]
+    if type(error) is not str:
+        return LogProblem(line, f"rejected record whose error is not a string: {error!r}")
+    return RejectedRecord(line, seq, cause, error)
 
 
 def _header(record: dict[str, Any], line: int) -> Header | LogProblem:
