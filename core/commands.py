@@ -7,11 +7,12 @@ postmortem reads every decision and why, and so replay can check that it would d
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import attrs
 
-from core.convert import FieldCheck, Name, Seconds, check_fields, field_checks, str_set, str_tuple
+from core.convert import Name, Seconds, field_checker, str_set, str_tuple
 from core.errors import InvalidEvent
 
 __all__ = [
@@ -38,18 +39,18 @@ class Command:
 
     reason: str
 
-    #: The checks of this class's fields, derived from its annotations when the class is made.
-    _field_checks: ClassVar[tuple[FieldCheck, ...]]
+    #: Checks every field of an instance; made from the class's annotations with the class.
+    _check_fields: ClassVar[Callable[[Any], None]]
 
     @classmethod
     def __attrs_init_subclass__(cls) -> None:
-        cls._field_checks = field_checks(cls)
+        cls._check_fields = field_checker(cls, InvalidEvent)
 
     def __attrs_post_init__(self) -> None:
-        check_fields(self, self._field_checks, InvalidEvent)
+        self._check_fields()
 
 
-Command._field_checks = field_checks(Command)
+Command._check_fields = field_checker(Command, InvalidEvent)
 
 
 @attrs.frozen(slots=True, kw_only=True)

@@ -3,8 +3,9 @@
 The converters turn decoded lists back into the tuples and frozensets they were. The checks are
 derived once per class from its field annotations (:func:`field_checks`): each field's value must
 be of its annotated type, and in range where the annotation says so (:data:`Seconds`,
-:data:`Name`). Events and commands keep the tuple on their class and run it in
-``__attrs_post_init__``, so a record built by hand and one decoded from the log are checked alike.
+:data:`Name`). Events and commands keep a checker generated from them on their class
+(:func:`field_checker`) and run it in ``__attrs_post_init__``, so a record built by hand and one
+decoded from the log are checked alike.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ __all__ = [
     "FieldCheck",
     "Name",
     "Seconds",
-    "check_fields",
+    "field_checker",
     "field_checks",
     "str_set",
     "str_tuple",
@@ -34,19 +35,17 @@ MAX_COUNT = 2**63 - 1
 
 
 def str_tuple(value: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(value, (list, tuple)):
-        return tuple(value)
-    # Anything else (a bare string, a number) is kept as it is, for the field check to name.
-    return cast(tuple[str, ...], value)
+    if isinstance(value, str):
+        # A bare string is not a list of strings: kept as it is for the field check to name
+        # (``tuple`` would split it into characters).
+        return cast(tuple[str, ...], value)
+    return tuple(value)
 
 
 def str_set(value: Iterable[str]) -> frozenset[str]:
-    if isinstance(value, (list, tuple, set, frozenset)):
-        try:
-            return frozenset(value)
-        except TypeError:  # unhashable members: the field check names them
-            pass
-    return cast(frozenset[str], value)
+    if isinstance(value, str):
+        return cast(frozenset[str], value)  # as in str_tuple
+    return frozenset(value)
 
 
 class _Range(enum.Enum):
@@ -69,14 +68,9 @@ class FieldCheck(typing.NamedTuple):
     accepts: Callable[[Any], bool]
     #: What the field must be, for the error message ("an integer in [0, 2**63)").
     expected: str
-
-
-def check_fields(record: object, checks: tuple[FieldCheck, ...], error: type[Exception]) -> None:
-    """Raise ``error`` naming the class, the field and the value of the first field that fails."""
-    for name, accepts, expected in checks:
-        value = getattr(record, name)
-        if not accepts(value):
-            raise error(f"{type(record).__name__}.{name} must be {expected}, got {value!r}")
+    #: A Python expression over ``v``, true for the common values that fit (exact types), so
+    #: the usual case costs no call; when it is false, ``accepts`` decides.
+    fast: str = "False"
 
 
 def field_checks(cls: type) -> tuple[FieldCheck, ...]:
@@ -88,11 +82,42 @@ def field_checks(cls: type) -> tuple[FieldCheck, ...]:
     checks = []
     for field in attrs.fields(cls):
         try:
-            accepts, expected = _check_for(hints[field.name])
+            accepts, expected, fast = _check_for(hints[field.name])
         except TypeError as exc:
             raise TypeError(f"{cls.__name__}.{field.name}: {exc}") from None
-        checks.append(FieldCheck(field.name, accepts, expected))
+        checks.append(FieldCheck(field.name, accepts, expected, fast))
     return tuple(checks)
+
+
+def field_checker(cls: type, error: type[Exception]) -> Callable[[Any], None]:
+    """A function that checks every field of an instance of ``cls`` (:func:`field_checks`) and
+    raises ``error`` naming the class, the field and the value of the first one that fails.
+
+    Generated once per class, as attrs generates ``__init__``: every construction runs it.
+    """
+    checks = field_checks(cls)
+    namespace: dict[str, Any] = {
+        "_fail": _fail,
+        "_checks": checks,
+        "_error": error,
+        "_inf": math.inf,
+    }
+    lines = ["def check_fields(record):"]
+    for i, check in enumerate(checks):
+        namespace[f"_accepts_{i}"] = check.accepts
+        lines += [
+            f"    v = record.{check.name}",
+            f"    if not ({check.fast}) and not _accepts_{i}(v):",
+            f"        _fail(record, _checks[{i}], v, _error)",
+        ]
+    lines.append("    return None")
+    exec("\n".join(lines), namespace)  # built from the class's own field names only
+    checker: Callable[[Any], None] = namespace["check_fields"]
+    return checker
+
+
+def _fail(record: object, check: FieldCheck, value: Any, error: type[Exception]) -> None:
+    raise error(f"{type(record).__name__}.{check.name} must be {check.expected}, got {value!r}")
 
 
 def _is_int(value: Any) -> bool:
@@ -110,58 +135,67 @@ def _is_seconds(value: Any) -> bool:
 
 
 def _is_str(value: Any) -> bool:
-    return type(value) is str or isinstance(value, str)
+    return isinstance(value, str)
 
 
 def _is_name(value: Any) -> bool:
-    return (type(value) is str or isinstance(value, str)) and value != ""
+    return isinstance(value, str) and value != ""
 
 
 def _is_bool(value: Any) -> bool:
     return type(value) is bool
 
 
-_SIMPLE: Mapping[Any, tuple[Callable[[Any], bool], str]] = types.MappingProxyType(
+def _is_str_set(value: Any) -> bool:
+    return type(value) is frozenset and all(type(x) is str for x in value)
+
+
+def _is_str_tuple(value: Any) -> bool:
+    return type(value) is tuple and all(type(x) is str for x in value)
+
+
+def _is_str_dict(value: Any) -> bool:
+    return type(value) is dict and all(type(k) is str and type(x) is str for k, x in value.items())
+
+
+_Check = tuple[Callable[[Any], bool], str, str]
+
+_SIMPLE: Mapping[Any, _Check] = types.MappingProxyType(
     {
-        int: (_is_int, "an integer in [0, 2**63)"),
-        float: (_is_number, "a finite number"),
-        str: (_is_str, "a string"),
-        bool: (_is_bool, "true or false"),
-        (float, _Range.NON_NEGATIVE): (_is_seconds, "a finite number of seconds >= 0"),
-        (str, _Range.NON_EMPTY): (_is_name, "a non-empty string"),
+        int: (_is_int, "an integer in [0, 2**63)", f"type(v) is int and 0 <= v <= {MAX_COUNT}"),
+        float: (_is_number, "a finite number", "type(v) is float and -_inf < v < _inf"),
+        str: (_is_str, "a string", "type(v) is str"),
+        bool: (_is_bool, "true or false", "False"),
+        (float, _Range.NON_NEGATIVE): (
+            _is_seconds,
+            "a finite number of seconds >= 0",
+            "type(v) is float and 0.0 <= v < _inf",
+        ),
+        (str, _Range.NON_EMPTY): (_is_name, "a non-empty string", "type(v) is str and v != ''"),
+        frozenset[str]: (_is_str_set, "a set of strings", "type(v) is frozenset and not v"),
+        tuple[str, ...]: (_is_str_tuple, "a list of strings", "False"),
+        dict[str, str]: (_is_str_dict, "an object of strings", "False"),
     }
 )
 
 
-def _check_for(hint: Any) -> tuple[Callable[[Any], bool], str]:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Annotated:
-        found = _SIMPLE.get((args[0], *hint.__metadata__))
-        if found is None:
-            raise TypeError(f"no check for {hint!r}")
-        return found
-    found = _SIMPLE.get(hint)
+def _check_for(hint: Any) -> _Check:
+    if typing.get_origin(hint) is Annotated:
+        found = _SIMPLE.get((typing.get_args(hint)[0], *hint.__metadata__))
+    else:
+        found = _SIMPLE.get(hint)
     if found is not None:
         return found
-    if origin in (typing.Union, types.UnionType) and type(None) in args:
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) != 1:
-            raise TypeError(f"no check for {hint!r}")
-        accepts, expected = _check_for(inner[0])
-        return (lambda v: v is None or accepts(v)), f"null or {expected}"
-    if origin is frozenset and args == (str,):
-        return (
-            lambda v: type(v) is frozenset and all(type(x) is str for x in v)
-        ), "a set of strings"
-    if origin is tuple and args == (str, ...):
-        return (lambda v: type(v) is tuple and all(type(x) is str for x in v)), "a list of strings"
-    if origin is dict and args == (str, str):
-        return (
-            lambda v: (
-                type(v) is dict and all(type(k) is str and type(x) is str for k, x in v.items())
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(inner) == 1:  # X | None
+            accepts, expected, fast = _check_for(inner[0])
+            return (
+                (lambda v: v is None or accepts(v)),
+                f"null or {expected}",
+                f"v is None or ({fast})",
             )
-        ), "an object of strings"
-    if isinstance(hint, type) and origin is None:
+    elif isinstance(hint, type) and typing.get_origin(hint) is None:
         # Nested records (Config in Configured) and enums are instances of their class.
-        return (lambda v: isinstance(v, hint)), f"a {hint.__name__}"
+        return (lambda v: isinstance(v, hint)), f"a {hint.__name__}", "False"
     raise TypeError(f"no check for {hint!r}")

@@ -8,12 +8,13 @@ and raise :class:`InvalidEvent` with a message naming the field.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import attrs
 
 from core.config import Config
-from core.convert import FieldCheck, Name, Seconds, check_fields, field_checks, str_set
+from core.convert import Name, Seconds, field_checker, str_set
 from core.errors import InvalidEvent
 
 __all__ = [
@@ -54,22 +55,22 @@ class Event:
 
     t: Seconds
 
-    #: The checks of this class's fields, derived from its annotations when the class is made.
-    _field_checks: ClassVar[tuple[FieldCheck, ...]]
+    #: Checks every field of an instance; made from the class's annotations with the class.
+    _check_fields: ClassVar[Callable[[Any], None]]
 
     @classmethod
     def __attrs_init_subclass__(cls) -> None:
-        cls._field_checks = field_checks(cls)
+        cls._check_fields = field_checker(cls, InvalidEvent)
 
     def __attrs_post_init__(self) -> None:
-        check_fields(self, self._field_checks, InvalidEvent)
+        self._check_fields()
         self._check()
 
     def _check(self) -> None:
         """Checks across fields, after each field's own; raise :class:`InvalidEvent`."""
 
 
-Event._field_checks = field_checks(Event)
+Event._check_fields = field_checker(Event, InvalidEvent)
 
 
 @attrs.frozen(slots=True, kw_only=True)
