@@ -35,17 +35,20 @@ MAX_COUNT = 2**63 - 1
 
 
 def str_tuple(value: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(value, str):
-        # A bare string is not a list of strings: kept as it is for the field check to name
-        # (``tuple`` would split it into characters).
-        return cast(tuple[str, ...], value)
-    return tuple(value)
+    if isinstance(value, list | tuple):
+        return tuple(value)
+    # Anything else (a bare string, a number) is kept as it is for the field check to name;
+    # ``tuple`` would split a string into characters.
+    return cast(tuple[str, ...], value)
 
 
 def str_set(value: Iterable[str]) -> frozenset[str]:
-    if isinstance(value, str):
-        return cast(frozenset[str], value)  # as in str_tuple
-    return frozenset(value)
+    if isinstance(value, list | tuple | set | frozenset):
+        try:
+            return frozenset(value)
+        except TypeError:  # unhashable members: kept as they are for the field check to name
+            pass
+    return cast(frozenset[str], value)
 
 
 class _Range(enum.Enum):
