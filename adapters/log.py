@@ -13,9 +13,12 @@ that produced none has no commands record). ``flush()`` writes the buffered reco
 them (``fsync=False`` leaves durability to the OS). A snapshot of the state sits beside the log
 (``LOG.snapshot``, replaced atomically) so a restart re-reduces only the records after it.
 
-A torn or corrupt last line (a crash mid-write) is reported with its line number, moved to
-``LOG.torn-LINE`` and cut from the log before anything new is appended; a bad line elsewhere is
-reported and skipped, never silently dropped.
+Recovery here and replay (:mod:`adapters.postmortem.engine`) read a log the same way: each line
+through :func:`parse_record`, in order through :class:`LogReader`. A torn or corrupt last line (a
+crash mid-write) is reported with its line number, moved to ``LOG.torn-LINE`` and cut from the
+log before anything new is appended; a bad line elsewhere, and an event the reducer refuses
+although the log records no refusal for it, is reported with its line number and skipped, never
+silently dropped, and never stops the reading.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``deo replay``: verify a log, print its timeline, and answer postmortem questions.
 
 Exit status: 0 when every recorded command came out again; 1 on the first divergence (shown with
-both sides); 2 when the log has unreadable lines or cannot be opened (what could be read is still
-replayed and reported).
+both sides); 2 when the log has unreadable lines (or events the reducer refuses that the log
+records no refusal for) or cannot be opened (what could be read is still replayed and reported).
 """
 
 from __future__ import annotations
