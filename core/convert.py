@@ -124,17 +124,16 @@ def _fail(record: object, check: FieldCheck, value: Any, error: type[Exception])
 
 
 def _is_int(value: Any) -> bool:
-    return type(value) is int and 0 <= value <= MAX_COUNT
+    # int subclasses (IntEnum: signal.SIGKILL) are integers; bool is not a count.
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
 
 
 def _is_number(value: Any) -> bool:
-    kind = type(value)
-    return (kind is float or kind is int) and math.isfinite(value)
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_seconds(value: Any) -> bool:
-    kind = type(value)
-    return (kind is float or kind is int) and 0 <= value < math.inf
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < math.inf
 
 
 def _is_str(value: Any) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 import typing
 from typing import Any
 
@@ -127,6 +128,14 @@ def test_every_field_refuses_a_value_that_does_not_fit(
 )
 def test_times_take_ints_and_floats(value: float, kept: float) -> None:
     assert e.Tick(t=value).t == kept
+
+
+def test_int_subclasses_are_integers_but_bools_are_not() -> None:
+    exited = e.WorkerExited(t=0, worker_id="envs-0", signal=signal.SIGKILL)
+    assert exited.signal == 9
+    assert codec.decode(codec.encode(exited)) == exited
+    with pytest.raises(InvalidEvent, match=r"WorkerExited\.exit_code must be null or an integer"):
+        e.WorkerExited(t=0, worker_id="envs-0", exit_code=False)
 
 
 def test_optional_fields_take_none() -> None:
