@@ -598,6 +598,33 @@ def test_records_that_cannot_be_replayed_are_reported_not_dropped(tmp_path: Path
     assert recovery.state.now == 2.0
 
 
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"@":"WorkerReady","t":2.0,"worker_id":5}\n',
+        b'{"seq":99999,"kind":"event","event":{"@":"WorkerReady","t":2.0,"worker_id":5}}\n',
+        b'{"seq":99999,"kind":"event","event":{"@":"WorkerReady","t":2.0,"worker_id":"ghost"}}\n',
+    ],
+    ids=["bare-event", "wrong-type", "unknown-worker"],
+)
+def test_a_line_that_cannot_be_decoded_or_reduced_is_reported_by_run_and_replay(
+    demo_log: Path, line: bytes
+) -> None:
+    intact = reference_state(demo_log)
+    with demo_log.open("ab") as f:
+        f.write(line)
+    number = len(demo_log.read_bytes().splitlines())
+    problems: list[LogProblem] = []
+    steps = list(replay(demo_log, problems=problems))
+    assert [p.line for p in problems] == [number]
+    assert steps[-1].after == intact and all(step.matches for step in steps)
+    log, recovery = EventLog.open(demo_log)
+    log.close()
+    assert [p.line for p in recovery.problems] == [number]
+    assert recovery.state == intact
+    assert recovery.set_aside is None  # a whole line, not a torn one: it stays where it is
+
+
 # --- arbitrary lines: recovery and replay report them and never raise ---------------------------
 
 #: Causes no record of the fixture log has: a commands or rejected record naming one is an orphan.
