@@ -13,19 +13,22 @@ that produced none has no commands record). ``flush()`` writes the buffered reco
 them (``fsync=False`` leaves durability to the OS). A snapshot of the state sits beside the log
 (``LOG.snapshot``, replaced atomically) so a restart re-reduces only the records after it.
 
-A torn or corrupt last line (a crash mid-write) is reported with its line number, moved to
-``LOG.torn-LINE`` and cut from the log before anything new is appended; a bad line elsewhere is
-reported and skipped, never silently dropped.
+Recovery here and replay (:mod:`adapters.postmortem.engine`) read a log the same way: each line
+through :func:`parse_record`, in order through :class:`LogReader`. A torn or corrupt last line (a
+crash mid-write) is reported with its line number, moved to ``LOG.torn-LINE`` and cut from the
+log before anything new is appended; a bad line elsewhere, and an event the reducer refuses
+although the log records no refusal for it, is reported with its line number and skipped, never
+silently dropped, and never stops the reading.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import fcntl
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, BinaryIO
 
 import attrs
@@ -37,16 +40,26 @@ from core.policies import BUILT_INS, PolicyCatalog
 
 __all__ = [
     "SCHEMA_VERSION",
+    "CommandsRecord",
     "EventLog",
+    "EventRecord",
+    "Header",
     "LogInUse",
     "LogProblem",
+    "LogReader",
+    "Record",
     "Recovery",
-    "read_lines",
+    "RejectedRecord",
+    "Unreadable",
+    "not_reduced",
+    "parse_record",
     "snapshot_path",
 ]
 
 SCHEMA_VERSION = 1
 VERSION = "0.1.0"
+#: Sequence numbers are positive and fit the log's JSON integers (64-bit signed).
+MAX_SEQ = 2**63 - 1
 
 
 class LogInUse(DeoError):
@@ -64,55 +77,237 @@ class LogProblem:
         return f"line {self.line}: {self.message}"
 
 
-@attrs.define(slots=True)  # not frozen: one is built per line read, and frozen costs ~4x
-class Line:
-    """One decoded line: its number (1-based), byte offset, and JSON object."""
+@attrs.frozen(slots=True)
+class Unreadable(LogProblem):
+    """A line that is not a JSON object at all: torn or corrupt bytes. A crash mid-write leaves
+    one as the last line."""
 
-    number: int
-    offset: int
-    record: dict[str, Any]
+
+# The records of a log, as :func:`parse_record` reads them. Mutable slots classes: one is built
+# per line of logs with millions of them, and a frozen attrs class costs several times as much.
+# Treat them as read-only.
+
+
+@attrs.define(slots=True)
+class Header:
+    """The first line: which deo wrote the log, and when it was created."""
+
+    line: int
+    #: The header as written: ``kind``, ``schema``, ``deo`` (its version), ``created``.
+    fields: dict[str, Any]
+
+
+@attrs.define(slots=True)
+class EventRecord:
+    """An input event, and what the log recorded that it led to (filled in by the record that
+    follows it, see :meth:`LogReader.events`)."""
+
+    line: int
+    seq: int
+    event: Event
+    #: The commands it produced, as written (encoded); empty when none were recorded.
+    commands: list[Any] = attrs.field(factory=list)
+    #: The reducer's refusal, if the log recorded one.
+    error: str | None = None
+
+
+@attrs.define(slots=True)
+class CommandsRecord:
+    """The commands event ``cause`` produced, as written (encoded)."""
+
+    line: int
+    seq: int
+    cause: int
+    commands: list[Any]
+
+
+@attrs.define(slots=True)
+class RejectedRecord:
+    """The reducer's refusal of event ``cause``."""
+
+    line: int
+    seq: int
+    cause: int
+    error: str
+
+
+Record = Header | EventRecord | CommandsRecord | RejectedRecord
 
 
 def snapshot_path(path: Path) -> Path:
     return path.with_name(path.name + ".snapshot")
 
 
-def read_lines(path: Path, *, offset: int = 0, first_line: int = 1) -> Iterator[Line | LogProblem]:
-    """Every line from ``offset`` on, decoded, or a :class:`LogProblem` saying why not."""
-    number = first_line - 1
-    with path.open("rb") as f:
-        f.seek(offset)
-        position = offset
-        for raw in f:
-            number += 1
-            start, position = position, position + len(raw)
-            if not raw.endswith(b"\n"):
-                yield LogProblem(number, f"torn record ({len(raw)} bytes, no line end)")
-                continue
-            try:
-                record = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:
-                yield LogProblem(number, f"malformed JSON ({exc})")
-                continue
-            if not isinstance(record, dict):
-                yield LogProblem(number, f"expected a JSON object, got {type(record).__name__}")
-                continue
-            yield Line(number, start, record)
+#: The fields each kind of record has besides ``kind`` and ``seq``.
+_REQUIRED: Mapping[object, tuple[str, ...]] = MappingProxyType(
+    {"event": ("event",), "commands": ("cause", "commands"), "rejected": ("cause", "error")}
+)
 
 
-def check_header(line: Line | LogProblem) -> LogProblem | None:
-    """None when ``line`` is a header this deo reads, else the problem."""
-    if isinstance(line, LogProblem):
-        return line
-    record = line.record
-    if record.get("kind") != "header":
-        return LogProblem(line.number, "not a deo log: the first line is not a header")
+def parse_record(raw: bytes, line: int, *, decode: Callable[[Any], Any]) -> Record | LogProblem:
+    """One line of a log (``raw``, with its line end) as a typed record, or the problem with it.
+
+    ``line`` is its 1-based number; ``decode`` turns an encoded event into the event
+    (:func:`core.decode`). Nothing here raises on bad input: every way a line can be wrong is a
+    :class:`LogProblem` (an :class:`Unreadable` one when the line is not a JSON object at all).
+    """
+    if not raw.endswith(b"\n"):
+        return Unreadable(line, f"torn record ({len(raw)} bytes, no line end)")
+    try:
+        record = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return Unreadable(line, f"malformed JSON ({exc})")
+    if type(record) is not dict:
+        return Unreadable(line, f"expected a JSON object, got {type(record).__name__}")
+    kind = record.get("kind")
+    if kind == "header":
+        return _header(record, line)
+    if kind not in _REQUIRED:
+        return LogProblem(line, f"unknown record kind {kind!r}")
+    seq = record.get("seq")
+    if type(seq) is not int or not 0 < seq <= MAX_SEQ:
+        return LogProblem(line, f"{kind} record without an integer seq (got {seq!r})")
+    for name in _REQUIRED[kind]:
+        if name not in record:
+            return LogProblem(line, f"{kind} record without '{name}'")
+    if kind == "event":
+        try:
+            event = decode(record["event"])
+        except DeoError as exc:  # the event's own check names the class, the field and the value
+            return LogProblem(line, str(exc))
+        except Exception as exc:  # anything else a line can make decoding raise is a bad line too
+            return LogProblem(line, f"unreadable event ({exc!r})")
+        if not isinstance(event, Event):
+            return LogProblem(line, f"{type(event).__name__} is not an event")
+        return EventRecord(line, seq, event)
+    cause = record["cause"]
+    if type(cause) is not int:
+        return LogProblem(line, f"{kind} record whose cause is not a seq: {cause!r}")
+    if kind == "commands":
+        commands = record["commands"]
+        if type(commands) is not list:
+            return LogProblem(line, f"commands record whose commands are not a list: {commands!r}")
+        return CommandsRecord(line, seq, cause, commands)
+    error = record["error"]
+    if type(error) is not str:
+        return LogProblem(line, f"rejected record whose error is not a string: {error!r}")
+    return RejectedRecord(line, seq, cause, error)
+
+
+def _header(record: dict[str, Any], line: int) -> Header | LogProblem:
+    if line != 1:
+        return LogProblem(line, "a header after the first line")
     if record.get("schema") != SCHEMA_VERSION:
         return LogProblem(
-            line.number,
+            line,
             f"schema version {record.get('schema')!r}; this deo reads version {SCHEMA_VERSION}",
         )
-    return None
+    return Header(line, record)
+
+
+def not_reduced(record: EventRecord, error: Exception) -> LogProblem:
+    """The problem with an event the reducer refuses (or fails on) although the log records no
+    refusal for it: such an event was never reduced this way, and is skipped."""
+    if isinstance(error, DeoError):
+        message = f"refused ({error}), but the log records no refusal; skipped"
+        return LogProblem(record.line, message)
+    return LogProblem(record.line, f"the reducer failed ({error!r}); skipped")
+
+
+class LogReader:
+    """Reads one log once, from byte ``offset`` (line ``first_line``, after seq ``seq``): its
+    records in order, or its events, each with what the log recorded of its outcome.
+
+    Every line that cannot be used is appended to :attr:`problems` with its number and why, and
+    skipped: unreadable bytes, a record of unknown kind or with bad fields, a record whose seq
+    does not come after the one before it, a commands or rejected record that does not follow
+    its event. Nothing in the log's content makes it raise.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        offset: int = 0,
+        first_line: int = 1,
+        seq: int = 0,
+        decode: Callable[[Any], Any] = decode,
+        problems: list[LogProblem] | None = None,
+    ) -> None:
+        self.path = path
+        self.offset = offset
+        self.first_line = first_line
+        self.decode = decode
+        #: Where the lines that cannot be used are reported (``problems`` when given).
+        self.problems: list[LogProblem] = [] if problems is None else problems
+        #: The header, or the problem with the first line (None when reading starts after it).
+        self.header: Header | LogProblem | None = None
+        #: The number of the last line read.
+        self.lines = first_line - 1
+        #: The seq of the last record read; a record must come after it to be read.
+        self.seq = seq
+        #: The last line read, when it is unreadable (torn by a crash mid-write); else None.
+        self.torn: Unreadable | None = None
+
+    def records(self) -> Iterator[Record]:
+        """Every readable record, in order; the others go to :attr:`problems`."""
+        problems = self.problems
+        decode = self.decode
+        number = self.first_line - 1
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            for raw in f:
+                number += 1
+                record = parse_record(raw, number, decode=decode)
+                self.lines = number
+                self.torn = record if isinstance(record, Unreadable) else None
+                if number == 1:
+                    record = self._first(record)
+                if isinstance(record, LogProblem):
+                    problems.append(record)
+                elif isinstance(record, Header):
+                    continue
+                elif record.seq <= self.seq:
+                    problems.append(
+                        LogProblem(
+                            number, f"seq {record.seq} does not come after seq {self.seq}; skipped"
+                        )
+                    )
+                else:
+                    self.seq = record.seq
+                    yield record
+
+    def _first(self, record: Record | LogProblem) -> Record | LogProblem:
+        if isinstance(record, Header | LogProblem):
+            self.header = record
+            return record
+        self.header = LogProblem(1, "not a deo log: the first line is not a header")
+        # Read on all the same: replay shows what it can of a log it cannot vouch for.
+        self.problems.append(self.header)
+        return record
+
+    def events(self) -> Iterator[EventRecord]:
+        """Every readable event, with the commands or refusal recorded just after it."""
+        pending: EventRecord | None = None
+        answered = False
+        for record in self.records():
+            if isinstance(record, EventRecord):
+                if pending is not None:
+                    yield pending
+                pending, answered = record, False
+                continue
+            assert not isinstance(record, Header)  # records() keeps headers to itself
+            if pending is None or answered or record.cause != pending.seq:
+                kind = "commands" if isinstance(record, CommandsRecord) else "rejected"
+                self.problems.append(
+                    LogProblem(record.line, f"{kind} record for an event not just before it")
+                )
+            elif isinstance(record, CommandsRecord):
+                pending.commands, answered = record.commands, True
+            else:
+                pending.error, answered = record.error, True
+        if pending is not None:
+            yield pending
 
 
 @attrs.frozen(slots=True)
@@ -305,48 +500,34 @@ def _recover(
     path: Path, policies: PolicyCatalog
 ) -> tuple[State, int, int, int, tuple[LogProblem, ...], Path | None]:
     snapshot = _load_snapshot(path, types_with(policies.records))
-    problems: list[LogProblem] = []
     if snapshot is None:
-        state, seq, offset, lines = State(), 0, 0, 0
+        reader = LogReader(path)
+        state = State()
     else:
         state, seq, offset, lines = snapshot
+        reader = LogReader(path, offset=offset, first_line=lines + 1, seq=seq)
     reducer = Reducer(state, policies=policies)
     replayed = 0
-    torn: LogProblem | None = None
-    for item in read_lines(path, offset=offset, first_line=lines + 1):
-        if isinstance(item, LogProblem):
-            problems.append(item)
-            torn = item
-            continue
-        torn = None
-        lines = item.number
-        record = item.record
-        if item.number == 1:
-            problem = check_header(item)
-            if problem is not None:
-                raise DeoError(f"{path}: {problem}")
-            continue
-        number = record.get("seq")
-        if not isinstance(number, int):
-            problems.append(LogProblem(item.number, "record without an integer seq; skipped"))
-            continue
-        seq = max(seq, number)
-        if record.get("kind") != "event":
-            continue
+    problems = reader.problems
+    for record in reader.events():
+        event = record.event
         try:
-            event = decode(record["event"])
-            if not isinstance(event, Event):
-                raise DeoError(f"{type(event).__name__} is not an event")
-        except (DeoError, KeyError, TypeError) as exc:
-            problems.append(LogProblem(item.number, f"unreadable event ({exc}); skipped"))
-            continue
-        with contextlib.suppress(DeoError):  # refused at run time too: a "rejected" record follows
             reducer.step(event)
+        except DeoError as exc:
+            if record.error is None:  # else refused at run time too, as the log records
+                problems.append(not_reduced(record, exc))
+                continue
+        except Exception as exc:  # a bug in the reducer must not keep deo from starting
+            problems.append(not_reduced(record, exc))
+            continue
         replayed += 1
+    torn, lines = reader.torn, reader.lines
+    if isinstance(reader.header, LogProblem) and reader.header is not torn:
+        raise DeoError(f"{path}: {reader.header}")
     set_aside = None
     if torn is not None:
         # The last line is torn or corrupt: move its bytes aside and cut it from the log.
-        start = _line_start(path, torn.line, offset, lines_before=snapshot[3] if snapshot else 0)
+        start = _line_start(path, torn.line, reader.offset, lines_before=reader.first_line - 1)
         set_aside = path.with_name(f"{path.name}.torn-{torn.line}")
         with path.open("rb+") as f:
             f.seek(start)
@@ -354,9 +535,12 @@ def _recover(
             f.truncate(start)
             f.flush()
             os.fsync(f.fileno())
-        problems[-1] = LogProblem(torn.line, f"{torn.message}; set aside in {set_aside.name}")
+        problems[problems.index(torn)] = LogProblem(
+            torn.line, f"{torn.message}; set aside in {set_aside.name}"
+        )
         lines = torn.line - 1
-    return reducer.state, seq, lines, replayed, tuple(problems), set_aside
+    ordered = tuple(sorted(problems, key=lambda problem: problem.line))
+    return reducer.state, reader.seq, lines, replayed, ordered, set_aside
 
 
 def _first_line(path: Path) -> str:

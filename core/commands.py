@@ -7,16 +7,14 @@ postmortem reads every decision and why, and so replay can check that it would d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, ClassVar
+
 import attrs
 
-from core.convert import str_tuple
-from core.vocabulary import (
-    AlertName,
-    DecisionSource,
-    as_alert_name,
-    as_cordon_causes,
-    as_decision_source,
-)
+from core.convert import Name, Seconds, field_checker, member_of, str_tuple
+from core.errors import InvalidEvent
+from core.vocabulary import AlertName, DecisionSource, known_cordon_causes
 
 __all__ = [
     "Command",
@@ -31,12 +29,41 @@ __all__ = [
     "UncordonGpu",
 ]
 
+# Known words become members; anything else is kept for the field check to name.
+_to_decision_source = member_of(DecisionSource)
+_to_alert_name = member_of(AlertName)
+
+
+def _decision_source(value: object) -> DecisionSource:
+    return _to_decision_source(value)
+
+
+def _alert_name(value: object) -> AlertName:
+    return _to_alert_name(value)
+
 
 @attrs.frozen(slots=True, kw_only=True)
 class Command:
-    """Base class of every output."""
+    """Base class of every output.
+
+    Construction checks every field against its annotation, as :class:`~core.events.Event` does,
+    and raises :class:`~core.errors.InvalidEvent` naming the class, the field and the value.
+    """
 
     reason: str
+
+    #: Checks every field of an instance; made from the class's annotations with the class.
+    _check_fields: ClassVar[Callable[[Any], None]]
+
+    @classmethod
+    def __attrs_init_subclass__(cls) -> None:
+        cls._check_fields = field_checker(cls, InvalidEvent)
+
+    def __attrs_post_init__(self) -> None:
+        self._check_fields()
+
+
+Command._check_fields = field_checker(Command, InvalidEvent)
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -47,8 +74,8 @@ class SpawnWorker(Command):
     DEO_WORKER_ID and DEO_POOL.
     """
 
-    worker_id: str
-    pool: str
+    worker_id: Name
+    pool: Name
     argv: tuple[str, ...] = attrs.field(converter=str_tuple)
     gpus: tuple[str, ...] = attrs.field(converter=str_tuple)
     env: dict[str, str] = attrs.field(hash=False)
@@ -60,26 +87,26 @@ class DrainWorker(Command):
     ``deadline_t`` if it has not exited. ``pid`` is None when the worker has not started yet:
     the drain is repeated once it does."""
 
-    worker_id: str
+    worker_id: Name
     pid: int | None
     signal: str
-    deadline_t: float
+    deadline_t: Seconds
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class TerminateWorker(Command):
     """SIGTERM to the worker; SIGKILL to its process group follows at ``deadline_t``."""
 
-    worker_id: str
+    worker_id: Name
     pid: int | None
-    deadline_t: float
+    deadline_t: Seconds
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class KillWorker(Command):
     """SIGKILL to the worker's whole process group (children included)."""
 
-    worker_id: str
+    worker_id: Name
     pid: int | None
 
 
@@ -87,32 +114,32 @@ class KillWorker(Command):
 class ScalePool(Command):
     """A pool's target count changed; ``source`` says who set it."""
 
-    pool: str
+    pool: Name
     previous: int
     target: int
-    source: DecisionSource = attrs.field(converter=as_decision_source)
+    source: DecisionSource = attrs.field(converter=_decision_source)
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class CordonGpu(Command):
     """A GPU takes no new workers; ``causes`` lists every active cordon cause."""
 
-    gpu_id: str
-    causes: frozenset[str] = attrs.field(converter=as_cordon_causes)
+    gpu_id: Name
+    causes: frozenset[str] = attrs.field(converter=known_cordon_causes)
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class UncordonGpu(Command):
     """A GPU takes new workers again."""
 
-    gpu_id: str
+    gpu_id: Name
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class RaiseAlert(Command):
     """Something needs a person: ``alert`` names the kind, ``subject`` the pool, worker or GPU."""
 
-    alert: AlertName = attrs.field(converter=as_alert_name)
+    alert: AlertName = attrs.field(converter=_alert_name)
     subject: str
 
 
@@ -120,5 +147,5 @@ class RaiseAlert(Command):
 class ResolveAlert(Command):
     """A raised alert's condition has cleared."""
 
-    alert: AlertName = attrs.field(converter=as_alert_name)
+    alert: AlertName = attrs.field(converter=_alert_name)
     subject: str

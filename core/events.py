@@ -8,12 +8,13 @@ and raise :class:`InvalidEvent` with a message naming the field.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import attrs
 
 from core.config import Config
-from core.convert import str_set
+from core.convert import Name, Seconds, field_checker, str_set
 from core.errors import InvalidEvent
 
 __all__ = [
@@ -41,30 +42,35 @@ __all__ = [
 ]
 
 
-def _check_time(name: str, t: float) -> None:
-    if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
-        raise InvalidEvent(f"{name}.t must be a finite number of seconds >= 0, got {t!r}")
-
-
-#: Counts must fit the log's JSON integers (64-bit signed).
-MAX_COUNT = 2**63 - 1
-
-
-def _check_count(event: object, field: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
-        raise InvalidEvent(
-            f"{type(event).__name__}.{field} must be an integer in [0, 2**63), got {value!r}"
-        )
-
-
 @attrs.frozen(slots=True, kw_only=True)
 class Event:
-    """Base class of every input. ``t`` is the time the fact was observed, in seconds."""
+    """Base class of every input. ``t`` is the time the fact was observed, in seconds.
 
-    t: float
+    Construction checks every field against its annotation (``int``: an integer in [0, 2**63);
+    ``float``: finite; :data:`~core.convert.Seconds`: finite and >= 0; ``str``: a string;
+    :data:`~core.convert.Name`: a non-empty string; ``X | None``: None or X; nested records:
+    instances of their class) and raises :class:`InvalidEvent` naming the class, the field and
+    the value. A subclass declares only what its annotations cannot say, in :meth:`_check`.
+    """
+
+    t: Seconds
+
+    #: Checks every field of an instance; made from the class's annotations with the class.
+    _check_fields: ClassVar[Callable[[Any], None]]
+
+    @classmethod
+    def __attrs_init_subclass__(cls) -> None:
+        cls._check_fields = field_checker(cls, InvalidEvent)
 
     def __attrs_post_init__(self) -> None:
-        _check_time(type(self).__name__, self.t)
+        self._check_fields()
+        self._check()
+
+    def _check(self) -> None:
+        """Checks across fields, after each field's own; raise :class:`InvalidEvent`."""
+
+
+Event._check_fields = field_checker(Event, InvalidEvent)
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -89,48 +95,43 @@ class AutoscalingPaused(Event):
     Crashed workers are still replaced: pausing freezes the count, not the pool.
     """
 
-    pool: str | None = None
+    pool: Name | None = None
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class AutoscalingResumed(Event):
     """Resume policy decisions for one pool, or all pools when ``pool`` is None."""
 
-    pool: str | None = None
+    pool: Name | None = None
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class PoolPinned(Event):
     """Pin a pool at ``count`` workers (within its bounds); ``count=None`` unpins it."""
 
-    pool: str
+    pool: Name
     count: int | None
-
-    def __attrs_post_init__(self) -> None:
-        _check_time("PoolPinned", self.t)
-        if self.count is not None:
-            _check_count(self, "count", self.count)
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class DrainRequested(Event):
     """Drain one worker gracefully; the pool replaces it (pin the pool to shrink it instead)."""
 
-    worker_id: str
+    worker_id: Name
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class GpuCordonRequested(Event):
     """An operator cordons a GPU: no new worker is placed on it until uncordoned."""
 
-    gpu_id: str
+    gpu_id: Name
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class GpuUncordonRequested(Event):
     """An operator lifts every cordon on a GPU, including error and loss cordons."""
 
-    gpu_id: str
+    gpu_id: Name
 
 
 # --- pressure ------------------------------------------------------------------------------------
@@ -144,16 +145,12 @@ class QueueSampled(Event):
     ``batch_size_seqs`` sequences.
     """
 
-    pool: str
+    pool: Name
     queued_sequences: int
     batch_size_seqs: int
     trainer_step: int
 
-    def __attrs_post_init__(self) -> None:
-        _check_time("QueueSampled", self.t)
-        _check_count(self, "queued_sequences", self.queued_sequences)
-        _check_count(self, "trainer_step", self.trainer_step)
-        _check_count(self, "batch_size_seqs", self.batch_size_seqs)
+    def _check(self) -> None:
         if self.batch_size_seqs == 0:
             raise InvalidEvent("QueueSampled.batch_size_seqs must be >= 1, got 0")
 
@@ -162,19 +159,15 @@ class QueueSampled(Event):
 class LoadSampled(Event):
     """In-flight requests summed over a pool's workers (inference engines, request servers)."""
 
-    pool: str
+    pool: Name
     in_flight_requests: int
-
-    def __attrs_post_init__(self) -> None:
-        _check_time("LoadSampled", self.t)
-        _check_count(self, "in_flight_requests", self.in_flight_requests)
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class SourceDown(Event):
     """A pool's pressure source could not be read: the pool holds its count until it returns."""
 
-    pool: str
+    pool: Name
     error: str
 
 
@@ -185,36 +178,31 @@ class SourceDown(Event):
 class WorkerStarted(Event):
     """A spawned worker's process exists. ``pid`` with ``start_time`` identifies it uniquely."""
 
-    worker_id: str
+    worker_id: Name
     pid: int
     #: The process start time as the OS reports it (``/proc/PID/stat`` field 22), not wall time.
     start_time: int
-
-    def __attrs_post_init__(self) -> None:
-        _check_time("WorkerStarted", self.t)
-        _check_count(self, "pid", self.pid)
-        _check_count(self, "start_time", self.start_time)
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class WorkerReady(Event):
     """A worker reports it is ready to produce (only awaited when the pool requires it)."""
 
-    worker_id: str
+    worker_id: Name
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class WorkerHeartbeat(Event):
     """A worker is alive."""
 
-    worker_id: str
+    worker_id: Name
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class WorkerExited(Event):
     """A worker's process ended, with an exit code or the signal that killed it."""
 
-    worker_id: str
+    worker_id: Name
     exit_code: int | None = None
     signal: int | None = None
 
@@ -223,7 +211,7 @@ class WorkerExited(Event):
 class SpawnFailed(Event):
     """A requested worker could not be started at all (bad argv, exec error, ...)."""
 
-    worker_id: str
+    worker_id: Name
     error: str
 
 
@@ -231,14 +219,14 @@ class SpawnFailed(Event):
 class WorkerAdopted(Event):
     """After an orchestrator restart, a worker the log says is alive was found alive."""
 
-    worker_id: str
+    worker_id: Name
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class WorkerLost(Event):
     """A worker the log says is alive is gone or cannot be trusted (restart check, lost host)."""
 
-    worker_id: str
+    worker_id: Name
     reason: str
 
 
@@ -249,7 +237,7 @@ class WorkerLost(Event):
 class GpuSampled(Event):
     """One health reading of one GPU (NVML or a fake). Unknown GPU ids are ignored."""
 
-    gpu_id: str
+    gpu_id: Name
     memory_used_bytes: int
     memory_total_bytes: int
     temperature_c: float
@@ -258,16 +246,7 @@ class GpuSampled(Event):
     #: Errors seen since the previous sample (XID events, uncorrected ECC errors).
     new_errors: int = 0
 
-    def __attrs_post_init__(self) -> None:
-        _check_time("GpuSampled", self.t)
-        _check_count(self, "memory_used_bytes", self.memory_used_bytes)
-        _check_count(self, "memory_total_bytes", self.memory_total_bytes)
-        _check_count(self, "new_errors", self.new_errors)
-        if not (isinstance(self.temperature_c, (int, float)) and math.isfinite(self.temperature_c)):
-            raise InvalidEvent(
-                f"GpuSampled.temperature_c must be a finite number, got {self.temperature_c!r} "
-                f"on GPU {self.gpu_id!r}"
-            )
+    def _check(self) -> None:
         if self.memory_used_bytes > self.memory_total_bytes:
             raise InvalidEvent(
                 f"GpuSampled.memory_used_bytes ({self.memory_used_bytes}) exceeds "
@@ -279,5 +258,5 @@ class GpuSampled(Event):
 class GpuLost(Event):
     """A GPU is gone (fell off the bus, driver reports it lost): its workers are lost too."""
 
-    gpu_id: str
+    gpu_id: Name
     error: str

@@ -18,9 +18,9 @@ and deo's own temperature limit share the word "thermal": both mean the GPU is t
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 from core.errors import InvalidEvent
 
@@ -35,6 +35,7 @@ __all__ = [
     "as_cordon_causes",
     "as_decision_source",
     "as_stop_cause",
+    "known_cordon_causes",
 ]
 
 
@@ -139,11 +140,21 @@ def as_stop_cause(value: str | None) -> StopCause | None:
 _CORDON_CAUSES: Mapping[str, CordonCause] = MappingProxyType({c.value: c for c in CordonCause})
 
 
-def as_cordon_causes(value: Iterable[str]) -> frozenset[str]:
-    """A set of cordon causes: deo's own words as :class:`CordonCause` members, throttle reasons
-    it does not know as the strings they came as."""
-    causes = frozenset(_CORDON_CAUSES.get(cause, cause) for cause in value)
-    for cause in causes:
-        if not isinstance(cause, str) or not cause:
-            raise InvalidEvent(f"cordon causes: {cause!r} is not a cause (a non-empty string)")
+def known_cordon_causes(value: Any) -> frozenset[str]:
+    """A set of cordon causes with deo's own words as :class:`CordonCause` members and throttle
+    reasons it does not know as the strings they came as. What is not a set of strings (a bare
+    string, whose characters are no causes) is kept as it is for the caller's check to name."""
+    if not isinstance(value, list | tuple | set | frozenset):
+        return cast(frozenset[str], value)
+    try:
+        return frozenset(_CORDON_CAUSES.get(cause, cause) for cause in value)
+    except TypeError:  # an unhashable member
+        return cast(frozenset[str], value)
+
+
+def as_cordon_causes(value: Any) -> frozenset[str]:
+    """:func:`known_cordon_causes`, refusing anything but non-empty strings."""
+    causes = known_cordon_causes(value)
+    if not isinstance(causes, frozenset) or not all(isinstance(c, str) and c for c in causes):
+        raise InvalidEvent(f"cordon causes: {value!r} is not a set of causes (non-empty strings)")
     return causes

@@ -14,15 +14,15 @@ from typing import Any
 import attrs
 import orjson
 
-from adapters.log import Line, LogProblem, check_header, read_lines
+from adapters.log import LogProblem, LogReader, not_reduced
 from core import Command, Configured, DeoError, Event, State, decode, encode, reduce
 from core.policies import BUILT_INS, PolicyCatalog
 
 __all__ = ["Replayed", "apply_settings", "parse_setting", "replay"]
 
 
-# Mutable slots classes: they are built once per record of logs with millions of them, and a
-# frozen attrs class costs several times as much to construct. Treat them as read-only.
+# A mutable slots class: one is built per event of logs with millions of them, and a frozen
+# attrs class costs several times as much to construct. Treat it as read-only.
 
 
 @attrs.define(slots=True)
@@ -50,15 +50,6 @@ class Replayed:
         return bool(encode(self.produced) == self.recorded)
 
 
-@attrs.define(slots=True)
-class _Pending:
-    line: int
-    seq: int
-    event: Event
-    recorded: list[Any] = attrs.field(factory=list)
-    error: str | None = None
-
-
 def replay(
     path: Path,
     *,
@@ -67,89 +58,39 @@ def replay(
     policies: PolicyCatalog = BUILT_INS,
 ) -> Iterator[Replayed]:
     """Re-reduce every event of ``path`` with ``policies`` (those of the run that wrote it);
-    unreadable lines are appended to ``problems``."""
-    state = State()
-    pending: _Pending | None = None
+    lines that cannot be replayed go to ``problems``.
 
-    def finish(item: _Pending) -> Replayed:
-        nonlocal state
+    Those are the lines :class:`~adapters.log.LogReader` cannot read, and events the reducer
+    refuses although the log records no refusal for them (unless ``transform`` changed them:
+    then a refusal is the change's doing, and is yielded like any other step).
+    """
+    reader = LogReader(path, problems=problems)
+    state = State()
+    for record in reader.events():
         before = state
-        event = transform(item.event) if transform is not None else item.event
+        event = transform(record.event) if transform is not None else record.event
         try:
             state, produced = reduce(before, event, policies)
             error = None
         except DeoError as exc:
             produced, error = [], str(exc)
-        return Replayed(
-            line=item.line,
-            seq=item.seq,
+            if record.error is None and not record.commands and transform is None:
+                problems.append(not_reduced(record, exc))
+                continue
+        except Exception as exc:  # a bug in the reducer: reported like a bad line, not raised
+            problems.append(not_reduced(record, exc))
+            continue
+        yield Replayed(
+            line=record.line,
+            seq=record.seq,
             event=event,
             before=before,
             after=state,
-            recorded=item.recorded,
-            recorded_error=item.error,
+            recorded=record.commands,
+            recorded_error=record.error,
             produced=produced,
             produced_error=error,
         )
-
-    for item in read_lines(path):
-        if isinstance(item, LogProblem):
-            problems.append(item)
-            continue
-        if item.number == 1:
-            problem = check_header(item)
-            if problem is not None:
-                problems.append(problem)
-            if item.record.get("kind") == "header":
-                continue
-        parsed = _parse(item, problems)
-        if parsed is None:
-            continue
-        kind, value = parsed
-        if kind == "event":
-            if pending is not None:
-                yield finish(pending)
-            pending = value
-        elif pending is None or value[0] != pending.seq:
-            problems.append(
-                LogProblem(item.number, f"{kind} record for an event not just before it")
-            )
-        elif kind == "commands":
-            pending.recorded = value[1]
-        else:
-            pending.error = value[1]
-    if pending is not None:
-        yield finish(pending)
-
-
-def _parse(item: Line, problems: list[LogProblem]) -> tuple[str, Any] | None:
-    record = item.record
-    kind = record.get("kind")
-    seq = record.get("seq")
-    if not isinstance(seq, int):
-        problems.append(LogProblem(item.number, "record without an integer seq"))
-        return None
-    try:
-        if kind == "event":
-            event = decode(record["event"])
-            if not isinstance(event, Event):
-                raise DeoError(f"{type(event).__name__} is not an event")
-            return "event", _Pending(line=item.number, seq=seq, event=event)
-        if kind == "commands":
-            commands = record["commands"]
-            if not isinstance(commands, list):
-                raise DeoError("commands is not a list")
-            return "commands", (record["cause"], commands)
-        if kind == "rejected":
-            return "rejected", (record["cause"], str(record["error"]))
-    except KeyError as exc:
-        problems.append(LogProblem(item.number, f"{kind} record without {exc}"))
-        return None
-    except DeoError as exc:
-        problems.append(LogProblem(item.number, str(exc)))
-        return None
-    problems.append(LogProblem(item.number, f"unknown record kind {kind!r}"))
-    return None
 
 
 # --- replaying under changed configuration -----------------------------------------------------

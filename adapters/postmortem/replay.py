@@ -1,8 +1,8 @@
 """``deo replay``: verify a log, print its timeline, and answer postmortem questions.
 
 Exit status: 0 when every recorded command came out again; 1 on the first divergence (shown with
-both sides); 2 when the log has unreadable lines or cannot be opened (what could be read is still
-replayed and reported).
+both sides); 2 when the log has unreadable lines (or events the reducer refuses that the log
+records no refusal for) or cannot be opened (what could be read is still replayed and reported).
 """
 
 from __future__ import annotations
@@ -92,12 +92,17 @@ def _watch(steps: Iterator[Replayed], diverged: list[Replayed]) -> Iterator[Repl
 
 
 def _finish(path: Path, problems: list[LogProblem], diverged: list[Replayed], out: TextIO) -> int:
-    for problem in problems:
-        print(f"{path}: {problem}", file=out)
+    _print_problems(path, problems, out)
     if diverged:
         _show_divergence(diverged[0], out)
         return 1
     return 2 if problems else 0
+
+
+def _print_problems(path: Path, problems: list[LogProblem], out: TextIO) -> None:
+    # By line: a refused event is only known to be a problem after the line that follows it.
+    for problem in sorted(problems, key=lambda problem: problem.line):
+        print(f"{path}: {problem}", file=out)
 
 
 def _show_divergence(step: Replayed, out: TextIO) -> None:
@@ -153,8 +158,7 @@ def _timeline(
         if not step.matches:
             diverged = step
             break
-    for problem in problems:
-        print(f"{path}: {problem}", file=out)
+    _print_problems(path, problems, out)
     if diverged is not None:
         _show_divergence(diverged, out)
         return 1
@@ -257,8 +261,7 @@ def _what_if(
     except (DeoError, ValueError) as exc:
         print(f"deo replay: the changed configuration is invalid: {exc}", file=sys.stderr)
         return 2
-    for problem in problems:
-        print(f"{path}: {problem}", file=out)
+    _print_problems(path, problems, out)
     more = f" (first {MAX_DIFFERENCES} shown)" if differing > MAX_DIFFERENCES else ""
     print(
         f"{differing} of {total} events would have led to different decisions{more}; "

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import io
 import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+import hypothesis.strategies as st
+import orjson
 import pytest
 from conftest import write_simulated_log
+from hypothesis import HealthCheck, given, settings
 
-from adapters.log import SCHEMA_VERSION, EventLog, LogProblem, read_lines, snapshot_path
+from adapters.log import SCHEMA_VERSION, EventLog, LogProblem, LogReader, snapshot_path
+from adapters.postmortem import replay as replay_command
 from adapters.postmortem.engine import replay
 from core import (
     Config,
@@ -53,11 +59,9 @@ def records(path: Path) -> list[dict[str, Any]]:
 
 def events_of(path: Path) -> list[Event]:
     """The input events a log recorded, in order."""
-    out = []
-    for item in read_lines(path):
-        assert not isinstance(item, LogProblem), item
-        if item.record.get("kind") == "event":
-            out.append(decode(item.record["event"]))
+    reader = LogReader(path)
+    out = [record.event for record in reader.events()]
+    assert reader.problems == []
     return out
 
 
@@ -592,3 +596,251 @@ def test_records_that_cannot_be_replayed_are_reported_not_dropped(tmp_path: Path
     assert [(p.line, "seq" in p.message) for p in recovery.problems] == [(2, True), (3, False)]
     assert "NoSuchEvent" in recovery.problems[1].message
     assert recovery.state.now == 2.0
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"@":"WorkerReady","t":2.0,"worker_id":5}\n',
+        b'{"seq":99999,"kind":"event","event":{"@":"WorkerReady","t":2.0,"worker_id":5}}\n',
+        b'{"seq":99999,"kind":"event","event":{"@":"WorkerReady","t":2.0,"worker_id":"ghost"}}\n',
+    ],
+    ids=["bare-event", "wrong-type", "unknown-worker"],
+)
+def test_a_line_that_cannot_be_decoded_or_reduced_is_reported_by_run_and_replay(
+    demo_log: Path, line: bytes
+) -> None:
+    intact = reference_state(demo_log)
+    with demo_log.open("ab") as f:
+        f.write(line)
+    number = len(demo_log.read_bytes().splitlines())
+    problems: list[LogProblem] = []
+    steps = list(replay(demo_log, problems=problems))
+    assert [p.line for p in problems] == [number]
+    assert steps[-1].after == intact and all(step.matches for step in steps)
+    log, recovery = EventLog.open(demo_log)
+    log.close()
+    assert [p.line for p in recovery.problems] == [number]
+    assert recovery.state == intact
+    assert recovery.set_aside is None  # a whole line, not a torn one: it stays where it is
+
+
+# --- arbitrary lines: recovery and replay report them and never raise ---------------------------
+
+#: Causes no record of the fixture log has: a commands or rejected record naming one is an orphan.
+NO_SUCH_CAUSE = st.integers(10**12, 2**62)
+
+
+JSON_INTEGERS = st.integers(-(2**63), 2**64 - 1)  # what orjson writes
+
+
+def line_of(record: Any) -> bytes:
+    return orjson.dumps(record) + b"\n"
+
+
+#: Lines that are not a record at all: bytes, JSON of another shape, records of no known kind,
+#: records without a usable seq, or whose event or fields do not fit. Seqs do not matter here
+#: (any seq, even a fresh one), since none of these is ever read as a record.
+unreadable_lines = st.one_of(
+    st.binary(max_size=60).map(lambda raw: raw.replace(b"\n", b"") + b"\n"),
+    st.one_of(JSON_INTEGERS, st.text(max_size=8), st.lists(JSON_INTEGERS, max_size=3)).map(line_of),
+    st.fixed_dictionaries(
+        {"kind": st.text(max_size=8).filter(lambda k: k not in ("event", "commands", "rejected"))},
+        optional={"seq": st.integers(1, 10**6)},
+    ).map(line_of),
+    st.fixed_dictionaries(
+        {
+            "kind": st.sampled_from(["event", "commands", "rejected"]),
+            "seq": st.none() | st.text(max_size=3) | st.integers(max_value=0) | st.floats(1, 9),
+            "cause": st.integers(1, 10),
+            "event": st.just({"@": "Tick", "t": 1.0}),
+            "commands": st.just([]),
+            "error": st.just("no"),
+        }
+    ).map(line_of),
+    # events whose fields do not fit (each value is wrong for every field type)
+    st.tuples(
+        st.sampled_from(["Tick", "WorkerReady", "QueueSampled", "GpuSampled", "WorkerExited"]),
+        st.sampled_from(["t", "worker_id", "pool", "gpu_id", "queued_sequences", "exit_code"]),
+        st.sampled_from([[1], [None], {"k": 1}, [["x"]], -1.5, "", None]),
+        st.integers(1, 10**6),
+    ).map(lambda a: line_of({"seq": a[3], "kind": "event", "event": bad_event(a[0], a[1], a[2])})),
+    st.sampled_from(["NoSuchEvent", "State", "Config", "ScalePool"]).map(
+        lambda name: line_of({"seq": 5, "kind": "event", "event": {"@": name, "t": 1.0}})
+    ),
+    # commands and rejected records that lack their cause or fields
+    st.sampled_from(
+        [
+            {"seq": 7, "kind": "commands", "commands": []},
+            {"seq": 7, "kind": "commands", "cause": 3, "commands": {"@": "ScalePool"}},
+            {"seq": 7, "kind": "rejected", "cause": "3", "error": "x"},
+            {"seq": 7, "kind": "rejected", "cause": 3},
+            {"kind": "header", "schema": 1},
+        ]
+    ).map(line_of),
+)
+
+GOOD_FIELDS = {
+    "Tick": {"t": 1.0},
+    "WorkerReady": {"t": 1.0, "worker_id": "envs-0"},
+    "QueueSampled": {
+        "t": 1.0,
+        "pool": "envs",
+        "queued_sequences": 1,
+        "batch_size_seqs": 8,
+        "trainer_step": 1,
+    },
+    "GpuSampled": {
+        "t": 1.0,
+        "gpu_id": "0",
+        "memory_used_bytes": 1,
+        "memory_total_bytes": 2,
+        "temperature_c": 40.0,
+    },
+    "WorkerExited": {"t": 1.0, "worker_id": "envs-0", "exit_code": 1},
+}
+
+
+def bad_event(name: str, field: str, value: Any) -> dict[str, Any]:
+    """The encoded event ``name`` with ``field`` set to a value that fits no field (""/None only
+    where it is not optional: a missing field, when ``name`` has no ``field``, is wrong too)."""
+    fields = dict(GOOD_FIELDS[name])
+    if field not in fields or (value in ("", None, -1.5) and field in ("exit_code",)):
+        fields.pop("t")  # a required field missing
+    elif value == -1.5 and field in ("worker_id", "pool", "gpu_id"):
+        fields[field] = ""
+    else:
+        fields[field] = value
+    return {"@": name, **fields}
+
+
+#: Refused by the fixture log's state whatever its time: it knows no such worker, pool or GPU.
+refused_events = st.tuples(
+    st.floats(0, 2000),
+    st.sampled_from(
+        [
+            {"@": "WorkerReady", "worker_id": "ghost-1"},
+            {"@": "DrainRequested", "worker_id": "ghost-2"},
+            {"@": "WorkerHeartbeat", "worker_id": "ghost-3"},
+            {"@": "LoadSampled", "pool": "ghost", "in_flight_requests": 3},
+            {"@": "PoolPinned", "pool": "ghost", "count": 1},
+            {"@": "GpuCordonRequested", "gpu_id": "ghost"},
+        ]
+    ),
+).map(lambda a: {"t": a[0], **a[1]})
+
+
+def damage(data: st.DataObject, lines: list[bytes]) -> tuple[list[bytes], set[int], bool]:
+    """``lines`` with bad lines put among them and after them: (the lines, the 1-based numbers
+    of the bad ones, whether the last line is unreadable and so set aside by recovery)."""
+    draw = data.draw
+    inserts: list[tuple[int, bytes]] = []
+    for _ in range(draw(st.integers(0, 5))):
+        inserts.append((draw(st.integers(1, len(lines))), draw(unreadable_lines)))
+    for _ in range(draw(st.integers(0, 3))):
+        # a record again, later (a repeated seq), or with its seq missing
+        original = draw(st.integers(1, len(lines) - 1))
+        record = json.loads(lines[original])
+        if draw(st.booleans()):
+            del record["seq"]
+            at = draw(st.integers(1, len(lines)))
+        else:
+            at = draw(st.integers(original + 1, len(lines)))
+        inserts.append((at, line_of(record)))
+    out: list[tuple[bytes, bool]] = [(line, False) for line in lines]
+    for at, line in sorted(inserts, key=lambda insert: insert[0], reverse=True):
+        out.insert(at, (line, True))
+    # After the log: events it never reduced, records out of order, orphans.
+    seq = max(json.loads(line).get("seq", 0) for line in lines)
+    for _ in range(draw(st.integers(0, 5))):
+        choice = draw(st.sampled_from(["refused", "stale", "orphan", "unreadable"]))
+        if choice == "unreadable":
+            out.append((draw(unreadable_lines), True))
+            continue
+        if choice == "stale":
+            number = draw(st.integers(1, seq))
+        else:
+            seq += 1
+            number = seq
+        if choice == "orphan":
+            kind = draw(st.sampled_from(["commands", "rejected"]))
+            record: dict[str, Any] = {"seq": number, "kind": kind, "cause": draw(NO_SUCH_CAUSE)}
+            record.update({"commands": []} if kind == "commands" else {"error": "refused"})
+        else:
+            record = {"seq": number, "kind": "event", "event": draw(refused_events)}
+        out.append((line_of(record), True))
+    if draw(st.booleans()):
+        torn = draw(st.binary(min_size=1, max_size=40)).replace(b"\n", b"") or b"{"
+        out.append((torn, True))
+    last = out[-1][0]
+    unreadable = not last.endswith(b"\n")
+    if not unreadable:
+        try:
+            unreadable = not isinstance(orjson.loads(last), dict)
+        except orjson.JSONDecodeError:
+            unreadable = True
+    bad = {number for number, (_, is_bad) in enumerate(out, start=1) if is_bad}
+    return [line for line, _ in out], bad, unreadable
+
+
+class Intact:
+    """The fixture log's lines and the state they rebuild (a short repr, for hypothesis)."""
+
+    def __init__(self, lines: list[bytes], state: State) -> None:
+        self.lines = lines
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"Intact(<{len(self.lines)} lines>)"
+
+
+@pytest.fixture(scope="module")
+def intact(demo_master: Path) -> Intact:
+    return Intact(demo_master.read_bytes().splitlines(keepends=True), reference_state(demo_master))
+
+
+@settings(
+    max_examples=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_recovery_and_replay_report_every_bad_line_and_never_raise(
+    tmp_path_factory: pytest.TempPathFactory, intact: Intact, data: st.DataObject
+) -> None:
+    lines, bad, unreadable_last = damage(data, intact.lines)
+    path = tmp_path_factory.mktemp("damaged") / "run.jsonl"
+    path.write_bytes(b"".join(lines))
+    events = sum(b'"kind":"event"' in line for line in intact.lines)
+
+    # replay: every readable event replayed and verified, every bad line named
+    problems: list[LogProblem] = []
+    steps = list(replay(path, problems=problems))
+    assert sorted(p.line for p in problems) == sorted(bad), problems
+    assert len(steps) == events
+    assert all(step.matches for step in steps)
+    assert steps[-1].after == intact.state
+    # `deo replay` says the same, and exits 2 when there is a bad line
+    out = io.StringIO()
+    args = argparse.Namespace(log=path, set=[], sqlite=None, at=None, explain=None, quiet=True)
+    assert replay_command.run(args, out) == (2 if bad else 0)
+    for number in bad:
+        assert f"{path}: line {number}: " in out.getvalue()
+
+    # recovery: the same lines reported, the readable log's state rebuilt
+    log, recovery = EventLog.open(path, fsync=False)
+    try:
+        assert sorted(p.line for p in recovery.problems) == sorted(bad)
+        assert recovery.state == intact.state
+        assert (recovery.set_aside is not None) == unreadable_last
+        # and deo carries on: a new record comes after every seq the log holds
+        reducer = Reducer(recovery.state)
+        log.record(reducer, Tick(t=recovery.state.now + 1))
+    finally:
+        log.close()
+    log, again = EventLog.open(path, fsync=False)
+    log.close()
+    assert again.state == reducer.state
+    assert sorted(p.line for p in again.problems) == sorted(
+        bad - {len(lines)} if unreadable_last else bad
+    )

@@ -139,6 +139,14 @@ def test_commands_round_trip(cls: type, data: st.DataObject) -> None:
         ({"@": "Tick", "t": 1.0, "extra": 2}, "extra"),
         ({"@": "Tick", "t": -1.0}, "Tick.t must be a finite number"),
         ({"@": "os.system", "t": 1.0}, "unknown record type"),
+        (
+            {"@": "WorkerReady", "t": 2.0, "worker_id": 5},
+            "WorkerReady.worker_id must be a non-empty",
+        ),
+        (
+            {"@": "CordonGpu", "gpu_id": "0", "causes": "errors", "reason": "r"},
+            r"CordonGpu\.causes must be a set of strings, got 'errors'",
+        ),
     ],
 )
 def test_bad_records_raise_the_core_error(record: dict[str, Any], message: str) -> None:

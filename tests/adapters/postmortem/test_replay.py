@@ -502,7 +502,7 @@ def test_explain_zero_when_the_first_event_has_no_commands(tmp_path: Path) -> No
     assert "numbered from 1" in proc.stderr
 
 
-def test_missing_rejected_record_diverges(tmp_path: Path) -> None:
+def test_refused_event_without_a_rejected_record_is_reported_and_skipped(tmp_path: Path) -> None:
     path = tmp_path / "rejected.jsonl"
     log, _ = EventLog.open(path)
     reducer = Reducer()
@@ -519,10 +519,12 @@ def test_missing_rejected_record_diverges(tmp_path: Path) -> None:
     del lines[3]
     path.write_bytes(b"".join(lines))
     proc = run_tool(path)
-    assert proc.returncode == 1
-    assert "DIVERGED at line 3 (seq 2," in proc.stdout
-    assert "  recorded: []" in proc.stdout
-    assert "  replayed: \"rejected: QueueSampled: unknown pool 'nope'" in proc.stdout
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"{path}: line 3: refused (QueueSampled: unknown pool 'nope'" in proc.stdout
+    assert "the log records no refusal; skipped" in proc.stdout
+    assert "DIVERGED" not in proc.stdout
+    # the Ticks before and after it are replayed and verified
+    assert summary(proc.stdout) == ("replayed with problems", 2, 0)
 
 
 @pytest.mark.parametrize("mode", ["at", "explain", "sqlite"])

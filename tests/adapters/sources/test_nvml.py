@@ -421,7 +421,8 @@ def test_the_monitor_tells_unsupported_fields_and_xids_as_lines() -> None:
     assert events == [] and lines == ["deo: GPU 0: cannot read health: no reading"]
     events, lines = monitor.step({"0": attrs.evolve(health, temperature_c=float("nan"))}, 4.0)
     assert events == [] and len(lines) == 1
-    assert "GpuSampled.temperature_c must be a finite number, got nan on GPU '0'" in lines[0]
+    assert lines[0].startswith("deo: GPU 0: ")
+    assert "GpuSampled.temperature_c must be a finite number, got nan" in lines[0]
 
 
 # --- the NVML backend, through a fake pynvml -----------------------------------------------------
