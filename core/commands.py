@@ -7,13 +7,9 @@ postmortem reads every decision and why, and so replay can check that it would d
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, ClassVar
-
 import attrs
 
-from core.convert import Name, Seconds, field_checker, member_of, str_tuple
-from core.errors import InvalidEvent
+from core.convert import CheckedRecord, Name, Seconds, member_of, str_tuple
 from core.vocabulary import AlertName, DecisionSource, known_cordon_causes
 
 __all__ = [
@@ -43,27 +39,14 @@ def _alert_name(value: object) -> AlertName:
 
 
 @attrs.frozen(slots=True, kw_only=True)
-class Command:
-    """Base class of every output.
+class Command(CheckedRecord):
+    """Base class of every output; ``reason`` says why, for a person.
 
     Construction checks every field against its annotation, as :class:`~core.events.Event` does,
     and raises :class:`~core.errors.InvalidEvent` naming the class, the field and the value.
     """
 
     reason: str
-
-    #: Checks every field of an instance; made from the class's annotations with the class.
-    _check_fields: ClassVar[Callable[[Any], None]]
-
-    @classmethod
-    def __attrs_init_subclass__(cls) -> None:
-        cls._check_fields = field_checker(cls, InvalidEvent)
-
-    def __attrs_post_init__(self) -> None:
-        self._check_fields()
-
-
-Command._check_fields = field_checker(Command, InvalidEvent)
 
 
 @attrs.frozen(slots=True, kw_only=True)

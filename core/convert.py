@@ -15,12 +15,15 @@ import math
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
-from typing import Annotated, Any, cast
+from typing import Annotated, Any, ClassVar, cast
 
 import attrs
 
+from core.errors import InvalidEvent
+
 __all__ = [
     "MAX_COUNT",
+    "CheckedRecord",
     "FieldCheck",
     "Name",
     "Seconds",
@@ -137,6 +140,31 @@ def field_checker(cls: type, error: type[Exception]) -> Callable[[Any], None]:
     return checker
 
 
+@attrs.frozen(slots=True, kw_only=True)
+class CheckedRecord:
+    """Base of events and commands: the one hook that checks every field on construction.
+
+    Each subclass gets a checker generated from its annotations when the class is made
+    (:func:`field_checker`); construction runs it, then :meth:`_check` for what the
+    annotations cannot say. A failure raises :class:`~core.errors.InvalidEvent` naming the
+    class, the field and the value.
+    """
+
+    #: Checks every field of an instance; made from the class's annotations with the class.
+    _check_fields: ClassVar[Callable[[Any], None]]
+
+    @classmethod
+    def __attrs_init_subclass__(cls) -> None:
+        cls._check_fields = field_checker(cls, InvalidEvent)
+
+    def __attrs_post_init__(self) -> None:
+        self._check_fields()
+        self._check()
+
+    def _check(self) -> None:
+        """Checks across fields, after each field's own; raise :class:`InvalidEvent`."""
+
+
 def _fail(record: object, check: FieldCheck, value: Any, error: type[Exception]) -> None:
     raise error(f"{type(record).__name__}.{check.name} must be {check.expected}, got {value!r}")
 
@@ -223,3 +251,6 @@ def _check_for(hint: Any) -> _Check:
         # Nested records (Config in Configured) and enums are instances of their class.
         return (lambda v: isinstance(v, hint)), f"a {hint.__name__}", "False"
     raise TypeError(f"no check for {hint!r}")
+
+
+CheckedRecord._check_fields = field_checker(CheckedRecord, InvalidEvent)

@@ -8,13 +8,10 @@ and raise :class:`InvalidEvent` with a message naming the field.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, ClassVar
-
 import attrs
 
 from core.config import Config
-from core.convert import Name, Seconds, field_checker, str_set
+from core.convert import CheckedRecord, Name, Seconds, str_set
 from core.errors import InvalidEvent
 
 __all__ = [
@@ -43,7 +40,7 @@ __all__ = [
 
 
 @attrs.frozen(slots=True, kw_only=True)
-class Event:
+class Event(CheckedRecord):
     """Base class of every input. ``t`` is the time the fact was observed, in seconds.
 
     Construction checks every field against its annotation (``int``: an integer in [0, 2**63);
@@ -54,23 +51,6 @@ class Event:
     """
 
     t: Seconds
-
-    #: Checks every field of an instance; made from the class's annotations with the class.
-    _check_fields: ClassVar[Callable[[Any], None]]
-
-    @classmethod
-    def __attrs_init_subclass__(cls) -> None:
-        cls._check_fields = field_checker(cls, InvalidEvent)
-
-    def __attrs_post_init__(self) -> None:
-        self._check_fields()
-        self._check()
-
-    def _check(self) -> None:
-        """Checks across fields, after each field's own; raise :class:`InvalidEvent`."""
-
-
-Event._check_fields = field_checker(Event, InvalidEvent)
 
 
 @attrs.frozen(slots=True, kw_only=True)
