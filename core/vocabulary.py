@@ -146,10 +146,9 @@ def known_cordon_causes(value: Any) -> frozenset[str]:
     string, whose characters are no causes) is kept as it is for the caller's check to name."""
     if not isinstance(value, list | tuple | set | frozenset):
         return cast(frozenset[str], value)
-    try:
-        return frozenset(_CORDON_CAUSES.get(cause, cause) for cause in value)
-    except TypeError:  # an unhashable member
-        return cast(frozenset[str], value)
+    if not all(isinstance(cause, str) for cause in value):
+        return cast(frozenset[str], value)  # the check names the value as the caller gave it
+    return frozenset(_CORDON_CAUSES.get(cause, cause) for cause in value)
 
 
 def as_cordon_causes(value: Any) -> frozenset[str]:
