@@ -116,7 +116,7 @@ class Gpu:
     """One GPU of the inventory and why, if at all, it is cordoned."""
 
     gpu_id: str
-    #: Every active cordon cause (see :func:`core.vocabulary.cordon_causes`); empty if none.
+    #: Every active cordon cause (see :func:`core.vocabulary.as_cordon_causes`); empty if none.
     causes: frozenset[str] = attrs.field(default=frozenset(), converter=as_cordon_causes)
     #: Since when samples have shown no transient cause (the uncordon hysteresis clock).
     clean_since_t: float | None = None

@@ -29,8 +29,8 @@ __all__ = [
     "Heartbeat",
 ]
 
-# The names deo uses (adapters/sources.py, adapters/run.py); repeated here so that a worker needs
-# nothing of deo but this package.
+# The names deo uses (adapters/sources/heartbeat.py, adapters/run.py); repeated here so that a
+# worker needs nothing of deo but this package.
 HEARTBEAT_FILE_ENV = "DEO_HEARTBEAT_FILE"
 API_URL_ENV = "DEO_API_URL"
 WORKER_TOKEN_ENV = "DEO_WORKER_TOKEN"

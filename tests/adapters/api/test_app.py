@@ -1,4 +1,4 @@
-"""adapters/http_api.py: a real uvicorn server around a real Runner, Reducer and EventLog."""
+"""adapters/api/app.py: a real uvicorn server around a real Runner, Reducer and EventLog."""
 
 from __future__ import annotations
 

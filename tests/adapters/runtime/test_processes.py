@@ -1,4 +1,4 @@
-"""adapters/processes.py: the local process executor, with real processes and real signals."""
+"""adapters/runtime/processes.py: the local process executor, real processes and signals."""
 
 from __future__ import annotations
 
