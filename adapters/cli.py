@@ -92,7 +92,7 @@ def _plugins() -> dict[str, Any]:
     """Commands other packages add (``deo bench``), from the ``deo.commands`` entry points.
 
     Each names a module with ``HELP``, ``add_arguments(parser)`` and ``main(args) -> int``; the
-    runtime never imports them itself.
+    modules of deo never import them; the command line loads them as plugins.
     """
     found = entry_points(group="deo.commands")
     return {ep.name: ep.load() for ep in sorted(found, key=lambda ep: ep.name)}
