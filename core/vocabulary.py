@@ -3,9 +3,10 @@ cordon causes and the sources of scaling decisions.
 
 Each vocabulary is an :class:`enum.StrEnum`: a member equals, hashes and formats like its string,
 so the log keeps exactly the strings it always held and records written before these enums
-existed decode to the same members. Fields that hold a word convert strings to members on
-construction (``as_alert_name``, ``as_stop_cause``, ``as_decision_source``); a word deo does not
-know is refused with :class:`~core.errors.InvalidEvent` naming it and the words it could be.
+existed decode to the same members. The state's fields convert strings to members on
+construction (``as_alert_name``, ``as_stop_cause``, ``as_cordon_causes``) and refuse a word deo
+does not know with :class:`~core.errors.InvalidEvent` naming it and the words it could be;
+commands convert with :func:`core.convert.member_of` and let their field check name the value.
 
 Cordon causes are the one open vocabulary. deo's own causes are :class:`CordonCause` members, but
 a GPU is also cordoned for the throttle reasons its sampler reports (NVML's names, chosen by the
@@ -33,7 +34,6 @@ __all__ = [
     "StopCause",
     "as_alert_name",
     "as_cordon_causes",
-    "as_decision_source",
     "as_stop_cause",
     "known_cordon_causes",
 ]
@@ -118,18 +118,12 @@ def _by_value(vocabulary: type[W], what: str) -> Callable[[str], W]:
 
 
 _alert_name = _by_value(AlertName, "alert name")
-_decision_source = _by_value(DecisionSource, "decision source")
 _stop_cause = _by_value(StopCause, "stop cause")
 
 
 def as_alert_name(value: str) -> AlertName:
     """The :class:`AlertName` spelt ``value``; :class:`InvalidEvent` for a name deo never raises."""
     return _alert_name(value)
-
-
-def as_decision_source(value: str) -> DecisionSource:
-    """The :class:`DecisionSource` spelt ``value``; :class:`InvalidEvent` if there is none."""
-    return _decision_source(value)
 
 
 def as_stop_cause(value: str | None) -> StopCause | None:
