@@ -25,7 +25,7 @@ import anyio
 import attrs
 
 from adapters.log import EventLog
-from adapters.runtime.config_file import RunSettings
+from adapters.runtime.config_file import RunSettings, check_loggable
 from adapters.runtime.live import live_view
 from adapters.runtime.processes import LocalProcesses, process_start_time
 from adapters.runtime.runner import Runner
@@ -172,6 +172,7 @@ async def run(
         # CUDA_VISIBLE_DEVICES itself and the log records what the worker was given.
         devices = physical_gpu_ids(settings.config.gpus, os.environ.get(GPU_ENV))
         config = attrs.evolve(settings.config, gpu_devices=devices)
+        check_loggable(config)  # what the log holds is what the next start and replay apply
     except DeoError as exc:
         out(f"deo: {exc}")
         return 2

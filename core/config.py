@@ -7,6 +7,7 @@ validated on construction and a bad one raises :class:`ConfigError` naming its k
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from collections.abc import Iterable, Mapping
@@ -37,12 +38,21 @@ _SIGNALS = frozenset({"SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGQ
 RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "DEO_WORKER_ID", "DEO_POOL"})
 
 
+def _finite(key: str, value: float) -> None:
+    # The log is JSON: infinity and NaN have no spelling there, so a configuration holding one
+    # would not come back from the log as it was applied.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
+
+
 def _positive(key: str, value: float) -> None:
+    _finite(key, value)
     if not value > 0:
         raise ConfigError(f"{key} must be > 0, got {value!r}")
 
 
 def _non_negative(key: str, value: float) -> None:
+    _finite(key, value)
     if not value >= 0:
         raise ConfigError(f"{key} must be >= 0, got {value!r}")
 
@@ -66,6 +76,7 @@ class PolicySpec:
                 raise ConfigError(
                     f"policy.{key}: expected a number, string or boolean, got {value!r}"
                 )
+            _finite(f"policy.{key}", value)
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -86,6 +97,7 @@ class CrashLoopRules:
     def __attrs_post_init__(self) -> None:
         _positive("crash_loop.early_exit_s", self.early_exit_s)
         _positive("crash_loop.backoff_base_s", self.backoff_base_s)
+        _finite("crash_loop.backoff_cap_s", self.backoff_cap_s)
         if self.backoff_cap_s < self.backoff_base_s:
             raise ConfigError(
                 f"crash_loop.backoff_cap_s ({self.backoff_cap_s}) must be >= backoff_base_s "
@@ -218,6 +230,7 @@ class CordonRules:
     uncordon_after_s: float = 120.0
 
     def __attrs_post_init__(self) -> None:
+        _finite("cordon.max_temperature_c", self.max_temperature_c)
         if not 0 < self.max_memory_fraction <= 1:
             raise ConfigError(
                 f"cordon.max_memory_fraction must be in (0, 1], got {self.max_memory_fraction}"

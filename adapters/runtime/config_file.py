@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import orjson
 
 from adapters.sources.atropos import AtroposSource
 from adapters.sources.json_pressure import JsonSource
@@ -22,16 +23,20 @@ from adapters.sources.nvml import NvmlSettings
 from core import (
     Config,
     ConfigError,
+    Configured,
     CordonRules,
     CrashLoopRules,
+    DeoError,
     LoadSampled,
     PolicySpec,
     PoolSpec,
     QueueSampled,
+    decode,
+    encode,
 )
 from core.policies import build
 
-__all__ = ["ApiSettings", "RunSettings", "Source", "load"]
+__all__ = ["ApiSettings", "RunSettings", "Source", "check_loggable", "load"]
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -110,6 +115,7 @@ def load(path: Path) -> RunSettings:
         raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    _refuse_non_finite(data, "")
     base = path.parent.resolve()  # absolute: workers get these paths and may change directory
     deo = _table(
         data, "deo", {"log", "fsync", "snapshot_every", "tick_interval_s", "worker_logs", "gpus"}
@@ -133,6 +139,7 @@ def load(path: Path) -> RunSettings:
     for key, kind in (("fsync", bool), ("snapshot_every", int), ("tick_interval_s", float)):
         if key in deo:
             settings[key] = _typed(f"deo.{key}", deo[key], kind)
+    check_loggable(config)
     return RunSettings(
         config=config,
         log=base / _typed("deo.log", deo.get("log", "deo.jsonl"), str),
@@ -142,6 +149,78 @@ def load(path: Path) -> RunSettings:
         nvml=_nvml_settings(_table(data, "nvml", None), base),
         **settings,
     )
+
+
+def check_loggable(config: Config) -> None:
+    """Return if ``config`` comes back from the event log exactly as it is; else ConfigError.
+
+    The log is the only record of the configuration a run applied: one that does not survive
+    encode -> JSON -> decode would be applied now and read back differently (or not at all) by
+    the next start and by ``deo replay``. The error names the first key that differs.
+    """
+    event = Configured(t=0.0, config=config)
+    given = encode(event)
+    try:
+        logged = orjson.loads(orjson.dumps(given))
+    except TypeError as exc:  # orjson's JSONEncodeError
+        raise ConfigError(f"the configuration cannot be written to the event log: {exc}") from None
+    differs = _first_difference(given, logged, "")
+    if differs is None:
+        try:
+            back = decode(logged)
+        except DeoError as exc:
+            raise ConfigError(
+                f"the configuration would not read back from the log: {exc}"
+            ) from None
+        if back != event:
+            differs = _first_difference(given, encode(back), "") or ("config", config, back.config)
+    if differs is not None:
+        where, value, read_back = differs
+        raise ConfigError(
+            f"{where or 'config'}: {value!r} would read back from the event log as {read_back!r}"
+        )
+
+
+def _first_difference(given: Any, logged: Any, where: str) -> tuple[str, Any, Any] | None:
+    """(dotted key, given value, logged value) where two encoded values first differ."""
+    if isinstance(given, dict) and isinstance(logged, dict):
+        for key in given:
+            if key == "@":
+                continue
+            found = _first_difference(given[key], logged.get(key), _join(where, key, given))
+            if found is not None:
+                return found
+        return None
+    if isinstance(given, list) and isinstance(logged, list) and len(given) == len(logged):
+        for index, (a, b) in enumerate(zip(given, logged, strict=True)):
+            item = a.get("name", index) if isinstance(a, dict) else index
+            found = _first_difference(a, b, f"{where}.{item}" if where else str(item))
+            if found is not None:
+                return found
+        return None
+    # NaN is not equal to itself: a logged NaN never reads back as the same configuration.
+    same = given == logged and not (isinstance(given, float) and math.isnan(given))
+    return None if same else (where, given, logged)
+
+
+def _join(where: str, key: str, parent: dict[str, Any]) -> str:
+    if parent.get("@") == "Configured" and key == "config":
+        return where  # the event's own wrapping is not a key of the file
+    return f"{where}.{key}" if where else key
+
+
+def _refuse_non_finite(value: Any, where: str) -> None:
+    """ConfigError naming the key of the first infinite or NaN number in the parsed file."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(
+            f"{where}: {value} is not a finite number (the event log, JSON, cannot hold it)"
+        )
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_non_finite(item, f"{where}.{key}" if where else key)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _refuse_non_finite(item, f"{where}[{index}]")
 
 
 def _nvml_settings(table: dict[str, Any], base: Path) -> NvmlSettings:

@@ -92,6 +92,44 @@ INVALID: list[tuple[str, Callable[[], object], str]] = [
     ],
     ("stabilization-negative", lambda: pool(stabilization_s=-1.0), "pools.envs.stabilization_s"),
     ("stabilization-nan", lambda: pool(stabilization_s=math.nan), "pools.envs.stabilization_s"),
+    # infinity has no spelling in the JSON log: every number must be finite
+    *[
+        (f"{key}-{value}", (lambda k=key, v=value: pool(**{k: v})), f"pools.envs.{key}")
+        for key in (
+            "start_timeout_s",
+            "drain_timeout_s",
+            "stop_timeout_s",
+            "metrics_stale_s",
+            "heartbeat_grace_s",
+            "stabilization_s",
+            "queue_alert_batches",
+        )
+        for value in (math.inf, -math.inf)
+    ],
+    ("crash-cap-inf", lambda: CrashLoopRules(backoff_cap_s=math.inf), "crash_loop.backoff_cap_s"),
+    ("crash-cap-nan", lambda: CrashLoopRules(backoff_cap_s=math.nan), "crash_loop.backoff_cap_s"),
+    (
+        "crash-base-inf",
+        lambda: CrashLoopRules(backoff_base_s=math.inf),
+        "crash_loop.backoff_base_s",
+    ),
+    (
+        "cordon-temp-inf",
+        lambda: CordonRules(max_temperature_c=math.inf),
+        "cordon.max_temperature_c",
+    ),
+    (
+        "cordon-temp-nan",
+        lambda: CordonRules(max_temperature_c=math.nan),
+        "cordon.max_temperature_c",
+    ),
+    (
+        "cordon-uncordon-inf",
+        lambda: CordonRules(uncordon_after_s=math.inf),
+        "cordon.uncordon_after_s",
+    ),
+    ("policy-param-inf", lambda: PolicySpec(params={"refill_s": math.inf}), "policy.refill_s"),
+    ("policy-param-nan", lambda: PolicySpec(params={"refill_s": math.nan}), "policy.refill_s"),
     # the whole configuration
     ("duplicate-pool", lambda: Config(pools=[pool(), pool(max_workers=3)]), "pools.envs"),
     ("duplicate-gpu", lambda: Config(gpus=["0", "1", "0"]), "gpus"),

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import attrs
 import pytest
 
-from adapters.runtime.config_file import load
-from core import ConfigError
+from adapters.runtime.config_file import check_loggable, load
+from core import Config, ConfigError, PoolSpec
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "local.toml"
 
@@ -126,3 +128,52 @@ def test_a_file_that_is_not_utf8_is_a_clear_error(tmp_path: Path) -> None:
     path.write_bytes(b'[deo]\nlog = "\xff"\n')
     with pytest.raises(ConfigError, match="not UTF-8"):
         load(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        (
+            ("heartbeat_grace_s = 10", "heartbeat_grace_s = 10\ndrain_timeout_s = inf"),
+            "drain_timeout_s",
+        ),
+        (
+            ("heartbeat_grace_s = 10", "heartbeat_grace_s = 10\nstabilization_s = inf"),
+            "stabilization_s",
+        ),
+        (
+            ("heartbeat_grace_s = 10", "heartbeat_grace_s = 10\nstart_timeout_s = -inf"),
+            "start_timeout_s",
+        ),
+        (("heartbeat_grace_s = 10", "heartbeat_grace_s = nan"), "heartbeat_grace_s"),
+        (("target_batches = 2", "target_batches = inf"), "policy.target_batches"),
+        (("backoff_cap_s = 60", "backoff_cap_s = inf"), "crash_loop.backoff_cap_s"),
+        (("[deo]", "[deo]\ntick_interval_s = inf"), "deo.tick_interval_s"),
+        (("[deo]", "[nvml]\ninterval_s = nan\n[deo]"), "nvml.interval_s"),
+        (("[deo]", "[cordon]\nmax_temperature_c = inf\n[deo]"), "cordon.max_temperature_c"),
+    ],
+)
+def test_infinite_and_nan_numbers_are_refused_by_key(
+    tmp_path: Path, change: tuple[str, str], key: str
+) -> None:
+    old, new = change
+    assert old in GOOD
+    with pytest.raises(ConfigError, match=r"is not a finite number") as info:
+        load(write(tmp_path, GOOD.replace(old, new, 1)))
+    where = str(info.value).split(":")[0]
+    assert where.endswith(key), info.value
+
+
+def test_a_loaded_configuration_reads_back_from_the_log_unchanged(tmp_path: Path) -> None:
+    check_loggable(load(write(tmp_path, GOOD)).config)  # raises if not
+    check_loggable(load(EXAMPLE).config)
+
+
+def test_a_configuration_the_log_cannot_hold_is_refused_by_key() -> None:
+    # The constructors refuse infinity; a value set behind their back still never reaches the
+    # log: the check encodes, writes and reads the Configured event as the log would.
+    spec = PoolSpec(name="envs", argv=["true"])
+    object.__setattr__(spec, "drain_timeout_s", math.inf)
+    config = attrs.evolve(Config(), pools=[spec])
+    with pytest.raises(ConfigError, match=r"^pools\.envs\.drain_timeout_s: inf would read back"):
+        check_loggable(config)
