@@ -34,7 +34,7 @@ from core import (
     decode,
     encode,
 )
-from core.policies import build
+from core.policies import POLICIES, build
 
 __all__ = ["ApiSettings", "RunSettings", "Source", "check_loggable", "load"]
 
@@ -86,6 +86,7 @@ class RunSettings:
         if self.snapshot_every < 1:
             raise ConfigError(f"deo.snapshot_every must be >= 1, got {self.snapshot_every}")
         policies = {pool.name: build(pool.policy) for pool in self.config.pools}
+        policy_names = {pool.name: pool.policy.name for pool in self.config.pools}
         for source in self.sources:
             wanted = policies[source.pool].reacts_to
             given = (
@@ -94,14 +95,17 @@ class RunSettings:
                 else QueueSampled
             )
             if wanted is not given:
+                gives = "in_flight_requests" if given is LoadSampled else "a trainer queue"
                 needs = (
                     "nothing"
                     if wanted is None
                     else ("in_flight_requests" if wanted is LoadSampled else "a trainer queue")
                 )
+                able = sorted(name for name, cls in POLICIES.items() if cls.reacts_to is given)
                 raise ConfigError(
-                    f"pools.{source.pool}.source: its policy reads {needs}; this source gives "
-                    f"{'in_flight_requests' if given is LoadSampled else 'a trainer queue'}"
+                    f"pools.{source.pool}.source: its policy "
+                    f"{policy_names[source.pool]!r} reads {needs}; this source gives {gives} "
+                    f"(the policies that read it: {', '.join(map(repr, able))})"
                 )
 
 

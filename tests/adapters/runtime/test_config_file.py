@@ -107,7 +107,8 @@ def test_a_full_config_becomes_the_cores_config(tmp_path: Path) -> None:
                 'queued_sequences = "queue.seqs"\nbatch_size_seqs = "batch"\ntrainer_step = "step"',
                 'in_flight_requests = "load"',
             ),
-            r"source: its policy reads a trainer queue; this source gives in_flight_requests",
+            r"source: its policy 'buffer' reads a trainer queue; this source gives "
+            r"in_flight_requests \(the policies that read it: 'hpa', 'threshold'\)",
         ),
     ],
 )

@@ -160,7 +160,8 @@ def test_config_reads_an_atropos_source(tmp_path: Path) -> None:
         (
             'kind = "atropos"\ngroup_size = 8',
             'name = "hpa"',
-            "its policy reads in_flight_requests",
+            "its policy 'hpa' reads in_flight_requests; this source gives a trainer queue "
+            "(the policies that read it: 'buffer')",
         ),
     ],
 )
