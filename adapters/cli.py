@@ -12,13 +12,19 @@ from typing import Any
 
 import orjson
 
+from adapters.api.client import ACTIONS
 from adapters.log import VERSION
 from adapters.postmortem import replay as postmortem
 
 __all__ = ["main"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: deo's own commands; any other command word is looked up among the plugins.
+BUILT_IN = frozenset({"demo", "run", "status", "stop", "replay", "simulate", *ACTIONS})
+
+
+def build_parser(plugins: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+    """The parser of deo's own commands and of the ``plugins`` given (name -> module)."""
     parser = argparse.ArgumentParser(
         prog="deo", description="The elastic control plane for RL rollout workers."
     )
@@ -48,21 +54,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--config", type=Path, required=True, help="the TOML configuration file")
 
-    for name, text in (
-        ("status", "show pools, workers and GPUs of a running deo"),
-        ("stop", "stop a running deo (workers keep running unless --drain)"),
-    ):
-        sub = commands.add_parser(name, help=text)
-        sub.add_argument("--url", default="http://127.0.0.1:8787", help="deo's API address")
-        if name == "status":
-            sub.add_argument("--json", action="store_true", help="print the raw JSON")
-        else:
-            sub.add_argument("--drain", action="store_true", help="drain every worker first")
-            sub.add_argument(
-                "--token-env",
-                default="DEO_TOKEN",
-                help="environment variable holding the operator token",
-            )
+    from adapters.api import client as remote
+
+    status = commands.add_parser(
+        "status",
+        help="show pools, workers and GPUs of a running deo",
+        description="Show a running deo's pools (with the age of each pressure sample), "
+        "workers, GPUs and alerts.",
+    )
+    remote.add_target_arguments(status, token=False)
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
+    stop = commands.add_parser(
+        "stop",
+        help="stop a running deo (workers keep running unless --drain)",
+        description="Stop a running deo. Its workers keep running (a restart adopts them) "
+        "unless --drain, which drains every worker first.",
+    )
+    stop.add_argument("--drain", action="store_true", help="drain every worker first")
+    remote.add_target_arguments(stop, token=True)
+    for name, action in remote.ACTIONS.items():
+        remote.add_action_arguments(
+            commands.add_parser(name, help=action.help, description=action.help),
+            action,
+        )
 
     replay = commands.add_parser(
         "replay",
@@ -81,25 +95,57 @@ def build_parser() -> argparse.ArgumentParser:
             description=sim_cli.__doc__,
         )
     )
-    for name, plugin in _plugins().items():
-        plugin.add_arguments(
-            commands.add_parser(name, help=plugin.HELP, description=plugin.__doc__)
-        )
+    for name, plugin in (plugins or {}).items():
+        if name not in commands.choices:  # a plugin never shadows a command of deo's own
+            plugin.add_arguments(
+                commands.add_parser(name, help=plugin.HELP, description=plugin.__doc__)
+            )
     return parser
 
 
-def _plugins() -> dict[str, Any]:
+def _plugins(wanted: str | None) -> dict[str, Any]:
     """Commands other packages add (``deo bench``), from the ``deo.commands`` entry points.
 
     Each names a module with ``HELP``, ``add_arguments(parser)`` and ``main(args) -> int``; the
-    modules of deo never import them; the command line loads them as plugins.
+    modules of deo never import them; the command line loads them as plugins, and only when the
+    command asked for is none of deo's own (or none is given: the usage lists them), so a plugin
+    that fails to load breaks nothing but itself. ``wanted``: the plugin asked for, whose failure
+    is an error; None loads every plugin, each failure a warning.
     """
+    loaded: dict[str, Any] = {}
     found = entry_points(group="deo.commands")
-    return {ep.name: ep.load() for ep in sorted(found, key=lambda ep: ep.name)}
+    for ep in sorted(found, key=lambda ep: ep.name):
+        if wanted is not None and ep.name != wanted:
+            continue
+        try:
+            loaded[ep.name] = ep.load()
+        except Exception as exc:  # a plugin's own bug: report it, never crash on it
+            message = f"the command {ep.name!r} ({ep.value}) failed to load: {exc!r}"
+            if wanted is not None:
+                raise _PluginError(message) from exc
+            print(f"deo: warning: {message}", file=sys.stderr)
+    return loaded
+
+
+class _PluginError(Exception):
+    """The plugin command asked for cannot be loaded."""
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The command word of ``argv``: its first argument that is not an option."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command ``argv`` (default: this process's arguments) names; its exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = _command_of(argv)
+    try:
+        plugins = {} if command in BUILT_IN else _plugins(command)
+    except _PluginError as exc:
+        print(f"deo: {exc}", file=sys.stderr)
+        return 2
+    args = build_parser(plugins).parse_args(argv)
     if args.command == "demo":
         from adapters.demo.loop import DemoSettings, run_demo
 
@@ -115,6 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from adapters.api import client as remote
 
         return remote.status(args) if args.command == "status" else remote.stop(args)
+    if args.command in ACTIONS:
+        from adapters.api import client as remote
+
+        return remote.act(args.command, args)
     if args.command == "simulate":
         from adapters.sim import cli as sim_cli
 
@@ -124,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return postmortem.run(args)
         except BrokenPipeError:  # `deo replay log | head`
             return 0
-    status: int = _plugins()[args.command].main(args)
+    status: int = plugins[args.command].main(args)
     return status
 
 

@@ -38,7 +38,7 @@ _SIGNALS = frozenset({"SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGQ
 RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "DEO_WORKER_ID", "DEO_POOL"})
 
 
-def _finite(key: str, value: float) -> None:
+def _finite(key: str, value: object) -> None:
     # The log is JSON: infinity and NaN have no spelling there, so a configuration holding one
     # would not come back from the log as it was applied.
     if isinstance(value, float) and not math.isfinite(value):

@@ -1,4 +1,10 @@
-"""``deo status`` and ``deo stop``: clients of a running deo's HTTP API."""
+"""``deo status``, ``deo stop`` and the operator's actions: clients of a running deo's HTTP API.
+
+Each finds deo from ``--url``, or from ``--config`` (the file ``deo run`` was started with: its
+``[api]`` table gives the address and the variable holding the operator token), or at
+``http://127.0.0.1:8787``. Exit status: 0 done, 1 refused by deo (an unknown pool, a pin
+outside the bounds ...), 2 deo not reached or the command itself wrong (no token, bad file).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,98 @@ import json
 import os
 import sys
 import time
+import urllib.parse
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 
-__all__ = ["status", "stop"]
+from core import ConfigError
+
+__all__ = [
+    "ACTIONS",
+    "Action",
+    "act",
+    "add_action_arguments",
+    "add_target_arguments",
+    "status",
+    "stop",
+]
+
+DEFAULT_URL = "http://127.0.0.1:8787"
+DEFAULT_TOKEN_ENV = "DEO_TOKEN"
+
+
+class _Refused(Exception):
+    """The command cannot be sent: its message says why (exit status 2)."""
+
+
+class _Answered(Exception):
+    """deo answered the request with a refusal (exit status 1)."""
+
+
+def add_target_arguments(parser: argparse.ArgumentParser, *, token: bool) -> None:
+    """``--config`` / ``--url`` (which deo), and ``--token-env`` for commands that need the
+    operator token."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--config",
+        type=Path,
+        help="the TOML file deo run was started with: its [api] table says where deo listens "
+        "and which variable holds the operator token",
+    )
+    where.add_argument("--url", help=f"deo's API address (default {DEFAULT_URL})")
+    if token:
+        parser.add_argument(
+            "--token-env",
+            help="environment variable holding the operator token (default: the file's "
+            f"api.token_env with --config, else {DEFAULT_TOKEN_ENV})",
+        )
+
+
+def _connectable(host: str) -> str:
+    # A server listening on every interface is reached on loopback.
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"[{host}]" if ":" in host else host
+
+
+def _target(args: argparse.Namespace) -> tuple[str, str]:
+    """(deo's API address, the name of the variable holding the operator token)."""
+    token_env = DEFAULT_TOKEN_ENV
+    url = args.url or DEFAULT_URL
+    if args.config is not None:
+        from adapters.runtime.config_file import load
+
+        try:
+            api = load(args.config).api
+        except ConfigError as exc:
+            raise _Refused(f"{args.config}: {exc}") from None
+        if api.port == 0:
+            raise _Refused(
+                f"{args.config}: api.port = 0 lets deo run pick a free port, so the file does not "
+                f"say where it listens; give --url (deo run prints it: 'deo: API on ...')"
+            )
+        url = f"http://{_connectable(api.host)}:{api.port}"
+        token_env = api.token_env
+    return url.rstrip("/"), getattr(args, "token_env", None) or token_env
+
+
+def _operator_token(token_env: str) -> str:
+    token = os.environ.get(token_env)
+    if not token:
+        raise _Refused(f"set ${token_env} to the operator token (deo run prints one if unset)")
+    return token
+
+
+def _error_of(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, str) else response.text
 
 
 def _get(url: str) -> Any:
@@ -29,19 +122,37 @@ def _when(t: Any) -> str:
     return f"t={t:.1f}"
 
 
+def _age(now: Any, t: Any) -> str:
+    """How long before ``now`` the time ``t`` was, for a person: ``7s``, ``3m05s``, ``2h10m``."""
+    if not isinstance(now, int | float) or not isinstance(t, int | float):
+        return "?"
+    seconds = max(0, round(now - t))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def status(args: argparse.Namespace) -> int:
-    """Print the pools, workers, GPUs and alerts of the deo at ``args.url``."""
+    """Print the pools, workers, GPUs and alerts of a running deo."""
     try:
-        body = _get(f"{args.url}/global-status")
+        url, _ = _target(args)
+    except _Refused as exc:
+        print(f"deo status: {exc}", file=sys.stderr)
+        return 2
+    try:
+        body = _get(f"{url}/global-status")
         if not isinstance(body, dict):
             raise ValueError("the answer is not a JSON object")
     except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
-        print(f"deo status: {args.url}: {exc} (is deo running there?)", file=sys.stderr)
+        print(f"deo status: {url}: {exc} (is deo running there?)", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(body, indent=2))
         return 0
-    print(_when(body.get("now")) + ("  (autoscaling paused)" if body.get("paused_all") else ""))
+    now = body.get("now")
+    print(_when(now) + ("  (autoscaling paused)" if body.get("paused_all") else ""))
     print(f"{'pool':<14}{'target':>7}{'workers':>9}  by state")
     for name, pool in sorted(body.get("pools", {}).items()):
         states = pool.get("workers_by_state", {})
@@ -52,10 +163,18 @@ def status(args: argparse.Namespace) -> int:
             print(
                 f"{'':<14}queue {queue.get('queued_batches', 0):.2f} batches of "
                 f"{queue.get('batch_size_seqs')} sequences, "
-                f"trainer step {queue.get('trainer_step')}"
+                f"trainer step {queue.get('trainer_step')} ({_age(now, queue.get('t'))} old)"
+            )
+        load = pool.get("load")
+        if isinstance(load, dict):
+            print(
+                f"{'':<14}{load.get('in_flight_requests')} requests in flight "
+                f"({_age(now, load.get('t'))} old)"
             )
         if pool.get("source_error"):
-            print(f"{'':<14}pressure source down: {pool['source_error']}")
+            last = pool.get("last_sample_t")
+            since = "no sample yet" if last is None else f"last sample {_age(now, last)} ago"
+            print(f"{'':<14}pressure source down ({since}): {pool['source_error']}")
         for decision in pool.get("decisions", [])[-3:]:
             what = f"{decision.get('type')}: {decision.get('reason')}"
             print(f"{'':<14}{_when(decision.get('t'))} {what}")
@@ -67,24 +186,147 @@ def status(args: argparse.Namespace) -> int:
     return 0
 
 
-def stop(args: argparse.Namespace) -> int:
-    """Ask the deo at ``args.url`` to stop, draining its workers first with ``--drain``."""
-    token = os.environ.get(args.token_env)
-    if not token:
-        print(f"deo stop: set ${args.token_env} to the operator token", file=sys.stderr)
-        return 2
+def _post(args: argparse.Namespace, path: str, body: dict[str, Any]) -> Any:
+    """POST ``body`` to ``path`` with the operator token: the answer's JSON, or _Refused (not
+    reached) / _Answered (refused by deo)."""
+    url, token_env = _target(args)
+    token = _operator_token(token_env)
     try:
         response = httpx.post(
-            f"{args.url}/v1/stop",
-            json={"drain": bool(args.drain)},
+            f"{url}{path}",
+            json=body,
             headers={"Authorization": f"Bearer {token}"},
-            timeout=10.0,
+            timeout=30.0,
         )
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        print(f"deo stop: {args.url}: {exc}", file=sys.stderr)
-        return 2
+        raise _Refused(f"{url}: {exc} (is deo running there?)") from None
     if response.status_code != 200:
-        print(f"deo stop: {response.status_code}: {response.text}", file=sys.stderr)
+        raise _Answered(f"refused ({response.status_code}): {_error_of(response)}")
+    return response.json()
+
+
+def stop(args: argparse.Namespace) -> int:
+    """Ask a running deo to stop, draining its workers first with ``--drain``."""
+    try:
+        _post(args, "/v1/stop", {"drain": bool(args.drain)})
+    except _Refused as exc:
+        print(f"deo stop: {exc}", file=sys.stderr)
         return 2
+    except _Answered as exc:
+        print(f"deo stop: {exc}", file=sys.stderr)
+        return 1
     print("deo stop: " + ("draining every worker, then stopping" if args.drain else "stopping"))
+    return 0
+
+
+def _segment(value: str) -> str:
+    return urllib.parse.quote(value, safe="")
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Action:
+    """One operator action: its verb's help, its arguments, the request it sends."""
+
+    help: str
+    #: (name, help) of each positional argument; a name ending in "?" is optional.
+    arguments: tuple[tuple[str, str], ...]
+    #: The request path and JSON body for the parsed arguments.
+    request: Callable[[argparse.Namespace], tuple[str, dict[str, Any]]]
+    #: What was asked, for the line printed once deo accepted it.
+    done: Callable[[argparse.Namespace], str]
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of workers, got {text!r}"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of workers >= 0, got {value}")
+    return value
+
+
+def _scope(pool: str | None) -> str:
+    return f"pool {pool}" if pool else "every pool"
+
+
+#: The operator's verbs: ``deo pause [POOL]``, ``deo pin POOL COUNT`` ...
+ACTIONS: dict[str, Action] = {
+    "pause": Action(
+        help="stop autoscaling one pool (or every pool): its worker count holds",
+        arguments=(("pool?", "the pool (default: every pool)"),),
+        request=lambda a: ("/v1/pause", {"pool": a.pool}),
+        done=lambda a: f"autoscaling paused for {_scope(a.pool)}",
+    ),
+    "resume": Action(
+        help="resume autoscaling one pool (or every pool)",
+        arguments=(("pool?", "the pool (default: every pool)"),),
+        request=lambda a: ("/v1/resume", {"pool": a.pool}),
+        done=lambda a: f"autoscaling resumed for {_scope(a.pool)}",
+    ),
+    "pin": Action(
+        help="hold a pool at COUNT workers (within its bounds) whatever its policy says",
+        arguments=(("pool", "the pool"), ("count", "the number of workers")),
+        request=lambda a: (f"/v1/pools/{_segment(a.pool)}/pin", {"count": a.count}),
+        done=lambda a: f"pool {a.pool} pinned at {a.count} worker(s)",
+    ),
+    "unpin": Action(
+        help="hand a pinned pool back to its policy",
+        arguments=(("pool", "the pool"),),
+        request=lambda a: (f"/v1/pools/{_segment(a.pool)}/pin", {"count": None}),
+        done=lambda a: f"pool {a.pool} unpinned",
+    ),
+    "drain": Action(
+        help="drain one worker (it finishes its work and exits; its pool may replace it)",
+        arguments=(("worker", "the worker id, e.g. envs-3"),),
+        request=lambda a: (f"/v1/workers/{_segment(a.worker)}/drain", {}),
+        done=lambda a: f"draining worker {a.worker}",
+    ),
+    "cordon": Action(
+        help="place no new worker on a GPU (workers on it keep running)",
+        arguments=(("gpu", "the GPU id as configured"),),
+        request=lambda a: (f"/v1/gpus/{_segment(a.gpu)}/cordon", {}),
+        done=lambda a: f"GPU {a.gpu} cordoned",
+    ),
+    "uncordon": Action(
+        help="lift an operator's or a hardware cordon from a GPU",
+        arguments=(("gpu", "the GPU id as configured"),),
+        request=lambda a: (f"/v1/gpus/{_segment(a.gpu)}/uncordon", {}),
+        done=lambda a: f"GPU {a.gpu} uncordoned",
+    ),
+}
+
+
+def add_action_arguments(parser: argparse.ArgumentParser, action: Action) -> None:
+    """The positional arguments of ``action`` and the target options."""
+    for name, text in action.arguments:
+        optional = name.endswith("?")
+        name = name.rstrip("?")
+        parser.add_argument(
+            name,
+            nargs="?" if optional else None,
+            type=_count if name == "count" else str,
+            help=text,
+        )
+    add_target_arguments(parser, token=True)
+
+
+def act(verb: str, args: argparse.Namespace) -> int:
+    """Send the operator action ``verb`` and print what deo did about it."""
+    action = ACTIONS[verb]
+    path, body = action.request(args)
+    try:
+        answer = _post(args, path, body)
+    except _Refused as exc:
+        print(f"deo {verb}: {exc}", file=sys.stderr)
+        return 2
+    except _Answered as exc:
+        print(f"deo {verb}: {exc}", file=sys.stderr)
+        return 1
+    print(f"deo {verb}: {action.done(args)}")
+    commands = answer.get("commands", []) if isinstance(answer, dict) else []
+    for command in commands:
+        print(f"  {command.get('type')}: {command.get('reason')}")
     return 0

@@ -101,7 +101,11 @@ class RunSettings:
                     if wanted is None
                     else ("in_flight_requests" if wanted is LoadSampled else "a trainer queue")
                 )
-                able = sorted(name for name, cls in POLICIES.items() if cls.reacts_to is given)
+                able = sorted(
+                    name
+                    for name, cls in POLICIES.items()
+                    if getattr(cls, "reacts_to", None) is given
+                )
                 raise ConfigError(
                     f"pools.{source.pool}.source: its policy "
                     f"{policy_names[source.pool]!r} reads {needs}; this source gives {gives} "
