@@ -114,15 +114,15 @@ class RunSettings:
 
 
 def load(path: Path) -> RunSettings:
-    """Read ``path``; :class:`ConfigError` naming the key on any problem."""
+    """Read ``path``; :class:`ConfigError` naming the key on any problem (callers name the file)."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise ConfigError(f"{path}: {exc.strerror}") from None
+        raise ConfigError(exc.strerror or str(exc)) from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        raise ConfigError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        raise ConfigError(f"not valid TOML: {exc}") from None
     _refuse_non_finite(data, "")
     base = path.parent.resolve()  # absolute: workers get these paths and may change directory
     deo = _table(

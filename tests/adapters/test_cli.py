@@ -133,3 +133,60 @@ def test_help_lists_the_subcommands(tmp_path: Path) -> None:
     assert proc.returncode == 0
     assert "demo" in proc.stdout
     assert "replay" in proc.stdout
+
+
+@pytest.fixture
+def broken_plugin(tmp_path: Path) -> dict[str, str]:
+    """An installed ``deo.commands`` plugin whose module does not import: the environment that
+    makes it visible to ``deo``."""
+    site = tmp_path / "site"
+    info = site / "deo_broken_plugin-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: deo-broken-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[deo.commands]\nbroken = no_such_module_for_deo\n")
+    _, env = deo_command()
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))}
+
+
+def deo_with(env: dict[str, str], *args: Any, cwd: Path) -> subprocess.CompletedProcess[str]:
+    command, _ = deo_command()
+    return subprocess.run(
+        [*command, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def test_a_broken_plugin_does_not_break_the_built_in_commands(
+    broken_plugin: dict[str, str], tmp_path: Path
+) -> None:
+    proc = deo_with(broken_plugin, "run", "--config", "missing.toml", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "deo run: missing.toml: No such file or directory" in proc.stderr
+    assert "Traceback" not in proc.stderr and "broken" not in proc.stderr
+    replay = deo_with(broken_plugin, "replay", "missing.jsonl", cwd=tmp_path)
+    assert "Traceback" not in replay.stderr and "broken" not in replay.stderr
+
+
+def test_a_broken_plugin_asked_for_is_a_clear_error(
+    broken_plugin: dict[str, str], tmp_path: Path
+) -> None:
+    proc = deo_with(broken_plugin, "broken", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(
+        "deo: the command 'broken' (no_such_module_for_deo) failed to load: ModuleNotFoundError"
+    )
+    assert "Traceback" not in proc.stderr
+
+
+def test_usage_lists_the_plugins_that_load_and_warns_of_the_others(
+    broken_plugin: dict[str, str], tmp_path: Path
+) -> None:
+    proc = deo_with(broken_plugin, "--help", cwd=tmp_path)
+    assert proc.returncode == 0
+    assert "bench" in proc.stdout  # deo's own benchmark, a plugin that loads
+    assert "deo: warning: the command 'broken'" in proc.stderr
+
+
+def test_help_lists_the_operators_verbs(tmp_path: Path) -> None:
+    proc = deo("--help", cwd=tmp_path)
+    for verb in ("status", "stop", "pause", "resume", "pin", "unpin", "drain", "cordon"):
+        assert re.search(rf"^    {verb}\s", proc.stdout, re.M), verb
