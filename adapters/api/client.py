@@ -75,10 +75,10 @@ def _target(args: argparse.Namespace) -> tuple[str, str]:
     token_env = DEFAULT_TOKEN_ENV
     url = args.url or DEFAULT_URL
     if args.config is not None:
-        from adapters.runtime.config_file import load
+        from adapters.runtime.config_file import load_api
 
         try:
-            api = load(args.config).api
+            api = load_api(args.config)
         except ConfigError as exc:
             raise _Refused(f"{args.config}: {exc}") from None
         if api.port == 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import tomllib
 import types
 import typing
@@ -19,7 +20,7 @@ import orjson
 
 from adapters.sources.atropos import AtroposSource
 from adapters.sources.json_pressure import JsonSource
-from adapters.sources.nvml import NvmlSettings
+from adapters.sources.nvml import NvmlSettings, discover_gpus
 from core import (
     Config,
     ConfigError,
@@ -36,7 +37,7 @@ from core import (
 )
 from core.policies import POLICIES, build
 
-__all__ = ["ApiSettings", "RunSettings", "Source", "check_loggable", "load"]
+__all__ = ["ApiSettings", "RunSettings", "Source", "check_loggable", "load", "load_api"]
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -113,8 +114,7 @@ class RunSettings:
                 )
 
 
-def load(path: Path) -> RunSettings:
-    """Read ``path``; :class:`ConfigError` naming the key on any problem (callers name the file)."""
+def _read(path: Path) -> dict[str, Any]:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -124,6 +124,25 @@ def load(path: Path) -> RunSettings:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"not valid TOML: {exc}") from None
     _refuse_non_finite(data, "")
+    return data
+
+
+def _api_settings(data: dict[str, Any]) -> ApiSettings:
+    settings: ApiSettings = _build(ApiSettings, "api", _table(data, "api", None))
+    return settings
+
+
+def load_api(path: Path) -> ApiSettings:
+    """Only the ``[api]`` table of ``path``: where a running deo listens, for its clients."""
+    return _api_settings(_read(path))
+
+
+def load(path: Path) -> RunSettings:
+    """Read ``path``; :class:`ConfigError` naming the key on any problem (callers name the file).
+
+    ``deo.gpus = "auto"`` asks NVML (or the ``[nvml]`` file) for the GPUs here.
+    """
+    data = _read(path)
     base = path.parent.resolve()  # absolute: workers get these paths and may change directory
     deo = _table(
         data, "deo", {"log", "fsync", "snapshot_every", "tick_interval_s", "worker_logs", "gpus"}
@@ -138,9 +157,15 @@ def load(path: Path) -> RunSettings:
         pools.append(pool)
         if source is not None:
             sources.append(source)
+    nvml = _nvml_settings(_table(data, "nvml", None), base)
+    gpus = deo.get("gpus", [])
+    if gpus == "auto":
+        gpus = discover_gpus(nvml, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    elif isinstance(gpus, str):
+        raise ConfigError(f'deo.gpus: expected a list of GPU ids or "auto", got {gpus!r}')
     config = Config(
         pools=pools,
-        gpus=[str(g) for g in _typed("deo.gpus", deo.get("gpus", []), list)],
+        gpus=[str(g) for g in _typed("deo.gpus", gpus, list)],
         cordon=_build(CordonRules, "cordon", _table(data, "cordon", None)),
     )
     settings: dict[str, Any] = {}
@@ -152,9 +177,9 @@ def load(path: Path) -> RunSettings:
         config=config,
         log=base / _typed("deo.log", deo.get("log", "deo.jsonl"), str),
         worker_logs=base / _typed("deo.worker_logs", deo.get("worker_logs", "deo-workers"), str),
-        api=_build(ApiSettings, "api", _table(data, "api", None)),
+        api=_api_settings(data),
         sources=tuple(sources),
-        nvml=_nvml_settings(_table(data, "nvml", None), base),
+        nvml=nvml,
         **settings,
     )
 

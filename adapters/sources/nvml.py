@@ -40,6 +40,7 @@ __all__ = [
     "NvmlUnavailable",
     "PynvmlReader",
     "ReadFailed",
+    "discover_gpus",
     "import_pynvml",
     "open_reader",
     "physical_gpu_ids",
@@ -215,6 +216,86 @@ def physical_gpu_ids(gpus: Sequence[str], cuda_visible_devices: str | None) -> d
             )
         seen[physical] = gpu
     return mapping
+
+
+def discover_gpus(
+    settings: NvmlSettings, cuda_visible_devices: str | None, nvml: Any | None = None
+) -> list[str]:
+    """The GPU ids for ``deo.gpus = "auto"``: every GPU the ``[nvml]`` backend sees that deo's
+    own CUDA_VISIBLE_DEVICES lets it use.
+
+    Without CUDA_VISIBLE_DEVICES: NVML's indices (``"0"``, ``"1"`` ...), or the ids the
+    ``[nvml]`` file lists. With it: the positions ``"0"`` .. ``"n-1"`` in deo's list, as a
+    configured index counts (:func:`physical_gpu_ids` maps them back); like CUDA, the list ends
+    at its first entry that names no GPU. ``nvml`` replaces the pynvml module (tests).
+    :class:`ConfigError` saying why when no GPU is found.
+    """
+    how = 'deo.gpus = "auto" found no GPU'
+    if settings.backend == "off":
+        raise ConfigError(
+            f'{how}: it asks NVML, and nvml.backend is "off"; list the GPUs (gpus = ["0"]) '
+            f"or leave gpus out to run without"
+        )
+    if settings.backend == "file":
+        assert settings.file is not None  # NvmlSettings checks it
+        indices, uuids = _ids_in_file(settings.file)
+    else:
+        indices, uuids = _ids_from_nvml(nvml, how)
+    visible = None if cuda_visible_devices is None else _visible_devices(cuda_visible_devices)
+    if visible is None:
+        # NVML's UUIDs name the GPUs its indices already count; a file's name GPUs of their own.
+        found = sorted(indices, key=int) + (uuids if settings.backend == "file" else [])
+    else:
+        found = []
+        for position, entry in enumerate(visible):
+            if entry not in indices and not any(uuid.startswith(entry) for uuid in uuids):
+                break
+            found.append(str(position))
+    if not found:
+        within = (
+            ""
+            if cuda_visible_devices is None
+            else f" within deo's CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}"
+        )
+        source = f"the file {settings.file}" if settings.backend == "file" else "NVML"
+        raise ConfigError(f"{how}: {source} lists none{within}")
+    return found
+
+
+def _ids_in_file(path: Path) -> tuple[list[str], list[str]]:
+    try:
+        data = orjson.loads(path.read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"nvml.file: {path}: {exc.strerror or exc}") from None
+    except orjson.JSONDecodeError as exc:
+        raise ConfigError(f"nvml.file: {path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"nvml.file: {path}: expected a JSON object keyed by GPU id")
+    keys = list(data)
+    return [k for k in keys if _INDEX.fullmatch(k)], [k for k in keys if _is_uuid(k)]
+
+
+def _ids_from_nvml(nvml: Any | None, how: str) -> tuple[list[str], list[str]]:
+    """(NVML's indices, the UUIDs at those indices)."""
+    try:
+        nvml = import_pynvml() if nvml is None else nvml
+        nvml.nvmlInit()
+    except NvmlUnavailable as exc:
+        raise ConfigError(f"{how}: NVML unavailable ({exc})") from None
+    except Exception as exc:  # NVMLError (no library, no driver), OSError, ...
+        raise ConfigError(f"{how}: NVML unavailable ({exc or type(exc).__name__})") from None
+    try:
+        count = int(nvml.nvmlDeviceGetCount())
+        uuids = []
+        for index in range(count):
+            uuid = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(index))
+            uuids.append(uuid.decode() if isinstance(uuid, bytes) else str(uuid))
+    except nvml.NVMLError as exc:
+        raise ConfigError(f"{how}: NVML failed listing the GPUs ({exc})") from None
+    finally:
+        with contextlib.suppress(Exception):  # nothing more to do about a failed shutdown
+            nvml.nvmlShutdown()
+    return [str(index) for index in range(count)], uuids
 
 
 def throttle_reasons(bitmask: int) -> frozenset[str]:
