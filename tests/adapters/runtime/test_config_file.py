@@ -48,6 +48,7 @@ def test_the_example_config_loads() -> None:
     settings = load(EXAMPLE)
     assert [p.name for p in settings.config.pools] == ["envs", "judges"]
     assert settings.api.host == "127.0.0.1"
+    assert settings.config.pools[0].env["PYTHONUNBUFFERED"] == "1"  # the env key, shown
 
 
 def test_a_full_config_becomes_the_cores_config(tmp_path: Path) -> None:
