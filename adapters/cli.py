@@ -15,6 +15,7 @@ import orjson
 from adapters.api.client import ACTIONS
 from adapters.log import VERSION
 from adapters.postmortem import replay as postmortem
+from core import DeoError
 
 __all__ = ["main"]
 
@@ -127,7 +128,7 @@ def _plugins(wanted: str | None) -> dict[str, Any]:
     return loaded
 
 
-class _PluginError(Exception):
+class _PluginError(DeoError):
     """The plugin command asked for cannot be loaded."""
 
 

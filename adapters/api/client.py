@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import httpx
 
-from core import ConfigError
+from core import ConfigError, DeoError
 
 __all__ = [
     "ACTIONS",
@@ -37,11 +37,11 @@ DEFAULT_URL = "http://127.0.0.1:8787"
 DEFAULT_TOKEN_ENV = "DEO_TOKEN"
 
 
-class _Refused(Exception):
+class _Refused(DeoError):
     """The command cannot be sent: its message says why (exit status 2)."""
 
 
-class _Answered(Exception):
+class _Answered(DeoError):
     """deo answered the request with a refusal (exit status 1)."""
 
 
