@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from adapters.api.client import ACTIONS
+from adapters.api import client as remote
 from adapters.log import VERSION
 from adapters.postmortem import replay as postmortem
 from core import DeoError
@@ -21,7 +21,7 @@ __all__ = ["main"]
 
 
 #: deo's own commands; any other command word is looked up among the plugins.
-BUILT_IN = frozenset({"demo", "run", "status", "stop", "replay", "simulate", *ACTIONS})
+BUILT_IN = frozenset({"demo", "run", "status", "stop", "replay", "simulate", *remote.ACTIONS})
 
 
 def build_parser(plugins: dict[str, Any] | None = None) -> argparse.ArgumentParser:
@@ -54,8 +54,6 @@ def build_parser(plugins: dict[str, Any] | None = None) -> argparse.ArgumentPars
         ),
     )
     run.add_argument("--config", type=Path, required=True, help="the TOML configuration file")
-
-    from adapters.api import client as remote
 
     status = commands.add_parser(
         "status",
@@ -159,12 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "run":
         return _run(args.config)
     if args.command in ("status", "stop"):
-        from adapters.api import client as remote
-
         return remote.status(args) if args.command == "status" else remote.stop(args)
-    if args.command in ACTIONS:
-        from adapters.api import client as remote
-
+    if args.command in remote.ACTIONS:
         return remote.act(args.command, args)
     if args.command == "simulate":
         from adapters.sim import cli as sim_cli

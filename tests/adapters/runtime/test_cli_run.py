@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from conftest import free_port
 from test_run import WELL_BEHAVED, Deo, alive, deo, pool, verified, wait_for
@@ -73,6 +74,15 @@ def test_actions_reach_deo_through_its_config_file(deo: Callable[[str], Deo]) ->
     shown = run("status")
     assert shown.returncode == 0, shown.stderr
     assert re.search(r"^envs\s+1\s+1\s+1 active$", shown.stdout, re.M), shown.stdout
+    pushed = httpx.post(
+        f"{d.url}/v1/pools/envs/pressure",
+        json={"in_flight_requests": 5},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=30,
+    )
+    assert pushed.status_code == 200, pushed.text
+    shown = run("status")
+    assert re.search(r"^\s+5 requests in flight \(\d+s old\)$", shown.stdout, re.M), shown.stdout
 
     pinned = run("pin", "envs", "3")
     assert pinned.returncode == 0, pinned.stderr
