@@ -159,7 +159,7 @@ class Runner:
     async def _ticks(self) -> None:
         while True:
             await anyio.sleep(self.tick_interval_s)
-            self.emit(Tick(t=self.clock()))
+            self.emit(Tick(t=self.clock(), interval_s=self.tick_interval_s))
 
     async def _loop(self) -> None:
         async for item in self._receive:
