@@ -54,9 +54,9 @@ from core.events import (
     WorkerAdopted,
     WorkerExited,
     WorkerHeartbeat,
-    WorkersSeen,
     WorkerLost,
     WorkerReady,
+    WorkersSeen,
     WorkerStarted,
 )
 from core.lifecycle import Trigger, WorkerState

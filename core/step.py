@@ -359,9 +359,7 @@ class Step:
         for worker in sorted(counted, key=victim_order)[:excess]:
             self.drain(worker, cause, why)
 
-    def _grow(
-        self, pool: PoolState, count: int, starting: int, free: list[str]
-    ) -> tuple[int, int]:
+    def _grow(self, pool: PoolState, count: int, starting: int, free: list[str]) -> tuple[int, int]:
         """Spawn toward the target, at most ``max_starting`` starting at once; returns the new
         count and how many of them are starting."""
         spec = pool.spec

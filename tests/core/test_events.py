@@ -70,7 +70,10 @@ BAD: dict[Any, tuple[list[Any], str]] = {
     Name: (["", 5, None, b"envs", ["envs"]], "a non-empty string"),
     str: ([5, None, b"x", ["x"], {"x": 1}], "a string"),
     Name | None: (["", 5, 0.0, ["envs"]], "null or a non-empty string"),
-    Seconds | None: ([-1, math.nan, math.inf, True, "1"], "null or a finite number of seconds >= 0"),
+    Seconds | None: (
+        [-1, math.nan, math.inf, True, "1"],
+        "null or a finite number of seconds >= 0",
+    ),
     int | None: ([-1, 2**63, 1.5, False, "1"], "null or an integer in [0, 2**63)"),
     frozenset[str]: (
         ["abc", 5, None, [["unhashable"]], frozenset({1}), frozenset({"a", None})],
