@@ -14,14 +14,14 @@ from typing import Any
 from core import commands as c
 from core import events as e
 from core.config import Config, PoolSpec
-from core.errors import ConfigError, Refused
+from core.errors import ConfigError, Refused, UnknownSubject
 from core.lifecycle import COUNTED, DEADLINE_ACTIONS, Trigger, WorkerState
 from core.records import replace
-from core.state import Gpu, PoolState, State, Worker
+from core.state import Gpu, PoolState, State, Worker, split_worker_id
 from core.step import Step, unobserved_s
 from core.vocabulary import AlertName, CordonCause, DecisionSource, StopCause, as_cordon_causes
 
-__all__ = ["HANDLERS", "heartbeat_only", "seen_only"]
+__all__ = ["HANDLERS", "check_seen", "heartbeat_only", "seen_only"]
 
 S = WorkerState
 
@@ -394,20 +394,34 @@ def heartbeat_only(state: State, event: e.WorkerHeartbeat) -> State:
     return replace(state, now=t, last_seen=MappingProxyType(last_seen))
 
 
+def check_seen(state: State, worker_id: str, what: str = "heartbeat") -> bool:
+    """Whether a sign of life of ``worker_id`` refreshes a live worker: True if it is live, False
+    if it already exited (a late report), :class:`~core.errors.UnknownSubject` (naming ``what``
+    was refused) if deo never made it."""
+    if worker_id in state.workers:
+        return True
+    parsed = split_worker_id(worker_id)
+    if parsed is not None:
+        pool = state.pools.get(parsed[0])
+        if pool is not None and parsed[1] < pool.next_index:
+            return False
+    raise UnknownSubject(f"{what}: unknown worker {worker_id!r}")
+
+
 def seen_only(state: State, event: e.WorkersSeen) -> State:
     """A batch of signs of life, reduced without a full step: it only refreshes live workers.
 
-    Ids of workers that already exited are skipped; an id deo never made is refused
-    (:class:`~core.errors.UnknownSubject`) and nothing is changed."""
+    Workers that exited since they were seen are skipped, and so are those of a pool removed
+    since; an id deo never made is refused (:class:`~core.errors.UnknownSubject`) and nothing is
+    changed."""
     t = max(state.now, event.t)
-    workers = state.workers
     last_seen = state.last_seen.copy()
-    check = Step(state, t)
     for worker_id in sorted(event.worker_ids):  # sorted: the same refusal whatever the order
-        if worker_id in workers:
+        parsed = split_worker_id(worker_id)
+        if parsed is not None and parsed[0] not in state.pools and worker_id not in state.workers:
+            continue  # its pool was removed (and forgotten) after the sighting
+        if check_seen(state, worker_id, "WorkersSeen"):
             last_seen[worker_id] = t
-        else:
-            check.worker(worker_id, event)  # exited (skipped) or never made (refused)
     return replace(state, now=t, last_seen=MappingProxyType(last_seen))
 
 
