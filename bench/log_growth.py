@@ -19,12 +19,15 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
 TOKEN = "log-growth-operator-token"
 DAY_S = 86_400.0
+T = TypeVar("T")
 
 BEATING = """
 import os, time
@@ -61,10 +64,10 @@ count = {workers}
 """
 
 
-def _wait(what: str, check: object, timeout_s: float = 120.0) -> object:
+def _wait(what: str, check: Callable[[], T], timeout_s: float = 120.0) -> T:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        value = check()  # type: ignore[operator]
+        value = check()
         if value:
             return value
         time.sleep(0.2)
@@ -90,11 +93,13 @@ def measure(workers: int, beat_s: float, window_s: float) -> dict[str, object]:
         url = ""
         try:
             found = _wait("the API", lambda: re.search(r"API on (http://\S+)", out.read_text()))
-            url = found.group(1)  # type: ignore[attr-defined]
+            assert found is not None
+            url = found.group(1)
 
             def active() -> bool:
                 body = httpx.get(f"{url}/v1/workers", timeout=30).json()
-                return sum(w["state"] == "active" for w in body["workers"]) == workers
+                count = sum(w["state"] == "active" for w in body["workers"])
+                return bool(count == workers)
 
             _wait("every worker active", active)
             time.sleep(3.0)  # settle: the first sightings of each worker are recorded
