@@ -145,8 +145,8 @@ class PoolSpec:
     queue_alert_batches: float = 4.0
     #: At most this many workers of the pool starting at once (requested, not yet running or
     #: ready): the rest are requested as those come up, so one step's work is bounded by this,
-    #: never by ``max_workers``.
-    max_starting: int = 16
+    #: never by ``max_workers``. The default leaves pools of up to 32 workers unthrottled.
+    max_starting: int = 32
     crash_loop: CrashLoopRules = attrs.field(factory=CrashLoopRules)
 
     def __attrs_post_init__(self) -> None:
