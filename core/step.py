@@ -275,7 +275,7 @@ class Step:
                     AlertName.CRASH_LOOP,
                     pool.spec.name,
                     f"{failures} crash incidents in a row (last: {worker.worker_id} {why}); "
-                    f"next spawn in {backoff:.0f}s",
+                    f"next spawn in {backoff:g}s",
                 )
         elif self.proves_healthy(pool, worker):
             pool = self._reset_failures(pool, f"{worker.worker_id} ran {rules.early_exit_s:g}s")
