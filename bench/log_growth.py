@@ -117,10 +117,12 @@ def measure(workers: int, beat_s: float, window_s: float) -> dict[str, object]:
                 process.send_signal(signal.SIGTERM)
                 process.wait(timeout=60)
     kinds: Counter[str] = Counter()
+    kind_bytes: Counter[str] = Counter()
     for line in window.splitlines():
         record = json.loads(line)
         kind = record["event"]["@"] if record["kind"] == "event" else record["kind"]
         kinds[kind] += 1
+        kind_bytes[kind] += len(line) + 1
     per_worker_day = len(window) / window_s / workers * DAY_S
     return {
         "workers": workers,
@@ -130,6 +132,7 @@ def measure(workers: int, beat_s: float, window_s: float) -> dict[str, object]:
         "bytes_per_s": len(window) / window_s,
         "bytes_per_worker_day": per_worker_day,
         "records": dict(kinds.most_common()),
+        "bytes_by_record": dict(kind_bytes.most_common()),
     }
 
 
