@@ -18,7 +18,7 @@ from core import events as e
 from core.errors import InvariantViolation
 from core.lifecycle import COUNTED, DEADLINE_ACTIONS
 from core.state import State, Worker, count_workers
-from core.step import STARTING
+from core.step import STARTING_STATES
 from core.vocabulary import PLANNED_STOPS, AlertName, DecisionSource
 
 __all__ = ["free_healthy_gpus", "raise_on_violation", "state_violations", "step_violations"]
@@ -151,7 +151,9 @@ def step_violations(
             continue
         n = after.counted(name)
         backing_off = t < pool.backoff_until_t
-        starting = sum(1 for w in after.workers.values() if w.pool == name and w.state in STARTING)
+        starting = sum(
+            1 for w in after.workers.values() if w.pool == name and w.state in STARTING_STATES
+        )
         if starting >= pool.spec.max_starting:
             continue  # the rest follow as these come up
         if n < pool.spec.min_workers and not backing_off and free >= pool.spec.gpus_per_worker:

@@ -23,12 +23,12 @@ from core.records import replace
 from core.state import Gpu, PoolState, State, Worker, split_worker_id
 from core.vocabulary import PLANNED_STOPS, STICKY_CAUSES, AlertName, DecisionSource, StopCause
 
-__all__ = ["STALL_FACTOR", "STARTING", "Step", "unobserved_s"]
+__all__ = ["STALL_FACTOR", "STARTING_STATES", "Step", "unobserved_s"]
 
 S = WorkerState
 
 #: States of a worker that is starting: requested, or started but not yet ready.
-STARTING = frozenset({S.REQUESTED, S.STARTING})
+STARTING_STATES = frozenset({S.REQUESTED, S.STARTING})
 
 #: A tick later than this many intervals after the previous one follows a stall of deo itself.
 STALL_FACTOR = 2.0
@@ -336,7 +336,7 @@ class Step:
                 continue
             counted = by_pool.get(name, [])
             count, target = len(counted), pool.target
-            starting = sum(1 for w in counted if w.state in STARTING)
+            starting = sum(1 for w in counted if w.state in STARTING_STATES)
             if count > target:
                 self._shrink(pool, counted, count - target)
                 count = target
