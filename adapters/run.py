@@ -234,9 +234,7 @@ async def run(
                     out(f"deo: the configuration was refused: {exc}")
                     refused = True
                     tg.cancel_scope.cancel()
-            tg.start_soon(
-                heartbeat_files, settings.worker_logs, lambda: runner.state, runner.emit, clock
-            )
+            tg.start_soon(heartbeat_files, settings.worker_logs, lambda: runner.state, runner.saw)
             for source in settings.sources:
                 if isinstance(source, AtroposSource):
                     tg.start_soon(poll_atropos, source, runner.emit, clock)

@@ -56,6 +56,7 @@ from core.events import (
     WorkerHeartbeat,
     WorkerLost,
     WorkerReady,
+    WorkersSeen,
     WorkerStarted,
 )
 from core.lifecycle import Trigger, WorkerState
@@ -109,6 +110,7 @@ __all__ = [
     "WorkerAdopted",
     "WorkerExited",
     "WorkerHeartbeat",
+    "WorkersSeen",
     "WorkerLost",
     "WorkerReady",
     "WorkerStarted",

@@ -84,9 +84,11 @@ class CrashLoopRules:
     """When exits count as a crash loop and how respawns back off.
 
     A worker that exits on its own within ``early_exit_s`` of starting (or fails to spawn) is a
-    failure. After ``n`` consecutive failures the next spawn waits
-    ``min(backoff_cap_s, backoff_base_s * 2**(n-1))``; ``alert_after`` failures raise an alert.
-    A worker that stays up for ``early_exit_s`` resets the count.
+    failure. Failures of workers requested before the current incident began (workers that all
+    fall to one shared cause, say) are one incident: they extend its backoff but do not deepen
+    it. After ``n`` consecutive incidents the next spawn waits
+    ``min(backoff_cap_s, backoff_base_s * 2**(n-1))`` after the last failure; ``alert_after``
+    incidents raise an alert. A worker that stays up for ``early_exit_s`` resets the count.
     """
 
     early_exit_s: float = 30.0
@@ -107,7 +109,7 @@ class CrashLoopRules:
             raise ConfigError(f"crash_loop.alert_after must be >= 1, got {self.alert_after}")
 
     def backoff_s(self, failures: int) -> float:
-        """Delay before the next spawn after ``failures`` consecutive failures (0 if none)."""
+        """Delay before the next spawn after ``failures`` consecutive incidents (0 if none)."""
         if failures <= 0:
             return 0.0
         # 2**60 already exceeds any cap; bounding the exponent keeps the float finite.
@@ -153,6 +155,10 @@ class PoolSpec:
     #: A trainer queue deeper than this many batches is more than the trainer can use before the
     #: data goes stale (atroposlib's envs stop at max_batches_offpolicy, 3 by default): alert.
     queue_alert_batches: float = 4.0
+    #: At most this many workers of the pool starting at once (requested, not yet running or
+    #: ready): the rest are requested as those come up, so one step's work is bounded by this,
+    #: never by ``max_workers``. The default leaves pools of up to 32 workers unthrottled.
+    max_starting: int = 32
     crash_loop: CrashLoopRules = attrs.field(factory=CrashLoopRules)
 
     def __attrs_post_init__(self) -> None:
@@ -183,6 +189,8 @@ class PoolSpec:
                 f"{where}.max_workers ({self.max_workers}) must be >= min_workers "
                 f"({self.min_workers})"
             )
+        if self.max_starting < 1:
+            raise ConfigError(f"{where}.max_starting must be >= 1, got {self.max_starting}")
         if self.gpus_per_worker < 0:
             raise ConfigError(f"{where}.gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
         for key, value in self.env.items():

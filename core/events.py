@@ -36,6 +36,7 @@ __all__ = [
     "WorkerLost",
     "WorkerReady",
     "WorkerStarted",
+    "WorkersSeen",
 ]
 
 
@@ -55,7 +56,20 @@ class Event(CheckedRecord):
 
 @attrs.frozen(slots=True, kw_only=True)
 class Tick(Event):
-    """Time passes: deadlines, heartbeat expiry, backoff and cordon hysteresis are checked."""
+    """Time passes: deadlines, heartbeat expiry, backoff and cordon hysteresis are checked.
+
+    ``interval_s`` is how far apart the ticker means its ticks to be. With it, a tick that comes
+    much later than the previous one (more than :data:`~core.step.STALL_FACTOR` intervals) tells
+    the core that deo itself was not observing in between (stopped, a VM pause, a long fsync):
+    that time is not counted against any worker's heartbeat, and the tick judges no worker, so
+    that the reports queued during the stall arrive first. None (older logs) disables this.
+    """
+
+    interval_s: Seconds | None = None
+
+    def _check(self) -> None:
+        if self.interval_s == 0:
+            raise InvalidEvent("Tick.interval_s must be > 0 (or None), got 0")
 
 
 # --- configuration and operator overrides ------------------------------------------------------
@@ -176,6 +190,19 @@ class WorkerHeartbeat(Event):
     """A worker is alive."""
 
     worker_id: Name
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class WorkersSeen(Event):
+    """Workers that showed a sign of life since the last record of them, batched (one record per
+    tick rather than one per heartbeat). Each is taken as seen at ``t``; ids of workers that
+    already exited are ignored, ids deo never made are refused."""
+
+    worker_ids: frozenset[str] = attrs.field(converter=str_set)
+
+    def _check(self) -> None:
+        if "" in self.worker_ids:
+            raise InvalidEvent("WorkersSeen.worker_ids: a worker id must be non-empty, got ''")
 
 
 @attrs.frozen(slots=True, kw_only=True)

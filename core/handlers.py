@@ -14,14 +14,14 @@ from typing import Any
 from core import commands as c
 from core import events as e
 from core.config import Config, PoolSpec
-from core.errors import ConfigError, Refused
+from core.errors import ConfigError, Refused, UnknownSubject
 from core.lifecycle import COUNTED, DEADLINE_ACTIONS, Trigger, WorkerState
 from core.records import replace
-from core.state import Gpu, PoolState, State, Worker
-from core.step import Step
+from core.state import Gpu, PoolState, State, Worker, split_worker_id
+from core.step import Step, unobserved_s
 from core.vocabulary import AlertName, CordonCause, DecisionSource, StopCause, as_cordon_causes
 
-__all__ = ["HANDLERS", "heartbeat_only"]
+__all__ = ["HANDLERS", "check_seen", "heartbeat_only", "seen_only"]
 
 S = WorkerState
 
@@ -76,6 +76,36 @@ _ON_DEADLINE: Mapping[Trigger, Callable[[Step, Worker, PoolSpec], None]] = Mappi
 
 def _tick(step: Step, event: e.Tick) -> None:
     t = step.t
+    unobserved = unobserved_s(step.last_tick_t, t, event.interval_s)
+    step.last_tick_t = t
+    # The first tick after a stall judges no worker: exits, readiness and heartbeats queued
+    # while deo was not running come in first. The next tick judges whatever comes, so even a
+    # deo that stalls on every tick still judges every other one.
+    skip = unobserved > 0 and not step.last_tick_skipped
+    step.last_tick_skipped = skip
+    if unobserved > 0:
+        _credit_liveness(step, unobserved)
+    if not skip:
+        _judge_workers(step)
+    _tick_pools(step, judge=not skip)
+    for gpu_id in sorted(step.gpus):
+        step.expire_transient_cordon(step.gpus[gpu_id])
+
+
+def _credit_liveness(step: Step, unobserved: float) -> None:
+    """Time deo did not observe does not count against a worker's heartbeat: every last sign of
+    life moves forward by it (never past now). Drain, stop and start deadlines stay: the worker
+    had that time, and what it did with it (an exit, a readiness report) is judged on the next
+    tick, once the reports queued during the stall are in."""
+    t = step.t
+    last_seen = step._own("last_seen")
+    for worker_id, seen_t in last_seen.items():
+        last_seen[worker_id] = min(t, seen_t + unobserved)
+
+
+def _judge_workers(step: Step) -> None:
+    """Deadlines, start timeouts and heartbeat expiry of every worker."""
+    t = step.t
     last_seen = step.last_seen
     grace = {name: pool.spec.heartbeat_grace_s for name, pool in step.pools.items()}
     for worker in tuple(step.workers.values()):  # dict order is deterministic: spawn order
@@ -119,6 +149,12 @@ def _tick(step: Step, event: e.Tick) -> None:
                 f"{worker.worker_id} silent for {t - last_seen[worker.worker_id]:.0f}s > grace "
                 f"{spec.heartbeat_grace_s:g}s: hung, replacing it",
             )
+
+
+def _tick_pools(step: Step, *, judge: bool) -> None:
+    """End crash loops that a healthy worker disproves, alert on stale pressure (when ``judge``),
+    and mark the pools that time alone may change."""
+    t = step.t
     for name in sorted(step.pools):
         pool = step.pools[name]
         spec = pool.spec
@@ -134,7 +170,11 @@ def _tick(step: Step, event: e.Tick) -> None:
                         pool, f"{healthy[0].worker_id} up {spec.crash_loop.early_exit_s:g}s"
                     )
                 )
-        stale = pool.last_sample_t is not None and t - pool.last_sample_t > spec.metrics_stale_s
+        stale = (
+            judge
+            and pool.last_sample_t is not None
+            and t - pool.last_sample_t > spec.metrics_stale_s
+        )
         if stale and (AlertName.PRESSURE_STALE, name) not in step.alerts:
             assert pool.last_sample_t is not None
             step.raise_alert(
@@ -149,8 +189,6 @@ def _tick(step: Step, event: e.Tick) -> None:
             subject == name for _, subject in step.alerts
         ):
             step.dirty_pools.add(name)
-    for gpu_id in sorted(step.gpus):
-        step.expire_transient_cordon(step.gpus[gpu_id])
 
 
 def _configured(step: Step, event: e.Configured) -> None:
@@ -307,6 +345,7 @@ def _started(step: Step, event: e.WorkerStarted) -> None:
     step.seen(worker.worker_id)
     if worker.state is S.STARTING and not spec.require_ready:
         step.transition(worker, Trigger.READY)
+        step.came_up(worker)
     elif worker.state is S.DRAINING:
         step.signal_drain(worker, f"{worker.worker_id} started after its drain was decided")
     elif worker.state in (S.STOPPING, S.KILLED):
@@ -336,8 +375,11 @@ def _ready(step: Step, event: e.WorkerReady) -> None:
     worker = step.worker(event.worker_id, event)
     if worker is None:
         return
+    was = worker.state
     step.transition(worker, Trigger.READY)  # refused before the worker started
     step.seen(worker.worker_id)
+    if was is S.STARTING:
+        step.came_up(worker)
 
 
 def heartbeat_only(state: State, event: e.WorkerHeartbeat) -> State:
@@ -349,6 +391,37 @@ def heartbeat_only(state: State, event: e.WorkerHeartbeat) -> State:
         return replace(state, now=t)
     last_seen = state.last_seen.copy()
     last_seen[worker.worker_id] = t
+    return replace(state, now=t, last_seen=MappingProxyType(last_seen))
+
+
+def check_seen(state: State, worker_id: str, what: str = "heartbeat") -> bool:
+    """Whether a sign of life of ``worker_id`` refreshes a live worker: True if it is live, False
+    if it already exited (a late report), :class:`~core.errors.UnknownSubject` (naming ``what``
+    was refused) if deo never made it."""
+    if worker_id in state.workers:
+        return True
+    parsed = split_worker_id(worker_id)
+    if parsed is not None:
+        pool = state.pools.get(parsed[0])
+        if pool is not None and parsed[1] < pool.next_index:
+            return False
+    raise UnknownSubject(f"{what}: unknown worker {worker_id!r}")
+
+
+def seen_only(state: State, event: e.WorkersSeen) -> State:
+    """A batch of signs of life, reduced without a full step: it only refreshes live workers.
+
+    Workers that exited since they were seen are skipped, and so are those of a pool removed
+    since; an id deo never made is refused (:class:`~core.errors.UnknownSubject`) and nothing is
+    changed."""
+    t = max(state.now, event.t)
+    last_seen = state.last_seen.copy()
+    for worker_id in sorted(event.worker_ids):  # sorted: the same refusal whatever the order
+        parsed = split_worker_id(worker_id)
+        if parsed is not None and parsed[0] not in state.pools and worker_id not in state.workers:
+            continue  # its pool was removed (and forgotten) after the sighting
+        if check_seen(state, worker_id, "WorkersSeen"):
+            last_seen[worker_id] = t
     return replace(state, now=t, last_seen=MappingProxyType(last_seen))
 
 

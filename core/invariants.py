@@ -18,6 +18,7 @@ from core import events as e
 from core.errors import InvariantViolation
 from core.lifecycle import COUNTED, DEADLINE_ACTIONS
 from core.state import State, Worker, count_workers
+from core.step import STARTING_STATES
 from core.vocabulary import PLANNED_STOPS, AlertName, DecisionSource
 
 __all__ = ["free_healthy_gpus", "raise_on_violation", "state_violations", "step_violations"]
@@ -133,8 +134,9 @@ def step_violations(
                         f"scale-up (window {pool.spec.stabilization_s:g}s)"
                     )
     # 2. An alert that a pool is below its min names a real cause: the crash-loop backoff is in
-    # force, or too few free healthy GPUs are left. Checked where the pool was just reconciled:
-    # when the alert is raised, and after a tick (which reconciles every pool with an alert).
+    # force, too few free healthy GPUs are left, or as many workers as may start at once are.
+    # Checked where the pool was just reconciled: when the alert is raised, and after a tick
+    # (which reconciles every pool with an alert).
     below_min = {
         command.subject
         for command in commands
@@ -149,6 +151,11 @@ def step_violations(
             continue
         n = after.counted(name)
         backing_off = t < pool.backoff_until_t
+        starting = sum(
+            1 for w in after.workers.values() if w.pool == name and w.state in STARTING_STATES
+        )
+        if starting >= pool.spec.max_starting:
+            continue  # the rest follow as these come up
         if n < pool.spec.min_workers and not backing_off and free >= pool.spec.gpus_per_worker:
             found.append(
                 f"2: pool {name} has {n} < min {pool.spec.min_workers} workers with {free} free "
@@ -172,8 +179,9 @@ def step_violations(
                 f"5: pool {name} had {count} early exit(s) at t={t} but counts {new.failures} "
                 f"failure(s) (was {old.failures}), the last at {new.last_failure_t}"
             )
-    # 3. After time passes, no drain or stop is past its deadline without escalation.
-    if isinstance(event, e.Tick):
+    # 3. After time passes, no drain or stop is past its deadline without escalation (but the
+    # first tick after a stall of deo itself judges no worker: what was queued comes in first).
+    if isinstance(event, e.Tick) and not after.last_tick_skipped:
         for worker in after.workers.values():
             if worker.deadline_t is not None and worker.deadline_t <= t:
                 found.append(

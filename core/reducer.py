@@ -14,7 +14,7 @@ from __future__ import annotations
 from core import commands as c
 from core import events as e
 from core.errors import InvalidEvent
-from core.handlers import HANDLERS, heartbeat_only
+from core.handlers import HANDLERS, heartbeat_only, seen_only
 from core.invariants import raise_on_violation
 from core.policies import BUILT_INS, PolicyCatalog
 from core.state import State
@@ -32,6 +32,8 @@ def reduce(
     """
     if type(event) is e.WorkerHeartbeat:
         return heartbeat_only(state, event), []
+    if type(event) is e.WorkersSeen:
+        return seen_only(state, event), []
     handler = HANDLERS.get(type(event))
     if handler is None:
         raise InvalidEvent(f"{type(event).__name__} is not an event the reducer knows")

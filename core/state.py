@@ -148,8 +148,11 @@ class PoolState:
     load: LoadSampled | None = None
     last_sample_t: float | None = None
     source_error: str | None = None
+    #: Consecutive crash incidents (see :class:`~core.config.CrashLoopRules`).
     failures: int = 0
     last_failure_t: float | None = None
+    #: When the current incident began: a failure of a worker requested before it is part of it.
+    incident_t: float | None = None
     backoff_until_t: float = 0.0
     last_scale_up_t: float | None = None
     #: The policy built from ``spec.policy``, with the spec it was built from (a step rebuilds it
@@ -192,6 +195,10 @@ class State:
         factory=dict, converter=_read_only, hash=False
     )
     paused_all: bool = False
+    #: The time of the last tick, to tell a stall of deo itself from the ticks' usual spacing.
+    last_tick_t: float | None = None
+    #: The last tick came after a stall and judged no worker (the next one does, whatever comes).
+    last_tick_skipped: bool = False
     #: Active alerts as (alert, subject) pairs, so each is raised once and resolved once.
     alerts: frozenset[tuple[AlertName, str]] = attrs.field(
         default=frozenset(), converter=_alert_set

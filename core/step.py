@@ -23,9 +23,25 @@ from core.records import replace
 from core.state import Gpu, PoolState, State, Worker, split_worker_id
 from core.vocabulary import PLANNED_STOPS, STICKY_CAUSES, AlertName, DecisionSource, StopCause
 
-__all__ = ["Step"]
+__all__ = ["STALL_FACTOR", "STARTING_STATES", "Step", "unobserved_s"]
 
 S = WorkerState
+
+#: States of a worker that is starting: requested, or started but not yet ready.
+STARTING_STATES = frozenset({S.REQUESTED, S.STARTING})
+
+#: A tick later than this many intervals after the previous one follows a stall of deo itself.
+STALL_FACTOR = 2.0
+
+
+def unobserved_s(last_tick_t: float | None, t: float, interval_s: float | None) -> float:
+    """How long deo was not observing before a tick at ``t``: 0 unless it comes more than
+    :data:`STALL_FACTOR` intervals after the previous tick; then the gap less one interval (the
+    time a tick on schedule would have covered)."""
+    if interval_s is None or last_tick_t is None:
+        return 0.0
+    gap = t - last_tick_t
+    return gap - interval_s if gap > STALL_FACTOR * interval_s else 0.0
 
 
 class Step:
@@ -47,6 +63,8 @@ class Step:
         self.last_seen: Mapping[str, float] = state.last_seen
         self.worker_counts: Mapping[str, tuple[int, int]] = state.worker_counts
         self.paused_all = state.paused_all
+        self.last_tick_t = state.last_tick_t
+        self.last_tick_skipped = state.last_tick_skipped
         self.alerts = state.alerts
         self.commands: list[c.Command] = []
         self._owned: set[str] = set()
@@ -118,6 +136,8 @@ class Step:
                 else self.worker_counts
             ),
             paused_all=self.paused_all,
+            last_tick_t=self.last_tick_t,
+            last_tick_skipped=self.last_tick_skipped,
             alerts=self.alerts,
         )
         return state, self.commands
@@ -180,6 +200,13 @@ class Step:
         self.put_worker(updated)
         return updated
 
+    def came_up(self, worker: Worker) -> None:
+        """``worker`` is no longer starting: its pool, if short of its target, may start more
+        (at most ``max_starting`` start at once)."""
+        pool = self.pools[worker.pool]
+        if self.worker_counts.get(worker.pool, (0, 0))[0] < pool.target:
+            self.dirty_pools.add(worker.pool)
+
     def drain(self, worker: Worker, cause: StopCause, why: str) -> None:
         spec = self.pools[worker.pool].spec
         deadline = self.t + spec.drain_timeout_s
@@ -227,19 +254,27 @@ class Step:
         pool = self.pools[worker.pool]
         rules = pool.spec.crash_loop
         if failure:
-            failures = pool.failures + 1
+            # A worker requested before the incident began fails of the same cause as the rest
+            # (a burst): the backoff runs from this failure but does not deepen.
+            same = (
+                pool.failures > 0
+                and pool.incident_t is not None
+                and worker.requested_t < pool.incident_t
+            )
+            failures = pool.failures if same else pool.failures + 1
             backoff = rules.backoff_s(failures)
             pool = replace(
                 pool,
                 failures=failures,
                 last_failure_t=self.t,
+                incident_t=pool.incident_t if same else self.t,
                 backoff_until_t=self.t + backoff,
             )
             if failures >= rules.alert_after:
                 self.raise_alert(
                     AlertName.CRASH_LOOP,
                     pool.spec.name,
-                    f"{failures} early failures in a row (last: {worker.worker_id} {why}); "
+                    f"{failures} crash incidents in a row (last: {worker.worker_id} {why}); "
                     f"next spawn in {backoff:g}s",
                 )
         elif self.proves_healthy(pool, worker):
@@ -267,7 +302,7 @@ class Step:
         if pool.failures == 0:
             return pool
         self.resolve_alert(AlertName.CRASH_LOOP, pool.spec.name, f"healthy run: {why}")
-        return replace(pool, failures=0, backoff_until_t=0.0)
+        return replace(pool, failures=0, incident_t=None, backoff_until_t=0.0)
 
     def resolve_pool_alerts(self, pool: str, why: str) -> None:
         for alert, subject in sorted(self.alerts):
@@ -301,14 +336,15 @@ class Step:
                 continue
             counted = by_pool.get(name, [])
             count, target = len(counted), pool.target
+            starting = sum(1 for w in counted if w.state in STARTING_STATES)
             if count > target:
                 self._shrink(pool, counted, count - target)
                 count = target
             elif count < target:
-                count = self._grow(pool, count, free)
+                count, starting = self._grow(pool, count, starting, free)
             else:
                 self.resolve_alert(AlertName.NO_FREE_GPUS, name, f"{name} reached {target} workers")
-            self._check_min(pool, count)
+            self._check_min(pool, count, starting)
 
     def _shrink(self, pool: PoolState, counted: list[Worker], excess: int) -> None:
         def victim_order(w: Worker) -> tuple[int, int, int]:
@@ -323,14 +359,18 @@ class Step:
         for worker in sorted(counted, key=victim_order)[:excess]:
             self.drain(worker, cause, why)
 
-    def _grow(self, pool: PoolState, count: int, free: list[str]) -> int:
-        """Spawn toward the target; returns the new count."""
+    def _grow(self, pool: PoolState, count: int, starting: int, free: list[str]) -> tuple[int, int]:
+        """Spawn toward the target, at most ``max_starting`` starting at once; returns the new
+        count and how many of them are starting."""
         spec = pool.spec
         name = spec.name
         if self.t < pool.backoff_until_t:
-            return count  # crash-loop backoff; _check_min alerts if this leaves the pool below min
+            # crash-loop backoff; _check_min alerts if this leaves the pool below min
+            return count, starting
         index = pool.next_index
         while count < pool.target:
+            if starting >= spec.max_starting:
+                break  # the rest are requested as these come up
             if len(free) < spec.gpus_per_worker:
                 self.raise_alert(
                     AlertName.NO_FREE_GPUS,
@@ -369,15 +409,16 @@ class Step:
             )
             index += 1
             count += 1
+            starting += 1
         else:
             self.resolve_alert(
                 AlertName.NO_FREE_GPUS, name, f"{name} reached {pool.target} workers"
             )
         if index != pool.next_index:
             self.put_pool(replace(pool, next_index=index))
-        return count
+        return count, starting
 
-    def _check_min(self, pool: PoolState, counted: int) -> None:
+    def _check_min(self, pool: PoolState, counted: int, starting: int) -> None:
         name = pool.spec.name
         minimum = 0 if pool.removed else pool.spec.min_workers
         if counted >= minimum:
@@ -386,7 +427,9 @@ class Step:
             )
             return
         if self.t < pool.backoff_until_t:
-            why = f"crash-loop backoff until t={pool.backoff_until_t:g}"
+            why = f"crash-loop backoff, next spawn in {pool.backoff_until_t - self.t:.0f}s"
+        elif starting >= pool.spec.max_starting:
+            why = f"{starting} starting, at most {pool.spec.max_starting} at once"
         else:
             why = f"no free healthy GPU for {pool.spec.gpus_per_worker} per worker"
         self.raise_alert(
@@ -407,6 +450,12 @@ class Step:
             since = self.t - pool.last_scale_up_t
             if since < spec.stabilization_s:
                 return pool  # no flapping: hold within the stabilization window
+        if pool.failures and self.t < pool.backoff_until_t:
+            running = self.worker_counts.get(spec.name, (0, 0))[0]
+            why += (
+                f" (target only: {running} worker(s) running, crash-loop backoff for another "
+                f"{pool.backoff_until_t - self.t:.0f}s)"
+            )
         self.commands.append(
             c.ScalePool(
                 pool=spec.name, previous=pool.desired, target=target, source=source, reason=why

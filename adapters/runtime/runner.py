@@ -27,6 +27,7 @@ import orjson
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from adapters.log import EventLog
+from adapters.runtime.liveness import Liveness
 from core import Command, DeoError, Event, InvalidEvent, Reducer, State, Tick
 
 __all__ = ["Decision", "Executor", "Runner", "Stopping"]
@@ -88,6 +89,7 @@ class Runner:
         #: Set by :meth:`request_stop`; ``deo run`` watches it.
         self.stop_requested = anyio.Event()
         self.drain_on_stop = False
+        self.liveness = Liveness()
 
     def request_stop(self, *, drain: bool) -> None:
         """Ask ``deo run`` to stop, after draining every worker when ``drain`` is true."""
@@ -156,10 +158,23 @@ class Runner:
             else:
                 self._step(item.event)
 
+    def saw(self, worker_id: str) -> None:
+        """Note a sign of life of a worker (a heartbeat); the next tick records it if the core
+        needs it (:class:`~adapters.runtime.liveness.Liveness`).
+
+        Raises :class:`~core.errors.UnknownSubject` for a worker deo never made; a worker that
+        already exited is ignored."""
+        self.liveness.saw(self.reducer.state, worker_id)
+
     async def _ticks(self) -> None:
         while True:
             await anyio.sleep(self.tick_interval_s)
-            self.emit(Tick(t=self.clock()))
+            t = self.clock()
+            # The sightings first: the tick judges with them.
+            seen = self.liveness.due(self.reducer.state, t)
+            if seen is not None:
+                self.emit(seen)
+            self.emit(Tick(t=t, interval_s=self.tick_interval_s))
 
     async def _loop(self) -> None:
         async for item in self._receive:

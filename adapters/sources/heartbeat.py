@@ -1,7 +1,7 @@
 """Heartbeat files: a worker touches ``$DEO_HEARTBEAT_FILE`` to say it is alive.
 
-A small anyio loop watches each live worker's file and emits a ``WorkerHeartbeat`` whenever it
-has been touched since the last look.
+A small anyio loop watches each live worker's file and reports a sighting (``saw(worker_id)``,
+:meth:`adapters.runtime.runner.Runner.saw`) whenever it has been touched since the last look.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import anyio
 
-from core import Event, State, WorkerHeartbeat
+from core import State
 
 __all__ = ["HEARTBEAT_ENV", "heartbeat_files", "heartbeat_path"]
 
@@ -28,11 +28,10 @@ def heartbeat_path(directory: Path, worker_id: str) -> Path:
 async def heartbeat_files(
     directory: Path,
     state: Callable[[], State],
-    emit: Callable[[Event], None],
-    clock: Callable[[], float],
+    saw: Callable[[str], None],
     interval_s: float = 1.0,
 ) -> None:
-    """Emit a heartbeat whenever a live worker's heartbeat file has been touched since last look."""
+    """Report a sighting whenever a live worker's heartbeat file was touched since the last look."""
     seen: dict[str, float] = {}
     while True:
         live = state().workers
@@ -46,5 +45,5 @@ async def heartbeat_files(
                 continue
             if seen.get(worker_id) != mtime:
                 seen[worker_id] = mtime
-                emit(WorkerHeartbeat(t=clock(), worker_id=worker_id))
+                saw(worker_id)
         await anyio.sleep(interval_s)

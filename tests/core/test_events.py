@@ -53,6 +53,8 @@ GOOD: dict[str, Any] = {
     "causes": frozenset({"errors"}),
     "alert": "crash_loop",
     "subject": "envs",
+    "interval_s": 0.5,
+    "worker_ids": frozenset({"envs-0", "envs-1"}),
 }
 # The last field in a signal's place differs by class: DrainWorker's is the signal's name.
 GOOD_BY_CLASS: dict[tuple[type, str], Any] = {(c.DrainWorker, "signal"): "SIGUSR1"}
@@ -68,6 +70,10 @@ BAD: dict[Any, tuple[list[Any], str]] = {
     Name: (["", 5, None, b"envs", ["envs"]], "a non-empty string"),
     str: ([5, None, b"x", ["x"], {"x": 1}], "a string"),
     Name | None: (["", 5, 0.0, ["envs"]], "null or a non-empty string"),
+    Seconds | None: (
+        [-1, math.nan, math.inf, True, "1"],
+        "null or a finite number of seconds >= 0",
+    ),
     int | None: ([-1, 2**63, 1.5, False, "1"], "null or an integer in [0, 2**63)"),
     frozenset[str]: (
         ["abc", 5, None, [["unhashable"]], frozenset({1}), frozenset({"a", None})],

@@ -62,6 +62,7 @@ from core import (
     WorkerHeartbeat,
     WorkerLost,
     WorkerReady,
+    WorkersSeen,
     WorkerStarted,
     decode,
     encode,
@@ -101,6 +102,7 @@ def pool_specs(draw: st.DrawFn, name: str, gpus: int) -> PoolSpec:
         stop_timeout_s=draw(st.sampled_from([1.0, 3.0])),
         metrics_stale_s=draw(st.sampled_from([5.0, 30.0])),
         stabilization_s=draw(st.sampled_from([0.0, 10.0, 60.0])),
+        max_starting=draw(st.sampled_from([1, 2, 16])),
         crash_loop=CrashLoopRules(
             early_exit_s=draw(st.sampled_from([3.0, 20.0])),
             backoff_base_s=1.0,
@@ -166,6 +168,13 @@ class ReducerMachine(RuleBasedStateMachine):
         short = self.state.counted(pool) < after.target
         backing_off = self.state.now < after.backoff_until_t
         no_gpus = free_healthy_gpus(self.state) < after.spec.gpus_per_worker
+        starting = [
+            w
+            for w in self.state.workers.values()
+            if w.pool == pool and w.state in (WorkerState.REQUESTED, WorkerState.STARTING)
+        ]
+        if len(starting) >= after.spec.max_starting:
+            return  # the rest follow as these come up
         assert not short or backing_off or no_gpus, (
             f"{pool} left at {self.state.counted(pool)} < target {after.target} with GPUs free "
             f"and no backoff"
@@ -217,11 +226,18 @@ class ReducerMachine(RuleBasedStateMachine):
     def configure(self, config: Config) -> None:
         self.feed(Configured(t=self.t, config=config))
 
-    @rule(dt=st.sampled_from([0.1, 0.5, 1.0, 3.0, 10.0, 45.0]))
-    def tick(self, dt: float) -> None:
+    @rule(
+        dt=st.sampled_from([0.1, 0.5, 1.0, 3.0, 10.0, 45.0]),
+        interval=st.sampled_from([None, 1.0]),
+    )
+    def tick(self, dt: float, interval: float | None) -> None:
         self.t += dt
         before = self.state
-        commands = self.feed(Tick(t=self.t))
+        commands = self.feed(Tick(t=self.t, interval_s=interval))
+        if self.state.last_tick_skipped:
+            # After a stall of deo itself: no worker judged, every liveness credited.
+            assert not any(isinstance(c, (TerminateWorker, KillWorker)) for c in commands)
+            return
         # Each worker past its deadline takes its state's deadline action: one rung, one command.
         for worker in before.workers.values():
             action = DEADLINE_ACTIONS.get(worker.state)
@@ -239,8 +255,11 @@ class ReducerMachine(RuleBasedStateMachine):
                 alerts = [c for c in commands if isinstance(c, RaiseAlert)]
                 unkillable = [a for a in alerts if a.subject == worker.worker_id]
                 assert mine == []
+                # Raised once per subject: a pool removed and declared again reuses worker ids,
+                # and an earlier worker's alert under the same id may still be active.
+                active = (AlertName.UNKILLABLE_WORKER, worker.worker_id) in before.alerts
                 assert [a.alert for a in unkillable] == (
-                    [AlertName.UNKILLABLE_WORKER] if worker.pid is not None else []
+                    [AlertName.UNKILLABLE_WORKER] if worker.pid is not None and not active else []
                 )
 
     @rule(config=configs())
@@ -267,6 +286,15 @@ class ReducerMachine(RuleBasedStateMachine):
         mine = [c for c in commands if getattr(c, "worker_id", None) == worker_id]
         assert [type(c) for c in mine] == repeated, (before.state, mine)
         assert all(getattr(c, "pid", None) == self.pid for c in mine)
+
+    @rule(data=st.data())
+    def seen(self, data: st.DataObject) -> None:
+        ids = data.draw(st.sets(st.sampled_from([*self.workers(), *self.ended, "judges-0"])))
+        before = self.state
+        assert self.feed(WorkersSeen(t=self.t, worker_ids=ids)) == []
+        if self.state is not before:  # accepted (judges-0 may be a worker deo never made)
+            for worker_id in ids & set(self.state.workers):
+                assert self.state.last_seen[worker_id] == self.state.now
 
     @rule(data=st.data(), kind=st.sampled_from(["ready", "heartbeat", "adopted"]))
     def report(self, data: st.DataObject, kind: str) -> None:
@@ -423,9 +451,11 @@ TestReducerMachine = ReducerMachine.TestCase
 # --- the invariants catch plausible wrong reducers ---------------------------------------------
 
 
-def refuses_to_spawn(step: Step, pool: Any, count: int, free: list[str]) -> int:
+def refuses_to_spawn(
+    step: Step, pool: Any, count: int, starting: int, free: list[str]
+) -> tuple[int, int]:
     """A wrong reducer: never spawns, and (through _check_min) blames the GPUs for it."""
-    return count
+    return count, starting
 
 
 def never_a_crash(step: Step, worker: Any) -> bool:
