@@ -395,6 +395,12 @@ def _lost(step: Step, event: e.WorkerLost) -> None:
     step.exit_worker(worker, failure=False, why=f"lost: {event.reason}")
 
 
+def _leftovers(step: Step, event: e.LeftoverProcesses) -> None:
+    # Not resolved by itself: a worker program that leaves processes behind needs a person.
+    why = f"{event.count} process(es) of {event.worker_id} left running: {event.detail}"
+    step.raise_alert(AlertName.LEFTOVER_PROCESSES, event.worker_id, why)
+
+
 def _gpu_sampled(step: Step, event: e.GpuSampled) -> None:
     gpu = step.gpus.get(event.gpu_id)
     if gpu is None:
@@ -473,6 +479,7 @@ HANDLERS: Mapping[type, Callable[[Step, Any], None]] = MappingProxyType(
         e.SpawnFailed: _spawn_failed,
         e.WorkerAdopted: _adopted,
         e.WorkerLost: _lost,
+        e.LeftoverProcesses: _leftovers,
         e.GpuSampled: _gpu_sampled,
         e.GpuLost: _gpu_lost,
     }
