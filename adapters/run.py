@@ -181,6 +181,10 @@ async def run(
 ) -> int:
     """Run until SIGINT/SIGTERM or a stop request; returns the exit status.
 
+    deo owns SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 from the moment its log is open: none
+    of them can end it before the log is closed, and they stay ignored once ``run`` returns (its
+    caller is about to exit).
+
     ``live`` redraws a compact view of pools, workers, GPUs and decisions (for a terminal);
     otherwise decisions go out as log lines.
     """
@@ -291,6 +295,10 @@ async def run(
         finally:
             with anyio.CancelScope(shield=True):
                 event_log.close()
+    # Leaving the receiver restored the default actions; from here to the exit of the process
+    # (run's caller is ending) a signal could only cut that exit short.
+    for signum in (*STOP_SIGNALS, *IGNORED_SIGNALS):
+        signal.signal(signum, signal.SIG_IGN)
     left = len(runner.state.workers)
     out(
         f"deo: stopped; {left} worker(s) left running"

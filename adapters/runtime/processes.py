@@ -154,6 +154,10 @@ def processes_with(variables: Mapping[str, str]) -> list[int]:
     return found
 
 
+def _all_pids() -> list[int]:
+    return [int(entry.name) for entry in os.scandir("/proc") if entry.name.isdigit()]
+
+
 def _children() -> list[int]:
     """This process's children (re-parented orphans among them when it is a subreaper)."""
     found: list[int] = []
@@ -184,7 +188,7 @@ def become_child_subreaper() -> bool:
         return False
 
 
-@attrs.frozen
+@attrs.define
 class _Leftover:
     """A process of this run that is no live worker."""
 
@@ -431,41 +435,48 @@ class LocalProcesses:
 
     def _leftovers(self, worker_id: str | None) -> list[_Leftover]:
         """Processes of this run that are no live worker: those carrying ``worker_id`` (any
-        worker id when None), and this process's children that carry no live worker's id."""
+        worker id when None), this process's children that carry no worker id, and every
+        descendant of those (whatever its environment: a child may clear it)."""
         me = os.getpid()
-        live = {w.pid for w in self._workers.values() if w.exit is None}
-        candidates = set(processes_with(self._run_marks))
-        orphans = set(_children()) if self._reap_orphans else set()
-        found: list[_Leftover] = []
-        for pid in sorted(candidates | orphans):
-            stat = _read_stat(pid)
-            if pid == me or pid in live or stat is None or stat.state == "Z":
+        live = {w.pid for w in self._workers.values() if w.exit is None} | {me}
+        stats = {pid: stat for pid in _all_pids() if (stat := _read_stat(pid)) is not None}
+        children: dict[int, list[int]] = {}
+        for pid, stat in stats.items():
+            children.setdefault(stat.parent, []).append(pid)
+        marked = set(processes_with(self._run_marks))
+        orphans = set(children.get(me, ())) if self._reap_orphans else set()
+        found: dict[int, _Leftover] = {}
+        for pid in sorted(marked | orphans):
+            stat = stats.get(pid)
+            if pid in live or stat is None or stat.state == "Z":
                 continue
             environ = _environ_of(pid) or {}
             owner = environ.get(WORKER_ID_ENV)
-            marked = all(environ.get(k) == v for k, v in self._run_marks.items())
-            if marked and owner is not None:
+            if pid in marked and owner is not None:
                 if worker_id is not None and owner != worker_id:
                     continue  # another worker's, alive or swept on its own exit
-                how = "re-parented to deo" if stat.parent == me else f"parent {stat.parent}"
-            elif pid in orphans:
-                if marked or owner is not None:
-                    continue  # ours by its variables but no worker's: not to guess about
+                how = "re-parented to deo" if stat.parent == me else f"child of pid {stat.parent}"
+            elif owner is None and not any(k in environ for k in self._run_marks):
                 how = "re-parented to deo, without deo's variables"
             else:
-                continue
-            if stat.session == pid:
-                how += ", leads its own session"
-            found.append(
-                _Leftover(
-                    pid=pid,
-                    start_time=stat.start_time,
-                    worker_id=owner,
-                    pool=environ.get(POOL_ENV),
-                    how=how,
-                )
-            )
-        return found
+                continue  # another run's, or ours without a worker id: not to guess about
+            found[pid] = _Leftover(pid, stat.start_time, owner, environ.get(POOL_ENV), how)
+        # Their descendants, found by parent links while their parents still live.
+        queue = list(found)
+        while queue:
+            parent = found[queue.pop()]
+            for pid in children.get(parent.pid, ()):
+                stat = stats[pid]
+                if pid in found or pid in live or stat.state == "Z":
+                    continue
+                how = f"child of pid {parent.pid}"
+                found[pid] = _Leftover(pid, stat.start_time, parent.worker_id, parent.pool, how)
+                queue.append(pid)
+        for leftover in found.values():
+            stat = stats[leftover.pid]
+            if stat.session == leftover.pid:
+                leftover.how += ", leads its own session"
+        return sorted(found.values(), key=lambda leftover: leftover.pid)
 
     async def _sweep(self, worker: _Worker) -> None:
         leftovers = self._leftovers(worker.worker_id)

@@ -53,6 +53,7 @@ GOOD: dict[str, Any] = {
     "causes": frozenset({"errors"}),
     "alert": "crash_loop",
     "subject": "envs",
+    "detail": "pid 4243 (child of pid 4242)",
 }
 # The last field in a signal's place differs by class: DrainWorker's is the signal's name.
 GOOD_BY_CLASS: dict[tuple[type, str], Any] = {(c.DrainWorker, "signal"): "SIGUSR1"}
