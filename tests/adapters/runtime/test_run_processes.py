@@ -32,8 +32,8 @@ from tests.adapters.runtime.test_run import (
     wait_for,
 )
 
-#: A worker that starts six kinds of descendants, says their pids, and exits at once on the drain
-#: signal (SIGUSR1) or SIGTERM, leaving them all behind.
+#: A worker that starts six kinds of descendants, says their pids, and exits at once with code 3
+#: on the drain signal (SIGUSR1) or SIGTERM, leaving them all behind.
 LEAVER = """
 import os, signal, subprocess, sys, time
 SLEEP = "import time; time.sleep(600)"
@@ -51,8 +51,8 @@ start(DEAF, start_new_session=True)            # its own session, ignoring SIGTE
 start(SLEEP, start_new_session=True, env={})   # its own session, without deo's variables
 subprocess.run([sys.executable, "-c", DAEMON]) # a daemon: forked, setsid, parent gone
 print("ready", flush=True)
-signal.signal(signal.SIGUSR1, lambda *_: os._exit(0))
-signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+signal.signal(signal.SIGUSR1, lambda *_: os._exit(3))
+signal.signal(signal.SIGTERM, lambda *_: os._exit(3))
 while True:
     time.sleep(1)
 """
@@ -139,6 +139,8 @@ def test_what_a_drained_worker_leaves_behind_is_stopped_and_named_in_an_alert(
         assert str(pid) in alert["reason"], alert
     assert d.process is not None
     wait_for("no zombie left to deo", lambda: not zombie_children(d.process.pid))
+    # Reaping the orphans never took the worker's own exit status from deo.
+    assert [e["exit_code"] for e in d.events("WorkerExited")] == [3]
     verified(d)
 
 
