@@ -39,8 +39,9 @@ import os, signal, subprocess, sys, time
 SLEEP = "import time; time.sleep(600)"
 DEAF = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
 DAEMON = ("import os, sys, time\\n"
-          "if os.fork(): sys.exit(0)\\n"
-          "os.setsid(); print('left', os.getpid(), flush=True); time.sleep(600)")
+          "r, w = os.pipe()\\n"
+          "if os.fork(): os.read(r, 1); sys.exit(0)\\n"
+          "os.setsid(); print('left', os.getpid(), flush=True); os.write(w, b'.'); time.sleep(600)")
 def start(code, **kw):
     child = subprocess.Popen([sys.executable, "-c", code], **kw)
     print("left", child.pid, flush=True)
