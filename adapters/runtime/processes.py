@@ -22,6 +22,11 @@ sources (``deo run`` gives it :meth:`Runner.emit <adapters.runtime.runner.Runner
 - After an orchestrator restart, :meth:`LocalProcesses.adopt` takes over a worker the log says is
   alive if its start time still matches. It is not our child, so its exit is seen by polling
   /proc and its exit code cannot be known.
+- When a worker ends, what it leaves behind is stopped (see :class:`LocalProcesses`): its
+  descendants that called setsid() or outlived it in its group, found by the variables they
+  inherited and, with deo the subreaper of its descendants, by being re-parented to deo.
+  :meth:`LocalProcesses.stop_strays` does the same at start-up for processes of the run that no
+  adopted worker accounts for.
 - :meth:`LocalProcesses.run` watches every known worker and reports each exit exactly once.
   Cancelling it stops the watching, never the workers: the control plane's death must not kill
   the work. Run it again and the watching resumes.
@@ -311,10 +316,11 @@ class LocalProcesses:
 
     With ``run_marks`` (the variables every worker of this run inherits, such as its run id), what
     a worker leaves behind when it ends is stopped: every process carrying those variables and
-    its ``DEO_WORKER_ID``, and with ``reap_orphans`` (this process is the subreaper of its
-    descendants) every child of ours that is no worker and carries no live worker's id. Each
-    gets SIGTERM (its process group too when it leads one), then SIGKILL after its pool's
-    ``stop_timeout_s(pool)``, and a :class:`~core.events.LeftoverProcesses` event names them.
+    its ``DEO_WORKER_ID``, with ``reap_orphans`` (this process is the subreaper of its
+    descendants) every child of ours that is no worker and carries none of those variables, and
+    every descendant of these. Each gets SIGTERM (with its process group when that is the
+    worker's or its own), then SIGKILL after the pool's ``stop_timeout_s(pool)``, and a
+    :class:`~core.events.LeftoverProcesses` event names them.
     ``reap_orphans`` also reaps those re-parented children once they exit, never a worker (whose
     exit status only its watcher collects).
     """
