@@ -49,7 +49,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -178,6 +178,17 @@ def _children() -> list[int]:
                 if stat is not None and stat.parent == me:
                     found.append(int(entry.name))
         return found
+
+
+def _orphans(children: Iterable[int], stats: Mapping[int, _Stat]) -> list[int]:
+    """Those of our ``children`` that came to us as orphans of a worker's descendants.
+
+    Workers start in sessions of their own, and no descendant of theirs can join ours; a child
+    this process started otherwise (without a new session) stays in our session. Those are
+    somebody else's to watch and reap: a program running deo in-process may have its own.
+    """
+    ours = os.getsid(0)
+    return [pid for pid in children if pid in stats and stats[pid].session != ours]
 
 
 def become_child_subreaper() -> bool:
@@ -450,7 +461,7 @@ class LocalProcesses:
         for pid, stat in stats.items():
             children.setdefault(stat.parent, []).append(pid)
         marked = set(processes_with(self._run_marks))
-        orphans = set(children.get(me, ())) if self._reap_orphans else set()
+        orphans = set(_orphans(children.get(me, ()), stats)) if self._reap_orphans else set()
         found: dict[int, _Leftover] = {}
         for pid in sorted(marked | orphans):
             stat = stats.get(pid)
@@ -524,11 +535,10 @@ class LocalProcesses:
         # a worker's exit status belongs to its watcher (Popen.poll), which must not lose it.
         while True:
             workers = {w.pid for w in self._workers.values() if w.popen is not None}
-            for pid in _children():
-                if pid in workers:
-                    continue
-                stat = _read_stat(pid)
-                if stat is not None and stat.state == "Z":
+            children = [pid for pid in _children() if pid not in workers]
+            stats = {pid: stat for pid in children if (stat := _read_stat(pid)) is not None}
+            for pid in _orphans(children, stats):
+                if stats[pid].state == "Z":
                     with contextlib.suppress(ChildProcessError):
                         os.waitpid(pid, os.WNOHANG)
             await anyio.sleep(self._poll_interval_s)
