@@ -479,3 +479,38 @@ async def test_what_an_ended_worker_leaves_behind_is_stopped_and_reported(
         await wait_dead(left)  # SIGTERM ignored: SIGKILL after the pool's 0.5 s
         assert alive(kept)  # a live worker's child is its own business
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_children_of_the_host_program_are_neither_stopped_nor_reaped(
+    tmp_path: Path, track: Track
+) -> None:
+    # A program running deo in-process may have children of its own, in its own session.
+    own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    done = subprocess.Popen([sys.executable, "-c", "raise SystemExit(5)"])
+    track(own.pid)
+    run_marks = {"DEO_RUN_ID": uuid.uuid4().hex}
+    send, events = anyio.create_memory_object_stream[Event](100)
+    executor = LocalProcesses(
+        send.send_nowait,
+        clock=time.monotonic,
+        log_dir=tmp_path,
+        poll_interval_s=POLL_S,
+        environ={**os.environ, **run_marks},
+        run_marks=run_marks,
+        stop_timeout_s=lambda pool: 0.5,
+        reap_orphans=True,
+    )
+    async with send, events, anyio.create_task_group() as tg:
+        tg.start_soon(executor.run)
+        await executor.execute(spawn("envs-0", python(LEAVES_A_CHILD)))
+        await started(events, track)
+        track(int(await log_line(tmp_path / "envs-0.log", "child ")))
+        exited = await next_event(events)
+        assert isinstance(exited, WorkerExited), exited
+        report = await next_event(events)
+        assert isinstance(report, LeftoverProcesses), report
+        await anyio.sleep(10 * POLL_S)  # the reaper has looked at our children several times
+        assert own.poll() is None  # not stopped
+        assert done.wait(timeout=30) == 5  # its exit status is still ours to collect
+        tg.cancel_scope.cancel()
