@@ -23,7 +23,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import anyio
@@ -105,7 +105,7 @@ def worker_environ(token_env: str, runtime: dict[str, str]) -> dict[str, str]:
     return {**environ, **runtime}
 
 
-def check_device_order(gpus: tuple[str, ...] | list[str], visible: str | None) -> None:
+def check_device_order(gpus: Sequence[str], visible: str | None) -> None:
     """:class:`ConfigError` if deo's CUDA_VISIBLE_DEVICES holds indices counted in an order
     other than PCI_BUS_ID. deo reads those indices as NVML's, in PCI bus order; under
     FASTEST_FIRST they name other GPUs, and which ones only CUDA knows (deo does not load it)."""
