@@ -59,6 +59,20 @@ while True:
 """
 
 
+#: Ignores the drain signal and SIGTERM, and so does its child, which leads a session of its own:
+#: SIGKILL to the worker's process group does not reach it.
+STUBBORN_WITH_SETSID_CHILD = """
+import signal, subprocess, sys, time
+for s in (signal.SIGUSR1, signal.SIGTERM):
+    signal.signal(s, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                         start_new_session=True)
+print("child", child.pid, flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
 def left_pids(log: Path) -> list[int]:
     text = log.read_text()
     return [int(pid) for pid in re.findall(r"^left (\d+)$", text, re.M)]
@@ -148,14 +162,7 @@ def test_what_a_drained_worker_leaves_behind_is_stopped_and_named_in_an_alert(
 def test_a_killed_workers_session_leaders_are_stopped_too(
     deo: Callable[[str], Deo], tmp_path: Path
 ) -> None:
-    stubborn = script(
-        tmp_path,
-        "stubborn.py",
-        STUBBORN.replace(
-            "child = subprocess.Popen([sys.executable",
-            "child = subprocess.Popen(start_new_session=True, args=[sys.executable",
-        ),
-    )
+    stubborn = script(tmp_path, "stubborn.py", STUBBORN_WITH_SETSID_CHILD)
     d = deo(
         pool(
             "envs",
