@@ -25,6 +25,7 @@ __all__ = [
     "GpuSampled",
     "GpuUncordonRequested",
     "LeftoverProcesses",
+    "LeftoverProcessesStopped",
     "LoadSampled",
     "PoolPinned",
     "QueueSampled",
@@ -220,6 +221,13 @@ class LeftoverProcesses(Event):
     worker_id: Name
     count: int
     detail: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class LeftoverProcessesStopped(Event):
+    """Every process of the last :class:`LeftoverProcesses` for ``worker_id`` is gone."""
+
+    worker_id: Name
 
 
 # --- GPUs ----------------------------------------------------------------------------------------

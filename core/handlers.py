@@ -396,9 +396,15 @@ def _lost(step: Step, event: e.WorkerLost) -> None:
 
 
 def _leftovers(step: Step, event: e.LeftoverProcesses) -> None:
-    # Not resolved by itself: a worker program that leaves processes behind needs a person.
     why = f"{event.count} process(es) of {event.worker_id} left running: {event.detail}"
     step.raise_alert(AlertName.LEFTOVER_PROCESSES, event.worker_id, why)
+
+
+def _leftovers_stopped(step: Step, event: e.LeftoverProcessesStopped) -> None:
+    # Resolved once they are gone, so a pool of leaky workers keeps no alert per worker; the
+    # log keeps both. Survivors of SIGKILL keep it raised.
+    why = f"every process {event.worker_id} left behind is gone"
+    step.resolve_alert(AlertName.LEFTOVER_PROCESSES, event.worker_id, why)
 
 
 def _gpu_sampled(step: Step, event: e.GpuSampled) -> None:
@@ -480,6 +486,7 @@ HANDLERS: Mapping[type, Callable[[Step, Any], None]] = MappingProxyType(
         e.WorkerAdopted: _adopted,
         e.WorkerLost: _lost,
         e.LeftoverProcesses: _leftovers,
+        e.LeftoverProcessesStopped: _leftovers_stopped,
         e.GpuSampled: _gpu_sampled,
         e.GpuLost: _gpu_lost,
     }

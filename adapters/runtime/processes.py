@@ -64,6 +64,7 @@ from core import (
     Event,
     KillWorker,
     LeftoverProcesses,
+    LeftoverProcessesStopped,
     SpawnFailed,
     SpawnWorker,
     TerminateWorker,
@@ -330,8 +331,9 @@ class LocalProcesses:
     its ``DEO_WORKER_ID``, with ``reap_orphans`` (this process is the subreaper of its
     descendants) every child of ours that is no worker and carries none of those variables, and
     every descendant of these. Each gets SIGTERM (with its process group when that is the
-    worker's or its own), then SIGKILL after the pool's ``stop_timeout_s(pool)``, and a
-    :class:`~core.events.LeftoverProcesses` event names them.
+    worker's or its own), then SIGKILL after the pool's ``stop_timeout_s(pool)``. A
+    :class:`~core.events.LeftoverProcesses` event names them first, and
+    :class:`~core.events.LeftoverProcessesStopped` follows once they are all gone.
     ``reap_orphans`` also reaps those re-parented children once they exit, never a worker (whose
     exit status only its watcher collects).
     """
@@ -527,8 +529,10 @@ class LocalProcesses:
                 while any(_still_there(p) for p in leftovers):
                     await anyio.sleep(min(0.1, self._poll_interval_s))
         survivors = [str(p) for p in leftovers if _still_there(p)]
-        if survivors:
+        if survivors:  # the alert stays raised
             log.warning("%s: still running after SIGKILL: %s", worker_id, ", ".join(survivors))
+        else:
+            self._emit(LeftoverProcessesStopped(t=self._clock(), worker_id=worker_id))
 
     async def _reap_loop(self) -> None:
         # Orphans re-parented to us are reaped here, by pid, never by waiting for any child:

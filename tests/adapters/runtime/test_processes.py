@@ -22,6 +22,7 @@ from core import (
     Event,
     KillWorker,
     LeftoverProcesses,
+    LeftoverProcessesStopped,
     SpawnFailed,
     SpawnWorker,
     TerminateWorker,
@@ -477,6 +478,8 @@ async def test_what_an_ended_worker_leaves_behind_is_stopped_and_reported(
         assert (report.worker_id, report.count) == ("envs-1", 1)
         assert f"pid {left} (" in report.detail and "own session" in report.detail
         await wait_dead(left)  # SIGTERM ignored: SIGKILL after the pool's 0.5 s
+        stopped = await next_event(events)
+        assert stopped == LeftoverProcessesStopped(t=stopped.t, worker_id="envs-1")
         assert alive(kept)  # a live worker's child is its own business
         tg.cancel_scope.cancel()
 

@@ -152,6 +152,10 @@ def test_what_a_drained_worker_leaves_behind_is_stopped_and_named_in_an_alert(
     assert alert["subject"] == worker["id"]
     for pid in left:
         assert str(pid) in alert["reason"], alert
+    # Resolved once all are gone: a pool of leaky workers keeps no alert per worker.
+    wait_for("the alert resolved", lambda: d.status()["alerts"] == [])
+    stopped = d.events("LeftoverProcessesStopped")
+    assert [e["worker_id"] for e in stopped] == [worker["id"]]
     assert d.process is not None
     wait_for("no zombie left to deo", lambda: not zombie_children(d.process.pid))
     # Reaping the orphans never took the worker's own exit status from deo.
