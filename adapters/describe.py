@@ -57,6 +57,10 @@ def event_line(event: e.Event) -> str | None:
             return f"lost       {w}: {why}"
         case e.WorkerAdopted(worker_id=w):
             return f"adopted    {w}"
+        case e.LeftoverProcesses(worker_id=w, count=n, detail=detail):
+            return f"leftovers  {w}: {n} process(es) left running: {detail}"
+        case e.LeftoverProcessesStopped(worker_id=w):
+            return f"leftovers  {w}: all stopped"
         case e.WorkerStarted(worker_id=w, pid=pid):
             return f"started    {w} pid {pid}"
         case e.SourceDown(pool=p, error=err):

@@ -3,10 +3,15 @@
 Start-up: resolve the device id each configured GPU has for CUDA (from deo's own
 CUDA_VISIBLE_DEVICES) into the configuration, open the log (snapshot + tail rebuild the state),
 reconcile with the processes that are really there (adopt a worker whose pid still has its
-recorded start time, record the rest lost), apply the configuration if it changed, then run the
-runner, the process executor, the HTTP API and the sources in one task group. SIGINT/SIGTERM
-stop deo and leave the workers running; a restart adopts them. ``deo stop --drain`` drains every
-worker first.
+recorded start time, record the rest lost, stop every other process carrying this run's id),
+apply the configuration if it changed, then run the runner, the process executor, the HTTP API
+and the sources in one task group. deo is the subreaper of its workers' descendants, so what a
+worker leaves behind comes to deo, to be stopped and reaped.
+
+SIGINT/SIGTERM stop deo and leave the workers running; a restart adopts them. ``deo stop
+--drain`` drains every worker first; a SIGINT/SIGTERM during that drain stops deo without waiting
+for it. Once deo is stopping, further SIGINT/SIGTERM are ignored, so the log is always closed
+cleanly. SIGHUP, SIGUSR1 and SIGUSR2 are noted and ignored: deo reloads nothing on a signal.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import anyio
@@ -27,12 +32,21 @@ import attrs
 from adapters.log import EventLog
 from adapters.runtime.config_file import RunSettings, check_loggable
 from adapters.runtime.live import live_view
-from adapters.runtime.processes import LocalProcesses, process_start_time
+from adapters.runtime.processes import (
+    DEFAULT_STOP_TIMEOUT_S,
+    WORKER_ID_ENV,
+    LocalProcesses,
+    become_child_subreaper,
+    process_start_time,
+    processes_with,
+)
 from adapters.runtime.runner import Runner
 from adapters.sources.atropos import AtroposSource, poll_atropos
 from adapters.sources.heartbeat import heartbeat_files
 from adapters.sources.json_pressure import poll_json
 from core import (
+    Config,
+    ConfigError,
     Configured,
     DeoError,
     Event,
@@ -54,6 +68,11 @@ WORKER_TOKEN_ENV = "DEO_WORKER_TOKEN"
 #: Names the log a worker belongs to, so a restart never takes another deo's worker for its own.
 RUN_ID_ENV = "DEO_RUN_ID"
 GPU_ENV = "CUDA_VISIBLE_DEVICES"
+DEVICE_ORDER_ENV = "CUDA_DEVICE_ORDER"
+#: SIGINT and SIGTERM stop deo; the others are noted and ignored (their default action would
+#: end deo without closing its log).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+IGNORED_SIGNALS = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def run_id_of(log_path: Path) -> str:
@@ -80,10 +99,26 @@ def worker_environ(token_env: str, runtime: dict[str, str]) -> dict[str, str]:
     variables (a worker holding the operator token could act as the operator), plus the
     ``runtime`` variables of this run."""
     environ = {k: v for k, v in os.environ.items() if k != token_env and not k.startswith("DEO_")}
-    # NVML numbers GPUs in PCI order, and so do the device ids the core hands out: make CUDA's
-    # indices mean the same GPUs (unless deo's own environment chose an order).
-    environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    # NVML numbers GPUs in PCI order, and so do the device ids the core hands out: CUDA's indices
+    # must mean the same GPUs, whatever order deo's own environment names.
+    environ[DEVICE_ORDER_ENV] = "PCI_BUS_ID"
     return {**environ, **runtime}
+
+
+def check_device_order(gpus: Sequence[str], visible: str | None) -> None:
+    """:class:`ConfigError` if deo's CUDA_VISIBLE_DEVICES holds indices counted in an order
+    other than PCI_BUS_ID. deo reads those indices as NVML's, in PCI bus order; under
+    FASTEST_FIRST they name other GPUs, and which ones only CUDA knows (deo does not load it)."""
+    order = os.environ.get(DEVICE_ORDER_ENV)
+    if not gpus or visible is None or order in (None, "PCI_BUS_ID"):
+        return
+    if any(entry.strip().isdigit() for entry in visible.split(",")):
+        raise ConfigError(
+            f"deo's {DEVICE_ORDER_ENV}={order!r} with {GPU_ENV}={visible!r}: deo counts GPU "
+            f"indices in PCI bus order, as NVML does, and gives workers {DEVICE_ORDER_ENV}="
+            f"PCI_BUS_ID; run deo with {DEVICE_ORDER_ENV}=PCI_BUS_ID (indices in that order) or "
+            f"name the GPUs by UUID in {GPU_ENV}"
+        )
 
 
 def find_spawned(worker_id: str, run_id: str) -> tuple[int, int] | None:
@@ -94,17 +129,7 @@ def find_spawned(worker_id: str, run_id: str) -> tuple[int, int] | None:
     which is how it is found (worker ids alone repeat across logs). Two candidates leading their
     own process groups are ambiguous: none is taken.
     """
-    wanted = {f"DEO_WORKER_ID={worker_id}".encode(), f"{RUN_ID_ENV}={run_id}".encode()}
-    matches: list[int] = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = Path(entry.path, "environ").read_bytes()
-        except OSError:
-            continue  # gone, or not ours to read
-        if wanted <= set(environ.split(b"\0")):
-            matches.append(int(entry.name))
+    matches = processes_with({WORKER_ID_ENV: worker_id, RUN_ID_ENV: run_id})
     # The worker's own children inherit its environment; the worker leads its process group.
     leaders = [pid for pid in matches if _group_of(pid) == pid]
     if len(leaders) > 1:
@@ -143,7 +168,7 @@ async def reconcile(
                 WorkerStarted(t=clock(), worker_id=worker.worker_id, pid=pid, start_time=start)
             )
         assert start is not None
-        if await processes.adopt(worker.worker_id, pid, start):
+        if await processes.adopt(worker.worker_id, pid, start, pool=worker.pool):
             events.append(WorkerAdopted(t=clock(), worker_id=worker.worker_id))
         else:
             why = f"pid {pid} is gone or now belongs to another process"
@@ -155,6 +180,10 @@ async def run(
     settings: RunSettings, *, out: Callable[[str], None] = print, live: bool = False
 ) -> int:
     """Run until SIGINT/SIGTERM or a stop request; returns the exit status.
+
+    deo owns SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 from the moment its log is open: none
+    of them can end it before the log is closed, and they stay ignored once ``run`` returns (its
+    caller is about to exit).
 
     ``live`` redraws a compact view of pools, workers, GPUs and decisions (for a terminal);
     otherwise decisions go out as log lines.
@@ -170,6 +199,7 @@ async def run(
     try:
         # The configuration carries the device ids, so the core writes each worker's
         # CUDA_VISIBLE_DEVICES itself and the log records what the worker was given.
+        check_device_order(settings.config.gpus, os.environ.get(GPU_ENV))
         devices = physical_gpu_ids(settings.config.gpus, os.environ.get(GPU_ENV))
         config = attrs.evolve(settings.config, gpu_devices=devices)
         check_loggable(config)  # what the log holds is what the next start and replay apply
@@ -203,11 +233,21 @@ async def run(
     def emit(event: Event) -> None:
         runner.emit(event)  # the runner, built below around the processes, takes their reports
 
+    def stop_timeout_s(pool: str | None) -> float:
+        return _stop_timeout_s(pool, runner.state, config)
+
+    # Orphaned descendants of workers come to deo (not init), to be stopped and reaped.
+    subreaper = become_child_subreaper()
+    if not subreaper:
+        out("deo: cannot become the subreaper of its workers; their orphans go to init")
     processes = LocalProcesses(
         emit,
         clock=clock,
         log_dir=settings.worker_logs,
         environ=worker_environ(settings.api.token_env, runtime_env),
+        run_marks={RUN_ID_ENV: run_id},
+        stop_timeout_s=stop_timeout_s,
+        reap_orphans=subreaper,
     )
     runner = Runner(
         event_log,
@@ -218,37 +258,48 @@ async def run(
     )
     app = build_app(runner, token=token, worker_token=worker_token)
     refused = False
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: serve(app, sock=sock))
-            out(f"deo: API on {url} (log {settings.log})")
-            tg.start_soon(processes.run)
-            for event in await reconcile(recovery.state, processes, clock, run_id):
-                runner.emit(event)
-            tg.start_soon(runner.run)
-            if recovery.state.config != config:
-                try:
-                    await runner.submit(Configured(t=clock(), config=config))
-                except DeoError as exc:
-                    # e.g. a GPU removed from the file while a worker still holds it
-                    out(f"deo: the configuration was refused: {exc}")
-                    refused = True
-                    tg.cancel_scope.cancel()
-            tg.start_soon(heartbeat_files, settings.worker_logs, lambda: runner.state, runner.saw)
-            for source in settings.sources:
-                if isinstance(source, AtroposSource):
-                    tg.start_soon(poll_atropos, source, runner.emit, clock)
-                else:
-                    tg.start_soon(poll_json, source, runner.emit, clock)
-            if config.gpus:
-                tg.start_soon(poll_gpus, settings.nvml, devices, runner.emit, clock, out)
-            if live:
-                tg.start_soon(live_view, runner, _write)
-            tg.start_soon(_stop_on_signal, tg.cancel_scope, out)
-            tg.start_soon(_stop_on_request, runner, tg.cancel_scope, out)
-    finally:
-        with anyio.CancelScope(shield=True):
-            event_log.close()
+    # Open from here until the log is closed, so no signal can end deo without closing it.
+    with anyio.open_signal_receiver(*STOP_SIGNALS, *IGNORED_SIGNALS) as signals:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_stop_on_signal, signals, runner, tg.cancel_scope, out)
+                tg.start_soon(lambda: serve(app, sock=sock))
+                out(f"deo: API on {url} (log {settings.log})")
+                tg.start_soon(processes.run)
+                for event in await reconcile(recovery.state, processes, clock, run_id):
+                    runner.emit(event)
+                # The state may miss live workers (a log that lost records): nothing is spawned
+                # until every process of this run that no adopted worker accounts for is gone.
+                await processes.stop_strays()
+                tg.start_soon(runner.run)
+                if recovery.state.config != config:
+                    try:
+                        await runner.submit(Configured(t=clock(), config=config))
+                    except DeoError as exc:
+                        # e.g. a GPU removed from the file while a worker still holds it
+                        out(f"deo: the configuration was refused: {exc}")
+                        refused = True
+                        tg.cancel_scope.cancel()
+                tg.start_soon(
+                    heartbeat_files, settings.worker_logs, lambda: runner.state, runner.saw
+                )
+                for source in settings.sources:
+                    if isinstance(source, AtroposSource):
+                        tg.start_soon(poll_atropos, source, runner.emit, clock)
+                    else:
+                        tg.start_soon(poll_json, source, runner.emit, clock)
+                if config.gpus:
+                    tg.start_soon(poll_gpus, settings.nvml, devices, runner.emit, clock, out)
+                if live:
+                    tg.start_soon(live_view, runner, _write)
+                tg.start_soon(_stop_on_request, runner, tg.cancel_scope, out)
+        finally:
+            with anyio.CancelScope(shield=True):
+                event_log.close()
+    # Leaving the receiver restored the default actions; from here to the exit of the process
+    # (run's caller is ending) a signal could only cut that exit short.
+    for signum in (*STOP_SIGNALS, *IGNORED_SIGNALS):
+        signal.signal(signum, signal.SIG_IGN)
     left = len(runner.state.workers)
     out(
         f"deo: stopped; {left} worker(s) left running"
@@ -262,12 +313,31 @@ def _write(text: str) -> None:
     sys.stdout.flush()
 
 
-async def _stop_on_signal(scope: anyio.CancelScope, out: Callable[[str], None]) -> None:
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            out(f"deo: {signal.Signals(signum).name}: stopping (workers keep running)")
+async def _stop_on_signal(
+    signals: AsyncIterator[int],
+    runner: Runner,
+    scope: anyio.CancelScope,
+    out: Callable[[str], None],
+) -> None:
+    async for signum in signals:
+        name = signal.Signals(signum).name
+        if signum not in STOP_SIGNALS:
+            out(f"deo: {name}: ignored (deo stops on SIGTERM or SIGINT and reloads nothing)")
+        elif runner.stop_requested.is_set() and runner.drain_on_stop:
+            out(
+                f"deo: {name}: stopping now, without waiting for the drain (the workers "
+                "keep draining; a restart adopts them)"
+            )
             scope.cancel()
-            return
+        else:
+            out(f"deo: {name}: stopping (workers keep running)")
+            scope.cancel()
+
+
+def _stop_timeout_s(pool: str | None, state: State, config: Config) -> float:
+    """The stop timeout of ``pool`` in the state, or else in the configuration being applied."""
+    specs = [p.spec for p in state.pools.values()] + list(config.pools)
+    return next((s.stop_timeout_s for s in specs if s.name == pool), DEFAULT_STOP_TIMEOUT_S)
 
 
 async def _stop_on_request(

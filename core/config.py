@@ -35,7 +35,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PARAM_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 _SIGNALS = frozenset({"SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"})
 #: Variables deo sets itself; a pool may not override them.
-RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "DEO_WORKER_ID", "DEO_POOL"})
+RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DEO_WORKER_ID", "DEO_POOL"})
 
 
 def _finite(key: str, value: object) -> None:

@@ -24,6 +24,8 @@ __all__ = [
     "GpuLost",
     "GpuSampled",
     "GpuUncordonRequested",
+    "LeftoverProcesses",
+    "LeftoverProcessesStopped",
     "LoadSampled",
     "PoolPinned",
     "QueueSampled",
@@ -235,6 +237,24 @@ class WorkerLost(Event):
 
     worker_id: Name
     reason: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class LeftoverProcesses(Event):
+    """Processes of this run that are no live worker: what worker ``worker_id`` left behind when
+    it ended, or, at start-up, processes claiming a worker id the state does not know. The
+    executor stops them (SIGTERM, then SIGKILL after the stop timeout); ``detail`` names them."""
+
+    worker_id: Name
+    count: int
+    detail: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class LeftoverProcessesStopped(Event):
+    """Every process of the last :class:`LeftoverProcesses` for ``worker_id`` is gone."""
+
+    worker_id: Name
 
 
 # --- GPUs ----------------------------------------------------------------------------------------

@@ -468,6 +468,18 @@ def _lost(step: Step, event: e.WorkerLost) -> None:
     step.exit_worker(worker, failure=False, why=f"lost: {event.reason}")
 
 
+def _leftovers(step: Step, event: e.LeftoverProcesses) -> None:
+    why = f"{event.count} process(es) of {event.worker_id} left running: {event.detail}"
+    step.raise_alert(AlertName.LEFTOVER_PROCESSES, event.worker_id, why)
+
+
+def _leftovers_stopped(step: Step, event: e.LeftoverProcessesStopped) -> None:
+    # Resolved once they are gone, so a pool of leaky workers keeps no alert per worker; the
+    # log keeps both. Survivors of SIGKILL keep it raised.
+    why = f"every process {event.worker_id} left behind is gone"
+    step.resolve_alert(AlertName.LEFTOVER_PROCESSES, event.worker_id, why)
+
+
 def _gpu_sampled(step: Step, event: e.GpuSampled) -> None:
     gpu = step.gpus.get(event.gpu_id)
     if gpu is None:
@@ -546,6 +558,8 @@ HANDLERS: Mapping[type, Callable[[Step, Any], None]] = MappingProxyType(
         e.SpawnFailed: _spawn_failed,
         e.WorkerAdopted: _adopted,
         e.WorkerLost: _lost,
+        e.LeftoverProcesses: _leftovers,
+        e.LeftoverProcessesStopped: _leftovers_stopped,
         e.GpuSampled: _gpu_sampled,
         e.GpuLost: _gpu_lost,
     }

@@ -51,6 +51,7 @@ class AlertName(enum.StrEnum):
     GPU_ERRORS = "gpu_errors"  # GPU: new XID/ECC errors
     GPU_LOST = "gpu_lost"  # GPU: gone from the driver
     UNKILLABLE_WORKER = "unkillable_worker"  # worker: still there after SIGKILL
+    LEFTOVER_PROCESSES = "leftover_processes"  # worker: processes it left behind, being stopped
 
 
 class StopCause(enum.StrEnum):

@@ -22,6 +22,11 @@ sources (``deo run`` gives it :meth:`Runner.emit <adapters.runtime.runner.Runner
 - After an orchestrator restart, :meth:`LocalProcesses.adopt` takes over a worker the log says is
   alive if its start time still matches. It is not our child, so its exit is seen by polling
   /proc and its exit code cannot be known.
+- When a worker ends, what it leaves behind is stopped (see :class:`LocalProcesses`): its
+  descendants that called setsid() or outlived it in its group, found by the variables they
+  inherited and, with deo the subreaper of its descendants, by being re-parented to deo.
+  :meth:`LocalProcesses.stop_strays` does the same at start-up for processes of the run that no
+  adopted worker accounts for.
 - :meth:`LocalProcesses.run` watches every known worker and reports each exit exactly once.
   Cancelling it stops the watching, never the workers: the control plane's death must not kill
   the work. Run it again and the watching resumes.
@@ -36,12 +41,15 @@ pidfd (polled where the kernel has none) without blocking the event loop.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import logging
 import os
 import signal
 import subprocess
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -55,6 +63,8 @@ from core import (
     DrainWorker,
     Event,
     KillWorker,
+    LeftoverProcesses,
+    LeftoverProcessesStopped,
     SpawnFailed,
     SpawnWorker,
     TerminateWorker,
@@ -62,16 +72,34 @@ from core import (
     WorkerStarted,
 )
 
-__all__ = ["LocalProcesses", "process_start_time"]
+__all__ = [
+    "WORKER_ID_ENV",
+    "LocalProcesses",
+    "become_child_subreaper",
+    "process_start_time",
+    "processes_with",
+]
 
 log = logging.getLogger("deo.processes")
 
 _Signalling = DrainWorker | TerminateWorker | KillWorker
 
+#: The variable naming the worker a process was started as (the core writes it into every spawn);
+#: the worker's descendants inherit it.
+WORKER_ID_ENV = "DEO_WORKER_ID"
+POOL_ENV = "DEO_POOL"
+#: How long a stop of left-over processes waits when the pool's stop timeout is unknown.
+DEFAULT_STOP_TIMEOUT_S = 10.0
+#: prctl(2) option: orphaned descendants are re-parented to this process instead of init.
+_PR_SET_CHILD_SUBREAPER = 36
+
 
 class _Stat(NamedTuple):
     state: str  # "R", "S", ..., "Z" for a zombie: dead, waiting for its parent to reap it
     start_time: int  # clock ticks since boot
+    parent: int  # the parent's pid (after re-parenting, the subreaper's or init's)
+    group: int  # the process group id
+    session: int  # the session id
 
 
 def _read_stat(pid: int) -> _Stat | None:
@@ -84,7 +112,13 @@ def _read_stat(pid: int) -> _Stat | None:
     # Field 2 is the command name in parentheses and may itself hold spaces or ")", so the fields
     # are counted from the last ")": after it come field 3 (state) ... field 22 (starttime).
     fields = data[data.rindex(b")") + 1 :].split()
-    return _Stat(state=fields[0].decode(), start_time=int(fields[19]))
+    return _Stat(
+        state=fields[0].decode(),
+        start_time=int(fields[19]),
+        parent=int(fields[1]),
+        group=int(fields[2]),
+        session=int(fields[3]),
+    )
 
 
 def process_start_time(pid: int) -> int | None:
@@ -97,6 +131,92 @@ def process_start_time(pid: int) -> int | None:
         return None
     stat = _read_stat(pid)
     return None if stat is None else stat.start_time
+
+
+def _environ_of(pid: int) -> dict[str, str] | None:
+    """The environment process ``pid`` was started with; None if it is gone or not ours to
+    read (a zombie's reads empty)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def processes_with(variables: Mapping[str, str]) -> list[int]:
+    """The pids of live processes whose environment holds every one of ``variables``."""
+    wanted = {f"{k}={v}".encode() for k, v in variables.items()}
+    found: list[int] = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = Path(entry.path, "environ").read_bytes()
+        except OSError:
+            continue  # gone, or not ours to read
+        if wanted <= set(environ.split(b"\0")):
+            found.append(int(entry.name))
+    return found
+
+
+def _all_pids() -> list[int]:
+    return [int(entry.name) for entry in os.scandir("/proc") if entry.name.isdigit()]
+
+
+def _children() -> list[int]:
+    """This process's children (re-parented orphans among them when it is a subreaper)."""
+    found: list[int] = []
+    try:
+        for task in os.scandir("/proc/self/task"):
+            found += [int(pid) for pid in Path(task.path, "children").read_text().split()]
+        return found
+    except OSError:  # a kernel without /proc/PID/task/TID/children: look at every process
+        me = os.getpid()
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                stat = _read_stat(int(entry.name))
+                if stat is not None and stat.parent == me:
+                    found.append(int(entry.name))
+        return found
+
+
+def _orphans(children: Iterable[int], stats: Mapping[int, _Stat]) -> list[int]:
+    """Those of our ``children`` that came to us as orphans of a worker's descendants.
+
+    Workers start in sessions of their own, and no descendant of theirs can join ours; a child
+    this process started otherwise (without a new session) stays in our session. Those are
+    somebody else's to watch and reap: a program running deo in-process may have its own.
+    """
+    ours = os.getsid(0)
+    return [pid for pid in children if pid in stats and stats[pid].session != ours]
+
+
+def become_child_subreaper() -> bool:
+    """Make this process the subreaper of its descendants (Linux ``PR_SET_CHILD_SUBREAPER``):
+    a worker's child whose parent exits, or that double-forks away, becomes our child instead of
+    init's, so it can be found, stopped and reaped. False where the OS has no such thing."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+@attrs.define
+class _Leftover:
+    """A process of this run that is no live worker."""
+
+    pid: int
+    start_time: int
+    worker_id: str | None
+    pool: str | None
+    how: str  # how it was found, for the alert
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} ({self.how})"
 
 
 @attrs.define
@@ -112,6 +232,8 @@ class _Worker:
     watched: bool = False
     #: Set once the exit is known (the child reaped, or the adopted process gone).
     exit: WorkerExited | None = None
+    #: Its pool, for the stop timeout of what it leaves behind (None: not known).
+    pool: str | None = None
 
 
 def _describe(exc: BaseException) -> str:
@@ -165,6 +287,30 @@ def _start(
         os.close(log_fd)  # the child has its own copy
 
 
+def _still_there(leftover: _Leftover) -> bool:
+    stat = _read_stat(leftover.pid)
+    return stat is not None and stat.state != "Z" and stat.start_time == leftover.start_time
+
+
+def _signal_leftover(leftover: _Leftover, sig: signal.Signals, groups: set[int]) -> None:
+    """Signal ``leftover`` and, when it is in one of ``groups`` (the ended worker's, or one a
+    leftover leads), its whole group: the group holds what it started, variables cleared or not.
+    The group id is safe to use while the leftover, checked just before, is still in it."""
+    # As for workers: the identity check comes right before the signal, with no await between.
+    stat = _read_stat(leftover.pid)
+    if stat is None or stat.state == "Z" or stat.start_time != leftover.start_time:
+        return
+    try:
+        if stat.group in groups:
+            os.killpg(stat.group, sig)
+        else:
+            os.kill(leftover.pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError as exc:
+        log.warning("cannot signal left-over pid %d: %s", leftover.pid, exc)
+
+
 def _open_pidfd(pid: int) -> int | None:
     try:
         return os.pidfd_open(pid)
@@ -179,6 +325,17 @@ class LocalProcesses:
     seen (and children only reaped) while it runs: start ``run`` in a task group beside the code
     that calls ``execute``. ``poll_interval_s`` is how often an adopted worker's /proc entry is
     checked.
+
+    With ``run_marks`` (the variables every worker of this run inherits, such as its run id), what
+    a worker leaves behind when it ends is stopped: every process carrying those variables and
+    its ``DEO_WORKER_ID``, with ``reap_orphans`` (this process is the subreaper of its
+    descendants) every child of ours that is no worker and carries none of those variables, and
+    every descendant of these. Each gets SIGTERM (with its process group when that is the
+    worker's or its own), then SIGKILL after the pool's ``stop_timeout_s(pool)``. A
+    :class:`~core.events.LeftoverProcesses` event names them first, and
+    :class:`~core.events.LeftoverProcessesStopped` follows once they are all gone.
+    ``reap_orphans`` also reaps those re-parented children once they exit, never a worker (whose
+    exit status only its watcher collects).
     """
 
     def __init__(
@@ -189,6 +346,9 @@ class LocalProcesses:
         log_dir: Path,
         poll_interval_s: float = 0.5,
         environ: Mapping[str, str] | None = None,
+        run_marks: Mapping[str, str] | None = None,
+        stop_timeout_s: Callable[[str | None], float] = lambda pool: DEFAULT_STOP_TIMEOUT_S,
+        reap_orphans: bool = False,
     ) -> None:
         """``emit`` takes each event and must not block. ``environ`` is what workers inherit
         (default: this process's environment); each spawn's own variables are added to it."""
@@ -206,6 +366,9 @@ class LocalProcesses:
         #: Signalling commands for workers not known yet, applied when they are spawned.
         self._pending: dict[str, list[_Signalling]] = {}
         self._task_group: TaskGroup | None = None
+        self._run_marks = dict(run_marks or {})
+        self._stop_timeout_s = stop_timeout_s
+        self._reap_orphans = reap_orphans
 
     async def execute(self, command: Command) -> None:
         """Carry out one command; commands with nothing to execute here are ignored.
@@ -223,7 +386,9 @@ class LocalProcesses:
             elif command.worker_id not in self._finished:
                 self._pending.setdefault(command.worker_id, []).append(command)
 
-    async def adopt(self, worker_id: str, pid: int, start_time: int) -> bool:
+    async def adopt(
+        self, worker_id: str, pid: int, start_time: int, *, pool: str | None = None
+    ) -> bool:
         """Take over a worker found alive after an orchestrator restart.
 
         True if process ``pid`` is alive and started at ``start_time``: it is then watched and
@@ -238,7 +403,7 @@ class LocalProcesses:
         stat = _read_stat(pid)
         if stat is None or stat.state == "Z" or stat.start_time != start_time:
             return False
-        worker = _Worker(worker_id=worker_id, pid=pid, start_time=start_time)
+        worker = _Worker(worker_id=worker_id, pid=pid, start_time=start_time, pool=pool)
         self._workers[worker_id] = worker
         for pending in self._pending.pop(worker_id, []):
             self._signal(worker, pending)
@@ -258,11 +423,129 @@ class LocalProcesses:
                 self._task_group = task_group
                 for worker in list(self._workers.values()):
                     self._watch(worker)
+                if self._reap_orphans:
+                    task_group.start_soon(self._reap_loop, name="reap orphans")
                 await anyio.sleep_forever()
         finally:
             self._task_group = None
 
+    async def stop_strays(self) -> int:
+        """Stop every process carrying ``run_marks`` whose ``DEO_WORKER_ID`` names no worker
+        known here (spawned or adopted): a worker the log lost, or what an ended worker left
+        behind while no deo watched. Each worker id found gets a
+        :class:`~core.events.LeftoverProcesses` event; returns once all are gone (or survived
+        SIGKILL), with how many there were. Call it after adopting, before any spawn."""
+        if not self._run_marks:
+            return 0
+        found = [
+            leftover
+            for leftover in self._leftovers(None)
+            if leftover.worker_id is None or leftover.worker_id not in self._workers
+        ]
+        by_worker: dict[str, list[_Leftover]] = {}
+        for leftover in found:
+            by_worker.setdefault(leftover.worker_id or "unknown", []).append(leftover)
+        async with anyio.create_task_group() as task_group:
+            for worker_id, leftovers in by_worker.items():
+                task_group.start_soon(self._stop_leftovers, worker_id, leftovers, None, None)
+        return len(found)
+
     # --- internals -------------------------------------------------------------------------------
+
+    def _leftovers(self, worker_id: str | None) -> list[_Leftover]:
+        """Processes of this run that are no live worker: those carrying ``worker_id`` (any
+        worker id when None), this process's children that carry no worker id, and every
+        descendant of those (whatever its environment: a child may clear it)."""
+        me = os.getpid()
+        live = {w.pid for w in self._workers.values() if w.exit is None} | {me}
+        stats = {pid: stat for pid in _all_pids() if (stat := _read_stat(pid)) is not None}
+        children: dict[int, list[int]] = {}
+        for pid, stat in stats.items():
+            children.setdefault(stat.parent, []).append(pid)
+        marked = set(processes_with(self._run_marks))
+        orphans = set(_orphans(children.get(me, ()), stats)) if self._reap_orphans else set()
+        found: dict[int, _Leftover] = {}
+        for pid in sorted(marked | orphans):
+            stat = stats.get(pid)
+            if pid in live or stat is None or stat.state == "Z":
+                continue
+            environ = _environ_of(pid) or {}
+            owner = environ.get(WORKER_ID_ENV)
+            if pid in marked and owner is not None:
+                if worker_id is not None and owner != worker_id:
+                    continue  # another worker's, alive or swept on its own exit
+                how = "re-parented to deo" if stat.parent == me else f"child of pid {stat.parent}"
+            elif owner is None and not any(k in environ for k in self._run_marks):
+                how = "re-parented to deo, without deo's variables"
+            else:
+                continue  # another run's, or ours without a worker id: not to guess about
+            found[pid] = _Leftover(pid, stat.start_time, owner, environ.get(POOL_ENV), how)
+        # Their descendants, found by parent links while their parents still live.
+        queue = list(found)
+        while queue:
+            parent = found[queue.pop()]
+            for pid in children.get(parent.pid, ()):
+                stat = stats[pid]
+                if pid in found or pid in live or stat.state == "Z":
+                    continue
+                how = f"child of pid {parent.pid}"
+                found[pid] = _Leftover(pid, stat.start_time, parent.worker_id, parent.pool, how)
+                queue.append(pid)
+        for leftover in found.values():
+            stat = stats[leftover.pid]
+            if stat.session == leftover.pid:
+                leftover.how += ", leads its own session"
+        return sorted(found.values(), key=lambda leftover: leftover.pid)
+
+    async def _sweep(self, worker: _Worker) -> None:
+        leftovers = self._leftovers(worker.worker_id)
+        if leftovers:
+            await self._stop_leftovers(worker.worker_id, leftovers, worker.pool, worker.pid)
+
+    async def _stop_leftovers(
+        self,
+        worker_id: str,
+        leftovers: list[_Leftover],
+        pool: str | None,
+        worker_group: int | None = None,
+    ) -> None:
+        """SIGTERM, then SIGKILL after the stop timeout, to ``leftovers``; the event first."""
+        pool = pool or next((p.pool for p in leftovers if p.pool), None)
+        timeout_s = self._stop_timeout_s(pool)
+        self._emit(
+            LeftoverProcesses(
+                t=self._clock(),
+                worker_id=worker_id,
+                count=len(leftovers),
+                detail=", ".join(map(str, leftovers))
+                + f"; SIGTERM, then SIGKILL after {timeout_s:g}s",
+            )
+        )
+        groups = {p.pid for p in leftovers} | ({worker_group} if worker_group else set())
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for leftover in leftovers:
+                _signal_leftover(leftover, sig, groups)
+            with anyio.move_on_after(timeout_s):
+                while any(_still_there(p) for p in leftovers):
+                    await anyio.sleep(min(0.1, self._poll_interval_s))
+        survivors = [str(p) for p in leftovers if _still_there(p)]
+        if survivors:  # the alert stays raised
+            log.warning("%s: still running after SIGKILL: %s", worker_id, ", ".join(survivors))
+        else:
+            self._emit(LeftoverProcessesStopped(t=self._clock(), worker_id=worker_id))
+
+    async def _reap_loop(self) -> None:
+        # Orphans re-parented to us are reaped here, by pid, never by waiting for any child:
+        # a worker's exit status belongs to its watcher (Popen.poll), which must not lose it.
+        while True:
+            workers = {w.pid for w in self._workers.values() if w.popen is not None}
+            children = [pid for pid in _children() if pid not in workers]
+            stats = {pid: stat for pid in children if (stat := _read_stat(pid)) is not None}
+            for pid in _orphans(children, stats):
+                if stats[pid].state == "Z":
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, os.WNOHANG)
+            await anyio.sleep(self._poll_interval_s)
 
     def _spawn(self, command: SpawnWorker) -> None:
         worker_id = command.worker_id
@@ -288,6 +571,7 @@ class LocalProcesses:
             start_time=start_time,
             popen=started,
             pidfd=_open_pidfd(started.pid),
+            pool=command.pool,
         )
         self._workers[worker_id] = worker
         # Spawning has no await, so commands that came before the spawn are the only ones
@@ -344,6 +628,8 @@ class LocalProcesses:
             self._finished.add(worker.worker_id)
         finally:
             worker.watched = False
+        if self._run_marks:
+            await self._sweep(worker)
 
     async def _child_exit(self, worker: _Worker, popen: subprocess.Popen[bytes]) -> WorkerExited:
         # poll() reaps the child once it has exited, so no zombie is left behind.

@@ -55,6 +55,7 @@ GOOD: dict[str, Any] = {
     "subject": "envs",
     "interval_s": 0.5,
     "worker_ids": frozenset({"envs-0", "envs-1"}),
+    "detail": "pid 4243 (child of pid 4242)",
 }
 # The last field in a signal's place differs by class: DrainWorker's is the signal's name.
 GOOD_BY_CLASS: dict[tuple[type, str], Any] = {(c.DrainWorker, "signal"): "SIGUSR1"}

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from core import (
     DrainWorker,
     Event,
     KillWorker,
+    LeftoverProcesses,
+    LeftoverProcessesStopped,
     SpawnFailed,
     SpawnWorker,
     TerminateWorker,
@@ -425,3 +428,92 @@ async def test_a_worker_gets_the_inherited_environment_and_the_commands_env_unto
         "DEO_HEARTBEAT_FILE": str(tmp_path / "envs-0.heartbeat"),
     }
     assert env["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+# Starts a child in a session of its own that ignores SIGTERM, then exits by itself.
+LEAVES_A_CHILD = """
+import signal, subprocess, sys
+DEAF = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+child = subprocess.Popen([sys.executable, '-c', DEAF], start_new_session=True)
+print('child', child.pid, flush=True)
+"""
+
+KEEPS_A_CHILD = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+print('child', child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.anyio
+async def test_what_an_ended_worker_leaves_behind_is_stopped_and_reported(
+    tmp_path: Path, track: Track
+) -> None:
+    run_marks = {"DEO_RUN_ID": uuid.uuid4().hex}
+    send, events = anyio.create_memory_object_stream[Event](100)
+    executor = LocalProcesses(
+        send.send_nowait,
+        clock=time.monotonic,
+        log_dir=tmp_path,
+        poll_interval_s=POLL_S,
+        environ={**os.environ, **run_marks},
+        run_marks=run_marks,
+        stop_timeout_s=lambda pool: 0.5 if pool == "envs" else 60.0,
+    )
+    async with send, events, anyio.create_task_group() as tg:
+        tg.start_soon(executor.run)
+        await executor.execute(spawn("envs-0", python(KEEPS_A_CHILD)))
+        await started(events, track)
+        kept = int(await log_line(tmp_path / "envs-0.log", "child "))
+        track(kept)
+        await executor.execute(spawn("envs-1", python(LEAVES_A_CHILD)))
+        await started(events, track)
+        left = int(await log_line(tmp_path / "envs-1.log", "child "))
+        track(left)
+        exited = await next_event(events)
+        assert exited == WorkerExited(t=exited.t, worker_id="envs-1", exit_code=0)
+        report = await next_event(events)
+        assert isinstance(report, LeftoverProcesses), report
+        assert (report.worker_id, report.count) == ("envs-1", 1)
+        assert f"pid {left} (" in report.detail and "own session" in report.detail
+        await wait_dead(left)  # SIGTERM ignored: SIGKILL after the pool's 0.5 s
+        stopped = await next_event(events)
+        assert stopped == LeftoverProcessesStopped(t=stopped.t, worker_id="envs-1")
+        assert alive(kept)  # a live worker's child is its own business
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_children_of_the_host_program_are_neither_stopped_nor_reaped(
+    tmp_path: Path, track: Track
+) -> None:
+    # A program running deo in-process may have children of its own, in its own session.
+    own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    done = subprocess.Popen([sys.executable, "-c", "raise SystemExit(5)"])
+    track(own.pid)
+    run_marks = {"DEO_RUN_ID": uuid.uuid4().hex}
+    send, events = anyio.create_memory_object_stream[Event](100)
+    executor = LocalProcesses(
+        send.send_nowait,
+        clock=time.monotonic,
+        log_dir=tmp_path,
+        poll_interval_s=POLL_S,
+        environ={**os.environ, **run_marks},
+        run_marks=run_marks,
+        stop_timeout_s=lambda pool: 0.5,
+        reap_orphans=True,
+    )
+    async with send, events, anyio.create_task_group() as tg:
+        tg.start_soon(executor.run)
+        await executor.execute(spawn("envs-0", python(LEAVES_A_CHILD)))
+        await started(events, track)
+        track(int(await log_line(tmp_path / "envs-0.log", "child ")))
+        exited = await next_event(events)
+        assert isinstance(exited, WorkerExited), exited
+        report = await next_event(events)
+        assert isinstance(report, LeftoverProcesses), report
+        await anyio.sleep(10 * POLL_S)  # the reaper has looked at our children several times
+        assert own.poll() is None  # not stopped
+        assert done.wait(timeout=30) == 5  # its exit status is still ours to collect
+        tg.cancel_scope.cancel()
