@@ -7,10 +7,17 @@ recorded start time, record the rest lost), apply the configuration if it change
 runner, the process executor, the HTTP API and the sources in one task group. SIGINT/SIGTERM
 stop deo and leave the workers running; a restart adopts them. ``deo stop --drain`` drains every
 worker first.
+
+Exit status: 0 after a stop; 2 when start-up is refused (the configuration, the API address, or
+the log: in use, not a deo log, unreadable where it held the configuration), before any worker
+is touched; 3 when the log or its snapshot cannot be opened or written (disk full, file too
+big, read-only), at start-up or later: deo stops at once, carries out nothing more and leaves
+the workers running (a restart adopts them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -24,7 +31,7 @@ from pathlib import Path
 import anyio
 import attrs
 
-from adapters.log import EventLog
+from adapters.log import EventLog, LogWriteFailed
 from adapters.runtime.config_file import RunSettings
 from adapters.runtime.live import live_view
 from adapters.runtime.processes import LocalProcesses, process_start_time
@@ -187,13 +194,24 @@ async def run(
     except DeoError as exc:
         sock.close()
         out(f"deo: {exc}")
-        return 2
+        return 3 if isinstance(exc, LogWriteFailed) else 2
     for problem in recovery.problems:
         out(f"deo: {settings.log}: {problem}")
+    for note in recovery.notes:
+        out(f"deo: {settings.log}: {note}")
     if recovery.replayed:
         out(f"deo: rebuilt state from {settings.log} ({recovery.replayed} records after snapshot)")
     run_id = run_id_of(settings.log)
-    worker_token = worker_token_for(settings.log)
+    try:
+        worker_token = worker_token_for(settings.log)
+    except OSError as exc:
+        event_log.close()
+        sock.close()
+        out(f"deo: cannot write the worker token beside {settings.log}: {exc.strerror}")
+        return 2
+    # Past a file size limit, write() should fail with EFBIG (reported, exit 3) rather than
+    # the kernel killing deo; workers get the default back (Popen restores SIGXFSZ).
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     port = sock.getsockname()[1]
     url = f"http://{settings.api.host}:{port}"
     settings.worker_logs.mkdir(parents=True, exist_ok=True)
@@ -217,45 +235,74 @@ async def run(
     )
     app = build_app(runner, token=token, worker_token=worker_token)
     refused = False
+    failed: list[LogWriteFailed] = []
     try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: serve(app, sock=sock))
-            out(f"deo: API on {url} (log {settings.log})")
-            tg.start_soon(processes.run)
-            for event in await reconcile(recovery.state, processes, clock, run_id):
-                runner.emit(event)
-            tg.start_soon(runner.run)
-            if recovery.state.config != config:
-                try:
-                    await runner.submit(Configured(t=clock(), config=config))
-                except DeoError as exc:
-                    # e.g. a GPU removed from the file while a worker still holds it
-                    out(f"deo: the configuration was refused: {exc}")
-                    refused = True
-                    tg.cancel_scope.cancel()
-            tg.start_soon(
-                heartbeat_files, settings.worker_logs, lambda: runner.state, runner.emit, clock
-            )
-            for source in settings.sources:
-                if isinstance(source, AtroposSource):
-                    tg.start_soon(poll_atropos, source, runner.emit, clock)
-                else:
-                    tg.start_soon(poll_json, source, runner.emit, clock)
-            if config.gpus:
-                tg.start_soon(poll_gpus, settings.nvml, devices, runner.emit, clock, out)
-            if live:
-                tg.start_soon(live_view, runner, _write)
-            tg.start_soon(_stop_on_signal, tg.cancel_scope, out)
-            tg.start_soon(_stop_on_request, runner, tg.cancel_scope, out)
+        with _LogWriteFailures(failed):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: serve(app, sock=sock))
+                out(f"deo: API on {url} (log {settings.log})")
+                tg.start_soon(processes.run)
+                for event in await reconcile(recovery.state, processes, clock, run_id):
+                    runner.emit(event)
+                tg.start_soon(runner.run)
+                if recovery.state.config != config:
+                    try:
+                        await runner.submit(Configured(t=clock(), config=config))
+                    except DeoError as exc:
+                        # e.g. a GPU removed from the file while a worker still holds it
+                        out(f"deo: the configuration was refused: {exc}")
+                        refused = True
+                        tg.cancel_scope.cancel()
+                tg.start_soon(
+                    heartbeat_files, settings.worker_logs, lambda: runner.state, runner.emit, clock
+                )
+                for source in settings.sources:
+                    if isinstance(source, AtroposSource):
+                        tg.start_soon(poll_atropos, source, runner.emit, clock)
+                    else:
+                        tg.start_soon(poll_json, source, runner.emit, clock)
+                if config.gpus:
+                    tg.start_soon(poll_gpus, settings.nvml, devices, runner.emit, clock, out)
+                if live:
+                    tg.start_soon(live_view, runner, _write)
+                tg.start_soon(_stop_on_signal, tg.cancel_scope, out)
+                tg.start_soon(_stop_on_request, runner, tg.cancel_scope, out)
     finally:
-        with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True), _LogWriteFailures(failed):
             event_log.close()
+    if failed:
+        out(f"deo: {failed[0]}; stopped, {len(runner.state.workers)} worker(s) left running")
+        return 3
     left = len(runner.state.workers)
     out(
         f"deo: stopped; {left} worker(s) left running"
         + (" (a restart adopts them)" if left else "")
     )
     return 2 if refused else 0
+
+
+class _LogWriteFailures(contextlib.AbstractContextManager[None]):
+    """Collects a :class:`LogWriteFailed` (alone or in exception groups) into ``failed``
+    instead of letting it out as a traceback; anything else still propagates."""
+
+    def __init__(self, failed: list[LogWriteFailed]) -> None:
+        self.failed = failed
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> bool:
+        if isinstance(exc, LogWriteFailed):
+            self.failed.append(exc)
+            return True
+        if isinstance(exc, BaseExceptionGroup):
+            matched, rest = exc.split(LogWriteFailed)
+            if matched is not None and rest is None:
+                self.failed.append(_first_leaf(matched))
+                return True
+        return False
+
+
+def _first_leaf(group: BaseExceptionGroup[LogWriteFailed]) -> LogWriteFailed:
+    first = group.exceptions[0]
+    return first if isinstance(first, LogWriteFailed) else _first_leaf(first)
 
 
 def _write(text: str) -> None:
