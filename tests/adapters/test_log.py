@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import re
 import shutil
 from pathlib import Path
@@ -24,6 +25,7 @@ from adapters.log import (
     LogDamaged,
     LogProblem,
     LogReader,
+    NotALog,
     snapshot_path,
 )
 from adapters.postmortem import replay as replay_command
@@ -862,3 +864,179 @@ def test_recovery_and_replay_report_every_bad_line_and_never_raise(
     assert sorted(p.line for p in again.problems) == sorted(
         bad - {len(lines)} if unreadable_last else bad
     )
+
+
+# --- what recovery refuses, checks and repairs -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"shopping list\nmilk\neggs\n",
+        b"a single line without an end",
+        b'{"kind": "note", "text": "json lines of my own"}\n{"x": 1}\n',
+        b"first\n\nthird line\n",
+        b"{\n",
+        b'{"kind": "header", "schema": 1}',  # a whole line of JSON, not a torn header
+    ],
+    ids=["text", "one-line", "other-jsonl", "blank-line", "brace", "header-without-end"],
+)
+def test_a_file_that_is_not_a_deo_log_is_refused_and_left_untouched(
+    tmp_path: Path, content: bytes
+) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_bytes(content)
+    with pytest.raises(NotALog, match=r"notes\.txt is not a deo log"):
+        EventLog.open(path)
+    assert path.read_bytes() == content
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_an_edited_snapshot_is_ignored_with_a_message_and_the_state_rebuilt(
+    tmp_path: Path, demo_events: list[Event]
+) -> None:
+    path = tmp_path / "log.jsonl"
+    reducer = write_log(path, demo_events, fsync=False, snapshot_every=100)
+    target = snapshot_path(path)
+    payload = json.loads(target.read_bytes())
+    removed = sorted(payload["state"]["workers"])[0]
+    del payload["state"]["workers"][removed]  # header, offset and digests kept
+    target.write_text(json.dumps(payload))
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.state == reducer.state
+    assert removed in recovery.state.workers
+    assert recovery.replayed == len(demo_events)
+    assert any("edited or damaged" in note for note in recovery.notes), recovery.notes
+
+
+def test_a_snapshot_of_a_log_whose_covered_part_changed_is_ignored(
+    tmp_path: Path, demo_events: list[Event]
+) -> None:
+    path = tmp_path / "log.jsonl"
+    reducer = write_log(path, demo_events, fsync=False, snapshot_every=100)
+    raw = path.read_bytes()
+    # The same length, one recorded value changed inside the part the snapshot covers.
+    at = raw.index(b'"t":1')
+    path.write_bytes(raw[:at] + b'"t":2' + raw[at + 5 :])
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.replayed > len(demo_events) // 2  # from the start, not from the snapshot
+    assert any("are not those it was taken after" in note for note in recovery.notes)
+    del reducer
+
+
+@pytest.mark.parametrize("devices", ["0", 7, {"x": 1}])
+def test_a_snapshot_with_a_malformed_configuration_is_ignored(
+    tmp_path: Path, demo_events: list[Event], devices: Any
+) -> None:
+    path = tmp_path / "log.jsonl"
+    reducer = write_log(path, demo_events, fsync=False, snapshot_every=100)
+    target = snapshot_path(path)
+    payload = json.loads(target.read_bytes())
+    payload["state"]["config"]["gpu_devices"] = devices
+    target.write_text(json.dumps(payload))
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.state == reducer.state
+    assert [note for note in recovery.notes if "ignored" in note]
+
+
+def test_the_snapshot_offset_is_where_the_next_record_starts(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    log, _ = EventLog.open(path)
+    reducer = Reducer()
+    log.snapshot(reducer.state)  # before anything was appended to a new log
+    header_bytes = len(path.read_bytes())
+    assert json.loads(snapshot_path(path).read_bytes())["offset"] == header_bytes
+    log.record(reducer, configured())
+    log.close()
+    with path.open("ab") as f:
+        f.write(b'{"kind":"ev')  # torn: cut by recovery, which must not count it
+    log, _ = EventLog.open(path)
+    log.snapshot(reducer.state)
+    log.close()
+    assert json.loads(snapshot_path(path).read_bytes())["offset"] == path.stat().st_size
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.notes == () and recovery.replayed == 0
+    assert recovery.state == reducer.state
+
+
+def test_an_event_the_log_records_as_refused_changes_no_state_on_recovery(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    before = write_log(path, [configured(count=1)]).state
+    pin = {"@": "PoolPinned", "t": 1.0, "pool": "envs", "count": 3}
+    with path.open("ab") as f:  # refused when it happened (say, by an older reducer)
+        f.write(orjson.dumps({"kind": "event", "seq": 3, "event": pin}) + b"\n")
+        f.write(orjson.dumps({"kind": "rejected", "seq": 4, "cause": 3, "error": "no"}) + b"\n")
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.state == before
+    assert [p.line for p in recovery.problems] == [4]
+    assert "records its refusal" in recovery.problems[0].message
+
+
+def test_a_cut_between_an_event_and_its_commands_is_written_again_and_verifies(
+    demo_log: Path,
+) -> None:
+    raw = demo_log.read_bytes()
+    starts: list[tuple[int, int]] = []  # (start, end) of each commands record
+    position = 0
+    for line in raw.splitlines(keepends=True):
+        if b'"kind":"commands"' in line:
+            starts.append((position, position + len(line)))
+        position += len(line)
+    rng = random.Random(5)
+    for start, end in rng.sample(starts, 6):
+        cut = rng.choice([start, rng.randrange(start, end)])  # at the line or inside it
+        demo_log.write_bytes(raw[:cut])
+        snapshot_path(demo_log).unlink(missing_ok=True)
+        log, recovery = EventLog.open(demo_log)
+        log.close()
+        assert any("written again" in note for note in recovery.notes)
+        assert replays_cleanly(demo_log) > 0
+        # and the repaired log opens without repairing again
+        log, again = EventLog.open(demo_log)
+        log.close()
+        assert again.notes == () and again.state == recovery.state
+
+
+def test_an_unreadable_configuration_stops_recovery_and_leaves_the_log(demo_log: Path) -> None:
+    lines = demo_log.read_bytes().splitlines(keepends=True)
+    assert b'"@":"Configured"' in lines[1]
+    for garbage in (b"#" * (len(lines[1]) - 1) + b"\n", lines[1][:40] + b"\n", b"\0" * 30 + b"\n"):
+        damaged = b"".join([lines[0], garbage, *lines[2:]])
+        demo_log.write_bytes(damaged)
+        with pytest.raises(LogDamaged, match=r"line 2 cannot be read .* may have held the config"):
+            EventLog.open(demo_log)
+        assert demo_log.read_bytes() == damaged
+        assert not list(demo_log.parent.glob("*.torn-*"))
+
+
+def test_an_unreadable_line_after_the_configuration_is_reported_and_skipped(
+    demo_log: Path,
+) -> None:
+    lines = demo_log.read_bytes().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if b'"@":"Tick"' in line and i > 10)
+    lines[at] = b"#" * 20 + b"\n"
+    demo_log.write_bytes(b"".join(lines))
+    log, recovery = EventLog.open(demo_log)
+    log.close()
+    assert [p.line for p in recovery.problems] == [at + 1]
+
+
+def test_files_deo_writes_beside_the_log_are_private(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    old = os.umask(0o022)
+    try:
+        write_log(path, [configured(), Tick(t=1.0)], snapshot_every=1)
+        with path.open("ab") as f:
+            f.write(b'{"kind":"ev')
+        log, recovery = EventLog.open(path)
+        log.close()
+    finally:
+        os.umask(old)
+    assert recovery.set_aside is not None
+    for written in (path, snapshot_path(path), recovery.set_aside):
+        assert written.stat().st_mode & 0o777 == 0o600, written
