@@ -27,6 +27,7 @@ import contextlib
 import datetime as dt
 import errno
 import fcntl
+import glob
 import hashlib
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -59,6 +60,8 @@ __all__ = [
     "Unreadable",
     "not_reduced",
     "parse_record",
+    "segment_start",
+    "segments",
     "snapshot_path",
 ]
 
@@ -381,10 +384,16 @@ class EventLog:
         size_bytes: int,
         fsync: bool,
         snapshot_every: int,
+        segment_bytes: int = 0,
+        keep_segments: int | None = None,
     ) -> None:
         self.path = path
         self.fsync = fsync
         self.snapshot_every = snapshot_every
+        #: A snapshot taken when the log is this long starts a new segment (0: never).
+        self.segment_bytes = segment_bytes
+        #: How many earlier segments are kept (None: all of them).
+        self.keep_segments = keep_segments
         self._fd = fd
         self._buffer: list[bytes] = []
         self._seq = seq
@@ -404,11 +413,18 @@ class EventLog:
         *,
         fsync: bool = True,
         snapshot_every: int = 10_000,
+        segment_bytes: int = 0,
+        keep_segments: int | None = None,
         policies: PolicyCatalog = BUILT_INS,
     ) -> tuple[EventLog, Recovery]:
         """Open ``path`` for appending, creating it (mode 0600) with a header if needed, and
         rebuild the state it records (from the snapshot, then the records after it) with the
         reducer's ``policies`` (whose records its snapshot may hold).
+
+        With ``segment_bytes``, a snapshot taken once the log is that long moves the log to
+        the next numbered segment (``LOG.000001``, ...) and starts ``LOG`` again with the same
+        header and the state it continues from; ``keep_segments`` earlier segments are kept
+        (all when None). See :func:`segments`.
 
         Raises :class:`NotALog` for a file that is not a deo log, :class:`LogDamaged` for a log
         whose unreadable lines may have held its configuration (both leave the file as it
@@ -429,19 +445,22 @@ class EventLog:
             os.close(fd)
             raise LogInUse(f"{path} is in use by another deo (one writer per log)") from None
         try:
-            return cls._recover(path, fd, fsync, snapshot_every, policies)
+            log, recovery = cls._recover(path, fd, fsync, snapshot_every, policies)
         except OSError as exc:
             os.close(fd)
             raise LogWriteFailed(f"{path}: cannot recover the log: {_cause(exc)}") from None
         except BaseException:
             os.close(fd)
             raise
+        log.segment_bytes, log.keep_segments = segment_bytes, keep_segments
+        return log, recovery
 
     @classmethod
     def _recover(
         cls, path: Path, fd: int, fsync: bool, snapshot_every: int, policies: PolicyCatalog
     ) -> tuple[EventLog, Recovery]:
         _check_is_log(path)
+        _finish_rotation(path)
         recovery = Recovery(state=State(), replayed=0, problems=())
         seq = lines = 0
         repair: list[dict[str, Any]] = []
@@ -548,6 +567,8 @@ class EventLog:
         """
         self.flush()
         state_json = orjson.dumps(encode(state))
+        if self.segment_bytes and self._size_bytes >= self.segment_bytes:
+            self._rotate(state_json)
         log_sha256 = self._digest.hexdigest()
         payload = {
             "schema": SCHEMA_VERSION,
@@ -577,6 +598,40 @@ class EventLog:
             raise self._failed from None
         self._since_snapshot = 0
 
+    def _rotate(self, state_json: bytes) -> None:
+        """Make the log the next numbered segment and start ``LOG`` again with the same header
+        and a state record (the state the new segment continues from); drop old segments."""
+        earlier = segments(self.path)
+        number = _segment_number(earlier[-1], self.path) + 1 if earlier else 1
+        finished = self.path.with_name(f"{self.path.name}.{number:06d}")
+        start = self._header.encode() + _state_line(self._seq, state_json)
+        following = self.path.with_name(self.path.name + ".next")
+        fd = os.open(following, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _write_all(fd, start)
+            os.fsync(fd)
+            # The finished segment keeps its bytes under its new name first; a crash before the
+            # switch leaves both names on one file, which opening the log undoes.
+            os.link(self.path, finished)
+            os.replace(following, self.path)
+            _fsync_directory(self.path.parent)
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                following.unlink()
+            self._failed = LogWriteFailed(f"{self.path}: cannot start a new segment: {_cause(exc)}")
+            raise self._failed from None
+        os.close(self._fd)
+        self._fd = fd
+        self._size_bytes = len(start)
+        self._digest = hashlib.sha256(start)
+        self._lines = 2
+        if self.keep_segments is not None:
+            kept = segments(self.path)
+            for old in kept[: max(0, len(kept) - self.keep_segments)]:
+                old.unlink(missing_ok=True)
+
     def close(self) -> None:
         """Flush (unless writing already failed) and close."""
         try:
@@ -590,6 +645,59 @@ class EventLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def segments(path: Path) -> list[Path]:
+    """The earlier segments of the log at ``path`` (``path.000001``, ...), oldest first."""
+    found = []
+    for candidate in path.parent.glob(f"{glob.escape(path.name)}.*"):
+        suffix = candidate.name[len(path.name) + 1 :]
+        if len(suffix) >= 6 and suffix.isdigit():
+            found.append(candidate)
+    return sorted(found, key=lambda segment: _segment_number(segment, path))
+
+
+def _segment_number(segment: Path, path: Path) -> int:
+    return int(segment.name[len(path.name) + 1 :])
+
+
+def _state_line(seq: int, state_json: bytes) -> bytes:
+    """The record a segment's second line holds: the state after seq ``seq``."""
+    return orjson.dumps({"kind": "state", "seq": seq, "state": orjson.Fragment(state_json)}) + b"\n"
+
+
+def segment_start(path: Path) -> tuple[Any, int, int, int] | None:
+    """(encoded state, seq, offset, lines) of the state record a segment starts with (its second
+    line), or None when it has none (the first segment, or an unreadable second line)."""
+    with path.open("rb") as f:
+        header = f.readline()
+        line = f.readline()
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    if type(record) is not dict or record.get("kind") != "state" or not line.endswith(b"\n"):
+        return None
+    seq = record.get("seq")
+    if type(seq) is not int or seq < 0 or "state" not in record:
+        return None
+    return record["state"], seq, len(header) + len(line), 2
+
+
+def _finish_rotation(path: Path) -> None:
+    """Undo a rotation a crash interrupted: the newest segment still being the log itself."""
+    path.with_name(path.name + ".next").unlink(missing_ok=True)
+    earlier = segments(path)
+    if earlier and os.path.samefile(earlier[-1], path):
+        earlier[-1].unlink()
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _cause(exc: OSError) -> str:
@@ -706,8 +814,18 @@ def _recover(
 ) -> tuple[Recovery, int, int, list[dict[str, Any]]]:
     """(what recovery found, last seq, lines, records to append) for a non-empty log; the log
     is changed (a torn tail cut and set aside) only once nothing can refuse it any more."""
-    snapshot, ignored = _load_snapshot(path, types_with(policies.records))
+    types = types_with(policies.records)
+    snapshot, ignored = _load_snapshot(path, types)
     notes = [ignored] if ignored is not None else []
+    if snapshot is None and (begins := segment_start(path)) is not None:
+        # A later segment: it starts from the state its earlier segments led to.
+        try:
+            encoded, seq, offset, lines = begins
+            state = decode(encoded, types)
+            if isinstance(state, State):
+                snapshot = state, seq, offset, lines
+        except Exception as exc:  # then the events of this segment alone are all there is
+            notes.append(f"line 2: the state this segment starts from is unreadable ({exc!r})")
     if snapshot is None:
         reader = LogReader(path, keep_bad_lines=True)
         state = State()

@@ -189,7 +189,11 @@ async def run(
         return 2
     try:
         event_log, recovery = EventLog.open(
-            settings.log, fsync=settings.fsync, snapshot_every=settings.snapshot_every
+            settings.log,
+            fsync=settings.fsync,
+            snapshot_every=settings.snapshot_every,
+            segment_bytes=settings.segment_bytes,
+            keep_segments=settings.keep_segments,
         )
     except DeoError as exc:
         sock.close()

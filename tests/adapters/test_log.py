@@ -26,10 +26,12 @@ from adapters.log import (
     LogProblem,
     LogReader,
     NotALog,
+    segments,
     snapshot_path,
 )
 from adapters.postmortem import replay as replay_command
 from adapters.postmortem.engine import replay
+from adapters.run import run_id_of
 from core import (
     Config,
     Configured,
@@ -1040,3 +1042,76 @@ def test_files_deo_writes_beside_the_log_are_private(tmp_path: Path) -> None:
     assert recovery.set_aside is not None
     for written in (path, snapshot_path(path), recovery.set_aside):
         assert written.stat().st_mode & 0o777 == 0o600, written
+
+
+# --- segments ----------------------------------------------------------------------------------
+
+
+def test_a_rotated_log_replays_whole_and_recovers(tmp_path: Path, demo_events: list[Event]) -> None:
+    path = tmp_path / "run.jsonl"
+    reducer = write_log(path, demo_events, fsync=False, snapshot_every=50, segment_bytes=20_000)
+    earlier = segments(path)
+    assert len(earlier) >= 3
+    header = path.read_bytes().splitlines()[0]
+    assert all(segment.read_bytes().splitlines()[0] == header for segment in earlier)
+    assert run_id_of(path) == run_id_of(earlier[0])  # the workers' run id survives rotation
+    assert path.stat().st_size < 20_000 + 20_000
+    assert replays_cleanly(path) == len(demo_events)
+    for snapshot in (True, False):
+        if not snapshot:
+            snapshot_path(path).unlink()  # the segment's own state record serves instead
+        log, recovery = EventLog.open(path)
+        log.close()
+        assert recovery.state == reducer.state and recovery.problems == ()
+        assert recovery.replayed < len(demo_events) // 2
+
+
+def test_old_segments_beyond_the_kept_number_are_dropped_and_replay_starts_after_them(
+    tmp_path: Path, demo_events: list[Event]
+) -> None:
+    path = tmp_path / "run.jsonl"
+    reducer = write_log(
+        path, demo_events, fsync=False, snapshot_every=50, segment_bytes=20_000, keep_segments=2
+    )
+    earlier = segments(path)
+    assert len(earlier) == 2 and not earlier[0].name.endswith(".000001")
+    problems: list[LogProblem] = []
+    steps = list(replay(path, problems=problems))
+    assert problems == [] and all(step.matches for step in steps)
+    assert 0 < len(steps) < len(demo_events)
+    assert steps[-1].after == reducer.state
+    out = io.StringIO()
+    args = argparse.Namespace(log=path, set=[], sqlite=None, at=None, explain=None, quiet=True)
+    assert replay_command.run(args, out) == 0, out.getvalue()
+
+
+def test_a_segment_whose_state_is_not_the_replayed_one_is_reported(
+    tmp_path: Path, demo_events: list[Event]
+) -> None:
+    path = tmp_path / "run.jsonl"
+    write_log(path, demo_events, fsync=False, snapshot_every=50, segment_bytes=20_000)
+    second = segments(path)[1]
+    lines = second.read_bytes().splitlines(keepends=True)
+    record = json.loads(lines[1])
+    record["state"]["now"] = -1.0
+    second.write_bytes(lines[0] + orjson.dumps(record) + b"\n" + b"".join(lines[2:]))
+    problems: list[LogProblem] = []
+    list(replay(path, problems=problems))
+    assert [(p.line, second.name in p.message) for p in problems] == [(2, True)]
+
+
+def test_a_rotation_cut_short_by_a_crash_is_undone_on_open(
+    tmp_path: Path, demo_events: list[Event]
+) -> None:
+    path = tmp_path / "run.jsonl"
+    reducer = write_log(path, demo_events, fsync=False, snapshot_every=50, segment_bytes=20_000)
+    earlier = segments(path)
+    # Crashed after naming the finished segment, before starting the new one.
+    interrupted = path.with_name(f"{path.name}.{len(earlier) + 1:06d}")
+    os.link(path, interrupted)
+    path.with_name(path.name + ".next").write_bytes(b"partial")
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert not interrupted.exists() and segments(path) == earlier
+    assert recovery.state == reducer.state
+    assert replays_cleanly(path) == len(demo_events)
