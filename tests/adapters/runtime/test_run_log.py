@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 
-from adapters.log import snapshot_path
+from adapters.log import segments, snapshot_path
+
+ROOT = Path(__file__).resolve().parents[3]
 
 SILENT = "import time; time.sleep(600)"
 
@@ -210,3 +212,29 @@ def test_a_read_only_log_or_directory_stops_deo_with_one_line(
     assert d.workers() == workers
     if what == "log":
         assert d.log.read_bytes() == before
+
+
+def test_a_rotating_log_keeps_its_run_id_and_replays_with_tools_replay(
+    deo: Callable[..., Deo],
+) -> None:
+    d = deo(extra='snapshot_every = 5\nsegment_bytes = 2000\nkeep_segments = "all"\n')
+    d.run_two_workers_and_stop()
+    workers = d.workers()
+    process = d.start()
+    try:
+        wait_for("the workers adopted", lambda: d.log.read_bytes().count(b"WorkerAdopted") == 2)
+        wait_for("two segments", lambda: len(segments(d.log)) >= 2)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        status, output = finished(process)
+    assert status == 0, output
+    assert d.workers() == workers  # adopted across rotation: none lost, none started again
+    assert b"WorkerLost" not in b"".join(p.read_bytes() for p in [*segments(d.log), d.log])
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "replay"), "-q", str(d.log)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verified:" in proc.stdout
