@@ -11,7 +11,17 @@ Layout::
 Each input event is written before it is reduced and the commands it produced after it (an event
 that produced none has no commands record). ``flush()`` writes the buffered records and fsyncs
 them (``fsync=False`` leaves durability to the OS). A snapshot of the state sits beside the log
-(``LOG.snapshot``, replaced atomically) so a restart re-reduces only the records after it.
+(``LOG.snapshot``, replaced atomically) so a restart re-reduces only the records after it; it
+names the bytes of the log it covers by length and SHA-256 and is used only when they, and the
+digest of its own state, still match. With ``segment_bytes``, a snapshot of a log that long also
+moves the log to the next segment (``LOG.000001``, ...) and starts ``LOG`` again with the same
+header and a state record, ``{"kind": "state", "seq": 812, "state": {...}}``: the state after
+the last seq of the earlier segments, from which the new one goes on. Every file deo writes here
+is created mode 0600 (the pools' environments are in it).
+
+Opening refuses a file that is not a deo log (:class:`NotALog`) and a log whose unreadable
+lines may have held the configuration (:class:`LogDamaged`), leaving either as it is; a log
+that ends with an event whose commands record was cut gets that record written again.
 
 Recovery here and replay (:mod:`adapters.postmortem.engine`) read a log the same way: each line
 through :func:`parse_record`, in order through :class:`LogReader`. A torn or corrupt last line (a
