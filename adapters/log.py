@@ -914,7 +914,9 @@ def _recover(
     repair: list[dict[str, Any]] = []
     # The log ends with an event whose commands it does not record: it was cut before the
     # record of them. Write what that event produces (a refusal is left reported).
-    if last is not None and not last.commands and isinstance(last_outcome, list) and last_outcome:
+    cut = last is not None and last.error is None and not last.commands
+    if cut and isinstance(last_outcome, list) and last_outcome:
+        assert last is not None
         repair.append({"kind": "commands", "cause": last.seq, "commands": encode(last_outcome)})
         notes.append(
             f"line {last.line}: the commands it produced were not in the log; written again "

@@ -46,6 +46,7 @@ from core import (
     Tick,
     WorkerStarted,
     decode,
+    encode,
 )
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -968,13 +969,15 @@ def test_the_snapshot_offset_is_where_the_next_record_starts(tmp_path: Path) -> 
 def test_an_event_the_log_records_as_refused_changes_no_state_on_recovery(tmp_path: Path) -> None:
     path = tmp_path / "log.jsonl"
     before = write_log(path, [configured(count=1)]).state
-    pin = {"@": "PoolPinned", "t": 1.0, "pool": "envs", "count": 3}
+    pin = encode(configured(t=1.0, count=3))  # accepted now, it would start two workers
     with path.open("ab") as f:  # refused when it happened (say, by an older reducer)
         f.write(orjson.dumps({"kind": "event", "seq": 3, "event": pin}) + b"\n")
         f.write(orjson.dumps({"kind": "rejected", "seq": 4, "cause": 3, "error": "no"}) + b"\n")
+    written = path.read_bytes()
     log, recovery = EventLog.open(path)
     log.close()
     assert recovery.state == before
+    assert path.read_bytes() == written  # and no commands are made up for it
     assert [p.line for p in recovery.problems] == [4]
     assert "records its refusal" in recovery.problems[0].message
 
