@@ -17,7 +17,6 @@ the workers running (a restart adopts them).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -241,39 +240,43 @@ async def run(
     refused = False
     failed: list[LogWriteFailed] = []
     try:
-        with _LogWriteFailures(failed):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(lambda: serve(app, sock=sock))
-                out(f"deo: API on {url} (log {settings.log})")
-                tg.start_soon(processes.run)
-                for event in await reconcile(recovery.state, processes, clock, run_id):
-                    runner.emit(event)
-                tg.start_soon(runner.run)
-                if recovery.state.config != config:
-                    try:
-                        await runner.submit(Configured(t=clock(), config=config))
-                    except DeoError as exc:
-                        # e.g. a GPU removed from the file while a worker still holds it
-                        out(f"deo: the configuration was refused: {exc}")
-                        refused = True
-                        tg.cancel_scope.cancel()
-                tg.start_soon(
-                    heartbeat_files, settings.worker_logs, lambda: runner.state, runner.emit, clock
-                )
-                for source in settings.sources:
-                    if isinstance(source, AtroposSource):
-                        tg.start_soon(poll_atropos, source, runner.emit, clock)
-                    else:
-                        tg.start_soon(poll_json, source, runner.emit, clock)
-                if config.gpus:
-                    tg.start_soon(poll_gpus, settings.nvml, devices, runner.emit, clock, out)
-                if live:
-                    tg.start_soon(live_view, runner, _write)
-                tg.start_soon(_stop_on_signal, tg.cancel_scope, out)
-                tg.start_soon(_stop_on_request, runner, tg.cancel_scope, out)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: serve(app, sock=sock))
+            out(f"deo: API on {url} (log {settings.log})")
+            tg.start_soon(processes.run)
+            for event in await reconcile(recovery.state, processes, clock, run_id):
+                runner.emit(event)
+            tg.start_soon(runner.run)
+            if recovery.state.config != config:
+                try:
+                    await runner.submit(Configured(t=clock(), config=config))
+                except DeoError as exc:
+                    # e.g. a GPU removed from the file while a worker still holds it
+                    out(f"deo: the configuration was refused: {exc}")
+                    refused = True
+                    tg.cancel_scope.cancel()
+            tg.start_soon(
+                heartbeat_files, settings.worker_logs, lambda: runner.state, runner.emit, clock
+            )
+            for source in settings.sources:
+                if isinstance(source, AtroposSource):
+                    tg.start_soon(poll_atropos, source, runner.emit, clock)
+                else:
+                    tg.start_soon(poll_json, source, runner.emit, clock)
+            if config.gpus:
+                tg.start_soon(poll_gpus, settings.nvml, devices, runner.emit, clock, out)
+            if live:
+                tg.start_soon(live_view, runner, _write)
+            tg.start_soon(_stop_on_signal, tg.cancel_scope, out)
+            tg.start_soon(_stop_on_request, runner, tg.cancel_scope, out)
+    except* LogWriteFailed as group:
+        failed.append(_first_leaf(group))
     finally:
-        with anyio.CancelScope(shield=True), _LogWriteFailures(failed):
-            event_log.close()
+        with anyio.CancelScope(shield=True):
+            try:
+                event_log.close()
+            except LogWriteFailed as exc:  # the last records could not be written either
+                failed.append(exc)
     if failed:
         out(f"deo: {failed[0]}; stopped, {len(runner.state.workers)} worker(s) left running")
         return 3
@@ -285,26 +288,8 @@ async def run(
     return 2 if refused else 0
 
 
-class _LogWriteFailures(contextlib.AbstractContextManager[None]):
-    """Collects a :class:`LogWriteFailed` (alone or in exception groups) into ``failed``
-    instead of letting it out as a traceback; anything else still propagates."""
-
-    def __init__(self, failed: list[LogWriteFailed]) -> None:
-        self.failed = failed
-
-    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> bool:
-        if isinstance(exc, LogWriteFailed):
-            self.failed.append(exc)
-            return True
-        if isinstance(exc, BaseExceptionGroup):
-            matched, rest = exc.split(LogWriteFailed)
-            if matched is not None and rest is None:
-                self.failed.append(_first_leaf(matched))
-                return True
-        return False
-
-
 def _first_leaf(group: BaseExceptionGroup[LogWriteFailed]) -> LogWriteFailed:
+    """The first write failure in ``group`` (task groups nest them)."""
     first = group.exceptions[0]
     return first if isinstance(first, LogWriteFailed) else _first_leaf(first)
 
