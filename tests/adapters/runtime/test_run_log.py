@@ -139,6 +139,20 @@ def test_a_lost_configuration_line_stops_start_up_and_spawns_nothing(
     assert d.log.read_bytes() == damaged
 
 
+def test_a_file_that_is_not_a_deo_log_is_refused_and_left_untouched(
+    deo: Callable[..., Deo],
+) -> None:
+    d = deo()
+    notes = b"remember: 2 GPUs for the envs"  # one line, no line end: not a torn header
+    d.log.write_bytes(notes)
+    status, output = finished(d.start())
+    assert status == 2, output
+    assert f"{d.log} is not a deo log" in output and "Traceback" not in output
+    assert d.log.read_bytes() == notes
+    assert sorted(p.name for p in d.dir.iterdir()) == ["deo.toml", "run.jsonl"]
+    assert d.workers() == []
+
+
 def test_a_file_size_limit_stops_deo_with_one_line_and_leaves_the_workers(
     deo: Callable[..., Deo],
 ) -> None:
