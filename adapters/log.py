@@ -11,7 +11,17 @@ Layout::
 Each input event is written before it is reduced and the commands it produced after it (an event
 that produced none has no commands record). ``flush()`` writes the buffered records and fsyncs
 them (``fsync=False`` leaves durability to the OS). A snapshot of the state sits beside the log
-(``LOG.snapshot``, replaced atomically) so a restart re-reduces only the records after it.
+(``LOG.snapshot``, replaced atomically) so a restart re-reduces only the records after it; it
+names the bytes of the log it covers by length and SHA-256 and is used only when they, and the
+digest of its own state, still match. With ``segment_bytes``, a snapshot of a log that long also
+moves the log to the next segment (``LOG.000001``, ...) and starts ``LOG`` again with the same
+header and a state record, ``{"kind": "state", "seq": 812, "state": {...}}``: the state after
+the last seq of the earlier segments, from which the new one goes on. Every file deo writes here
+is created mode 0600 (the pools' environments are in it).
+
+Opening refuses a file that is not a deo log (:class:`NotALog`) and a log whose unreadable
+lines may have held the configuration (:class:`LogDamaged`), leaving either as it is; a log
+that ends with an event whose commands record was cut gets that record written again.
 
 Recovery here and replay (:mod:`adapters.postmortem.engine`) read a log the same way: each line
 through :func:`parse_record`, in order through :class:`LogReader`. A torn or corrupt last line (a
@@ -23,18 +33,22 @@ silently dropped, and never stops the reading.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import errno
 import fcntl
+import glob
+import hashlib
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, BinaryIO
+from typing import Any
 
 import attrs
 import orjson
 
-from core import Command, DeoError, Event, Reducer, State, decode, encode
+from core import Command, Config, DeoError, Event, Reducer, State, decode, encode
 from core.codec import types_with
 from core.policies import BUILT_INS, PolicyCatalog
 
@@ -44,15 +58,20 @@ __all__ = [
     "EventLog",
     "EventRecord",
     "Header",
+    "LogDamaged",
     "LogInUse",
     "LogProblem",
+    "LogWriteFailed",
     "LogReader",
     "Record",
     "Recovery",
     "RejectedRecord",
+    "NotALog",
     "Unreadable",
     "not_reduced",
     "parse_record",
+    "segment_start",
+    "segments",
     "snapshot_path",
 ]
 
@@ -64,6 +83,20 @@ MAX_SEQ = 2**63 - 1
 
 class LogInUse(DeoError):
     """Another process holds the log open for writing."""
+
+
+class NotALog(DeoError):
+    """The file is not a deo log (its first line is not a deo header); it is left untouched."""
+
+
+class LogDamaged(DeoError):
+    """A line that cannot be read may have carried state deo must not start without (the
+    configuration); the log is left untouched."""
+
+
+class LogWriteFailed(DeoError):
+    """The log (or its snapshot) cannot be written: disk full, file too big, read-only.
+    Nothing is carried out past the last record that was written."""
 
 
 @attrs.frozen(slots=True)
@@ -233,6 +266,7 @@ class LogReader:
         seq: int = 0,
         decode: Callable[[Any], Any] = decode,
         problems: list[LogProblem] | None = None,
+        keep_bad_lines: bool = False,
     ) -> None:
         self.path = path
         self.offset = offset
@@ -248,6 +282,9 @@ class LogReader:
         self.seq = seq
         #: The last line read, when it is unreadable (torn by a crash mid-write); else None.
         self.torn: Unreadable | None = None
+        #: With ``keep_bad_lines``: the bytes of each line skipped by :meth:`records`, by number.
+        self.bad_lines: dict[int, bytes] = {}
+        self._keep_bad_lines = keep_bad_lines
 
     def records(self) -> Iterator[Record]:
         """Every readable record, in order; the others go to :attr:`problems`."""
@@ -265,9 +302,13 @@ class LogReader:
                     record = self._first(record)
                 if isinstance(record, LogProblem):
                     problems.append(record)
+                    if self._keep_bad_lines:
+                        self.bad_lines[number] = raw
                 elif isinstance(record, Header):
                     continue
                 elif record.seq <= self.seq:
+                    if self._keep_bad_lines:
+                        self.bad_lines[number] = raw
                     problems.append(
                         LogProblem(
                             number, f"seq {record.seq} does not come after seq {self.seq}; skipped"
@@ -321,29 +362,59 @@ class Recovery:
     problems: tuple[LogProblem, ...]
     #: Where a torn last line was moved, if there was one.
     set_aside: Path | None = None
+    #: What else recovery did, one sentence each: a snapshot it ignored (and why), the outcome
+    #: of a last event it re-derived and wrote because the log was cut before it.
+    notes: tuple[str, ...] = ()
+
+
+#: The mode of every file deo writes beside the log: they hold the pools' environments.
+FILE_MODE = 0o600
+#: How a header line starts (orjson writes the keys in order); a torn header is a prefix of it.
+_HEADER_START = b'{"kind":"header",'
+#: The longest first line read when checking that a file is a deo log.
+_MAX_HEADER_BYTES = 64 * 1024
 
 
 class EventLog:
-    """The single writer of one log file. Use :meth:`open`; it recovers what is already there."""
+    """The single writer of one log file. Use :meth:`open`; it recovers what is already there.
+
+    Writing fails with :class:`LogWriteFailed` (disk full, file too big, read-only file or
+    directory); after that the log refuses every further write, so nothing is appended after
+    a record that may be torn, and nothing more is carried out (the commands of a record are
+    carried out only once it is written).
+    """
 
     def __init__(
         self,
         path: Path,
-        file: BinaryIO,
+        fd: int,
         *,
         seq: int,
         lines: int,
+        size_bytes: int,
         fsync: bool,
         snapshot_every: int,
+        segment_bytes: int = 0,
+        keep_segments: int | None = None,
     ) -> None:
         self.path = path
         self.fsync = fsync
         self.snapshot_every = snapshot_every
-        self._file = file
+        #: A snapshot taken when the log is this long starts a new segment (0: never).
+        self.segment_bytes = segment_bytes
+        #: How many earlier segments are kept (None: all of them).
+        self.keep_segments = keep_segments
+        self._fd = fd
         self._buffer: list[bytes] = []
         self._seq = seq
         self._lines = lines
+        #: The log's length: where the next record starts.
+        self._size_bytes = size_bytes
+        #: SHA-256 of everything written so far, for the snapshot to name what it covers.
+        self._digest = _digest_of(path, size_bytes)
+        self._header = _first_line(path)
         self._since_snapshot = 0
+        self._failed: LogWriteFailed | None = None
 
     @classmethod
     def open(
@@ -352,29 +423,59 @@ class EventLog:
         *,
         fsync: bool = True,
         snapshot_every: int = 10_000,
+        segment_bytes: int = 0,
+        keep_segments: int | None = None,
         policies: PolicyCatalog = BUILT_INS,
     ) -> tuple[EventLog, Recovery]:
-        """Open ``path`` for appending, creating it with a header if needed, and rebuild the state
-        it records (from the snapshot, then the records after it) with the reducer's
-        ``policies`` (whose records its snapshot may hold)."""
+        """Open ``path`` for appending, creating it (mode 0600) with a header if needed, and
+        rebuild the state it records (from the snapshot, then the records after it) with the
+        reducer's ``policies`` (whose records its snapshot may hold).
+
+        With ``segment_bytes``, a snapshot taken once the log is that long moves the log to
+        the next numbered segment (``LOG.000001``, ...) and starts ``LOG`` again with the same
+        header and the state it continues from; ``keep_segments`` earlier segments are kept
+        (all when None). See :func:`segments`.
+
+        Raises :class:`NotALog` for a file that is not a deo log, :class:`LogDamaged` for a log
+        whose unreadable lines may have held its configuration (both leave the file as it
+        was), :class:`LogInUse` and :class:`LogWriteFailed`.
+        """
         path = Path(path)
-        file = path.open("ab")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+        except OSError as exc:
+            raise LogWriteFailed(
+                f"{path}: cannot open the log for writing: {_cause(exc)}"
+            ) from None
         try:
             # One writer per log, locked before recovery touches it: a second deo on the same
             # log would interleave records (the lock goes with the file when the process dies).
-            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            file.close()
+            os.close(fd)
             raise LogInUse(f"{path} is in use by another deo (one writer per log)") from None
+        try:
+            log, recovery = cls._recover(path, fd, fsync, snapshot_every, policies)
+        except OSError as exc:
+            os.close(fd)
+            raise LogWriteFailed(f"{path}: cannot recover the log: {_cause(exc)}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        log.segment_bytes, log.keep_segments = segment_bytes, keep_segments
+        return log, recovery
+
+    @classmethod
+    def _recover(
+        cls, path: Path, fd: int, fsync: bool, snapshot_every: int, policies: PolicyCatalog
+    ) -> tuple[EventLog, Recovery]:
+        _check_is_log(path)
+        _finish_rotation(path)
         recovery = Recovery(state=State(), replayed=0, problems=())
         seq = lines = 0
+        repair: list[dict[str, Any]] = []
         if path.stat().st_size > 0:
-            try:
-                state, seq, lines, replayed, problems, set_aside = _recover(path, policies)
-            except BaseException:
-                file.close()
-                raise
-            recovery = Recovery(state, replayed, problems, set_aside)
+            recovery, seq, lines, repair = _recover(path, policies)
         if path.stat().st_size == 0:
             # A new log (or one whose only line, a torn header, was set aside).
             snapshot_path(path).unlink(missing_ok=True)  # it would belong to another log
@@ -384,12 +485,22 @@ class EventLog:
                 "deo": VERSION,
                 "created": dt.datetime.now(dt.UTC).isoformat(timespec="microseconds"),
             }
-            with path.open("wb") as f:
-                f.write(orjson.dumps(header) + b"\n")
-                f.flush()
-                os.fsync(f.fileno())
+            _write_all(fd, orjson.dumps(header) + b"\n")
+            os.fsync(fd)
             seq, lines = 0, 1
-        log = cls(path, file, seq=seq, lines=lines, fsync=fsync, snapshot_every=snapshot_every)
+        size_bytes = os.lseek(fd, 0, os.SEEK_END)
+        log = cls(
+            path,
+            fd,
+            seq=seq,
+            lines=lines,
+            size_bytes=size_bytes,
+            fsync=fsync,
+            snapshot_every=snapshot_every,
+        )
+        for record in repair:
+            log._append(record)
+        log.flush()
         return log, recovery
 
     @property
@@ -418,16 +529,27 @@ class EventLog:
         self._append({"kind": "rejected", "cause": cause, "error": error})
 
     def flush(self) -> None:
-        """Write buffered records and, unless ``fsync=False``, make them durable."""
+        """Write buffered records and, unless ``fsync=False``, make them durable.
+
+        Raises :class:`LogWriteFailed` when they cannot be written, and from then on.
+        """
+        if self._failed is not None:
+            raise self._failed
         if not self._buffer:
             return
-        self._file.write(b"".join(self._buffer))
+        data = b"".join(self._buffer)
+        try:
+            _write_all(self._fd, data)
+            if self.fsync:
+                os.fsync(self._fd)
+        except OSError as exc:
+            self._failed = LogWriteFailed(f"{self.path}: cannot write the log: {_cause(exc)}")
+            raise self._failed from None
+        self._digest.update(data)
+        self._size_bytes += len(data)
         self._lines += len(self._buffer)
         self._since_snapshot += len(self._buffer)
         self._buffer.clear()
-        self._file.flush()
-        if self.fsync:
-            os.fsync(self._file.fileno())
 
     def record(self, reducer: Reducer, event: Event) -> list[Command]:
         """Log ``event``, reduce it, log what came out; re-raises the reducer's refusal."""
@@ -448,29 +570,85 @@ class EventLog:
         return True
 
     def snapshot(self, state: State) -> None:
-        """Write ``state`` as of everything flushed so far, atomically, beside the log."""
+        """Write ``state`` as of everything flushed so far, atomically, beside the log.
+
+        The snapshot names the log bytes it covers by their length and SHA-256, and carries the
+        SHA-256 of its state with them: recovery uses it only when both still match.
+        """
         self.flush()
+        state_json = orjson.dumps(encode(state))
+        if self.segment_bytes and self._size_bytes >= self.segment_bytes:
+            self._rotate(state_json)
+        log_sha256 = self._digest.hexdigest()
         payload = {
             "schema": SCHEMA_VERSION,
-            "header": _first_line(self.path),
+            "header": self._header,
             "seq": self._seq,
-            "offset": self._file.tell(),
+            "offset": self._size_bytes,
             "lines": self._lines,
-            "state": encode(state),
+            "log_sha256": log_sha256,
+            "state_sha256": _state_digest(log_sha256, state_json),
+            "state": orjson.Fragment(state_json),
         }
         target = snapshot_path(self.path)
         tmp = target.with_name(target.name + ".tmp")
-        with tmp.open("wb") as f:
-            f.write(orjson.dumps(payload))
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, target)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+            try:
+                _write_all(fd, orjson.dumps(payload))
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, target)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            self._failed = LogWriteFailed(f"{target}: cannot write the snapshot: {_cause(exc)}")
+            raise self._failed from None
         self._since_snapshot = 0
 
+    def _rotate(self, state_json: bytes) -> None:
+        """Make the log the next numbered segment and start ``LOG`` again with the same header
+        and a state record (the state the new segment continues from); drop old segments."""
+        earlier = segments(self.path)
+        number = _segment_number(earlier[-1], self.path) + 1 if earlier else 1
+        finished = self.path.with_name(f"{self.path.name}.{number:06d}")
+        start = self._header.encode() + _state_line(self._seq, state_json)
+        following = self.path.with_name(self.path.name + ".next")
+        fd = os.open(following, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _write_all(fd, start)
+            os.fsync(fd)
+            # The finished segment keeps its bytes under its new name first; a crash before the
+            # switch leaves both names on one file, which opening the log undoes.
+            os.link(self.path, finished)
+            os.replace(following, self.path)
+            _fsync_directory(self.path.parent)
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                following.unlink()
+            self._failed = LogWriteFailed(f"{self.path}: cannot start a new segment: {_cause(exc)}")
+            raise self._failed from None
+        os.close(self._fd)
+        self._fd = fd
+        self._size_bytes = len(start)
+        self._digest = hashlib.sha256(start)
+        self._lines = 2
+        if self.keep_segments is not None:
+            kept = segments(self.path)
+            for old in kept[: max(0, len(kept) - self.keep_segments)]:
+                old.unlink(missing_ok=True)
+
     def close(self) -> None:
-        self.flush()
-        self._file.close()
+        """Flush (unless writing already failed) and close."""
+        try:
+            if self._failed is None:
+                self.flush()
+        finally:
+            os.close(self._fd)
 
     def __enter__(self) -> EventLog:
         return self
@@ -479,51 +657,243 @@ class EventLog:
         self.close()
 
 
-def _load_snapshot(path: Path, types: Mapping[str, type]) -> tuple[State, int, int, int] | None:
-    """(state, seq, offset, lines) from the snapshot beside ``path``, if one fits the log."""
+def segments(path: Path) -> list[Path]:
+    """The earlier segments of the log at ``path`` (``path.000001``, ...), oldest first."""
+    found = []
+    for candidate in path.parent.glob(f"{glob.escape(path.name)}.*"):
+        suffix = candidate.name[len(path.name) + 1 :]
+        if len(suffix) >= 6 and suffix.isdigit():
+            found.append(candidate)
+    return sorted(found, key=lambda segment: _segment_number(segment, path))
+
+
+def _segment_number(segment: Path, path: Path) -> int:
+    return int(segment.name[len(path.name) + 1 :])
+
+
+def _state_line(seq: int, state_json: bytes) -> bytes:
+    """The record a segment's second line holds: the state after seq ``seq``."""
+    return orjson.dumps({"kind": "state", "seq": seq, "state": orjson.Fragment(state_json)}) + b"\n"
+
+
+def segment_start(path: Path) -> tuple[Any, int, int, int] | None:
+    """(encoded state, seq, offset, lines) of the state record a segment starts with (its second
+    line), or None when it has none (the first segment, or an unreadable second line)."""
+    with path.open("rb") as f:
+        header = f.readline()
+        line = f.readline()
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    if type(record) is not dict or record.get("kind") != "state" or not line.endswith(b"\n"):
+        return None
+    seq = record.get("seq")
+    if type(seq) is not int or seq < 0 or "state" not in record:
+        return None
+    return record["state"], seq, len(header) + len(line), 2
+
+
+def _finish_rotation(path: Path) -> None:
+    """Undo a rotation a crash interrupted: the newest segment still being the log itself."""
+    path.with_name(path.name + ".next").unlink(missing_ok=True)
+    earlier = segments(path)
+    if earlier and os.path.samefile(earlier[-1], path):
+        earlier[-1].unlink()
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _cause(exc: OSError) -> str:
+    """What went wrong, as the OS says it: "No space left on device (ENOSPC)"."""
+    name = errno.errorcode.get(exc.errno or 0)
+    text = exc.strerror or str(exc)
+    return f"{text} ({name})" if name else text
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _digest_of(path: Path, size_bytes: int) -> Any:
+    """SHA-256 (a running hashlib object) of the first ``size_bytes`` bytes of ``path``."""
+    digest = hashlib.sha256()
+    left = size_bytes
+    with path.open("rb") as f:
+        while left > 0:
+            chunk = f.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            digest.update(chunk)
+            left -= len(chunk)
+    return digest
+
+
+def _state_digest(log_sha256: str, state_json: bytes) -> str:
+    return hashlib.sha256(log_sha256.encode() + b"\n" + state_json).hexdigest()
+
+
+def _check_is_log(path: Path) -> None:
+    """Raise :class:`NotALog` unless ``path`` is empty, starts with a deo header, or holds only
+    the start of one (torn by a crash while it was written)."""
+    with path.open("rb") as f:
+        first = f.readline(_MAX_HEADER_BYTES)
+    if not first:
+        return
+    if not first.endswith(b"\n"):
+        if len(first) < _MAX_HEADER_BYTES and (
+            _HEADER_START.startswith(first) or first.startswith(_HEADER_START)
+        ):
+            return  # a torn header: recovery sets it aside
+    else:
+        try:
+            record = orjson.loads(first)
+        except orjson.JSONDecodeError:
+            record = None
+        if type(record) is dict and record.get("kind") == "header":
+            header = _header(record, 1)
+            if isinstance(header, LogProblem):
+                raise DeoError(f"{path}: {header}; the log is left as it is")
+            return
+    raise NotALog(
+        f"{path} is not a deo log (its first line is not a deo log header); it is left as it "
+        f"is: point deo.log in the configuration at a new file or at a deo log"
+    )
+
+
+def _load_snapshot(
+    path: Path, types: Mapping[str, type]
+) -> tuple[tuple[State, int, int, int] | None, str | None]:
+    """((state, seq, offset, lines), None) from the snapshot beside ``path`` when it fits the
+    log, else (None, why it was not used) (None, None when there is none)."""
     target = snapshot_path(path)
     try:
-        payload = orjson.loads(target.read_bytes())
-        if not isinstance(payload, dict) or payload.get("schema") != SCHEMA_VERSION:
-            return None
-        if payload.get("header") != _first_line(path) or payload["offset"] > path.stat().st_size:
-            return None  # a snapshot of another log, or of a longer one
-        state = decode(payload["state"], types)
-        if not isinstance(state, State):
-            return None
-        return state, int(payload["seq"]), int(payload["offset"]), int(payload["lines"])
-    except (OSError, ValueError, KeyError, TypeError, DeoError):
-        return None  # no usable snapshot: rebuild from the start of the log
+        raw = target.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    try:
+        return _checked_snapshot(path, raw, types), None
+    except Exception as exc:  # any failure to read or check a snapshot means: no snapshot
+        why = str(exc) if isinstance(exc, _Unusable | DeoError) else repr(exc)
+        return None, f"{target.name} ignored ({why}); the state is rebuilt from the whole log"
+
+
+class _Unusable(Exception):
+    """Why a snapshot cannot be used."""
+
+
+def _checked_snapshot(
+    path: Path, raw: bytes, types: Mapping[str, type]
+) -> tuple[State, int, int, int]:
+    payload = orjson.loads(raw)
+    if not isinstance(payload, dict) or payload.get("schema") != SCHEMA_VERSION:
+        raise _Unusable("not a snapshot of this schema")
+    if payload.get("header") != _first_line(path):
+        raise _Unusable("it belongs to another log")
+    seq, offset, lines = payload.get("seq"), payload.get("offset"), payload.get("lines")
+    if not all(type(n) is int and n >= 0 for n in (seq, offset, lines)):
+        raise _Unusable("its seq, offset or lines are not counts")
+    assert isinstance(seq, int) and isinstance(offset, int) and isinstance(lines, int)
+    log_sha256 = payload.get("log_sha256")
+    state_sha256 = payload.get("state_sha256")
+    if not isinstance(log_sha256, str) or not isinstance(state_sha256, str):
+        raise _Unusable("it carries no digests")
+    if offset > path.stat().st_size:
+        raise _Unusable(f"it covers {offset} bytes, the log has fewer")
+    if _digest_of(path, offset).hexdigest() != log_sha256:
+        raise _Unusable(f"the first {offset} bytes of the log are not those it was taken after")
+    state_json = orjson.dumps(payload.get("state"))
+    if _state_digest(log_sha256, state_json) != state_sha256:
+        raise _Unusable("its state does not match its digest: edited or damaged")
+    state = decode(payload["state"], types)
+    if not isinstance(state, State):
+        raise _Unusable(f"it holds a {type(state).__name__}, not a state")
+    return state, seq, offset, lines
 
 
 def _recover(
     path: Path, policies: PolicyCatalog
-) -> tuple[State, int, int, int, tuple[LogProblem, ...], Path | None]:
-    snapshot = _load_snapshot(path, types_with(policies.records))
+) -> tuple[Recovery, int, int, list[dict[str, Any]]]:
+    """(what recovery found, last seq, lines, records to append) for a non-empty log; the log
+    is changed (a torn tail cut and set aside) only once nothing can refuse it any more."""
+    types = types_with(policies.records)
+    snapshot, ignored = _load_snapshot(path, types)
+    notes = [ignored] if ignored is not None else []
+    if snapshot is None and (begins := segment_start(path)) is not None:
+        # A later segment: it starts from the state its earlier segments led to.
+        try:
+            encoded, seq, offset, lines = begins
+            state = decode(encoded, types)
+            if isinstance(state, State):
+                snapshot = state, seq, offset, lines
+        except Exception as exc:  # then the events of this segment alone are all there is
+            notes.append(f"line 2: the state this segment starts from is unreadable ({exc!r})")
     if snapshot is None:
-        reader = LogReader(path)
+        reader = LogReader(path, keep_bad_lines=True)
         state = State()
     else:
         state, seq, offset, lines = snapshot
-        reader = LogReader(path, offset=offset, first_line=lines + 1, seq=seq)
+        reader = LogReader(path, offset=offset, first_line=lines + 1, seq=seq, keep_bad_lines=True)
     reducer = Reducer(state, policies=policies)
+    # The line from which the state holds a configuration (0: from the start).
+    configured_from: int | None = 0 if state.config != Config() else None
     replayed = 0
     problems = reader.problems
+    last: EventRecord | None = None
+    last_outcome: list[Command] | DeoError | None = None
     for record in reader.events():
         event = record.event
+        before = reducer.state
+        last, last_outcome = record, None
         try:
-            reducer.step(event)
+            produced = reducer.step(event)
         except DeoError as exc:
+            last_outcome = exc
             if record.error is None:  # else refused at run time too, as the log records
                 problems.append(not_reduced(record, exc))
                 continue
         except Exception as exc:  # a bug in the reducer must not keep deo from starting
             problems.append(not_reduced(record, exc))
             continue
+        else:
+            last_outcome = produced
+            if record.error is not None:
+                # Refused when it happened: nothing came of it then, so nothing does now.
+                reducer.state = before
+                problems.append(
+                    LogProblem(
+                        record.line,
+                        f"the log records its refusal ({record.error}) but the reducer accepts "
+                        f"it now; its state is not kept",
+                    )
+                )
+                continue
+        if configured_from is None and reducer.state.config != Config():
+            configured_from = record.line
         replayed += 1
     torn, lines = reader.torn, reader.lines
     if isinstance(reader.header, LogProblem) and reader.header is not torn:
         raise DeoError(f"{path}: {reader.header}")
+    for line, raw in reader.bad_lines.items():
+        if line == lines:
+            continue  # the last line: written last, so nothing was carried out after it
+        if _may_hold_configuration(raw, line, configured_from):
+            problem = next(p for p in problems if p.line == line)
+            raise LogDamaged(
+                f"{path}: line {line} cannot be read ({problem.message}) and may have held the "
+                f"configuration; deo does not start on a state without it (it would start "
+                f"workers again beside those still running). Restore that line (or the "
+                f"snapshot) from a backup, or stop this log's workers and move the log aside "
+                f"to start a new one; `deo replay {path}` lists every unreadable line"
+            )
     set_aside = None
     if torn is not None:
         # The last line is torn or corrupt: move its bytes aside and cut it from the log.
@@ -531,7 +901,9 @@ def _recover(
         set_aside = path.with_name(f"{path.name}.torn-{torn.line}")
         with path.open("rb+") as f:
             f.seek(start)
-            set_aside.write_bytes(f.read())
+            fd = os.open(set_aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+            with os.fdopen(fd, "wb") as aside:
+                aside.write(f.read())
             f.truncate(start)
             f.flush()
             os.fsync(f.fileno())
@@ -539,8 +911,36 @@ def _recover(
             torn.line, f"{torn.message}; set aside in {set_aside.name}"
         )
         lines = torn.line - 1
+    repair: list[dict[str, Any]] = []
+    # The log ends with an event whose commands it does not record: it was cut before the
+    # record of them. Write what that event produces (a refusal is left reported).
+    cut = last is not None and last.error is None and not last.commands
+    if cut and isinstance(last_outcome, list) and last_outcome:
+        assert last is not None
+        repair.append({"kind": "commands", "cause": last.seq, "commands": encode(last_outcome)})
+        notes.append(
+            f"line {last.line}: the commands it produced were not in the log; written again "
+            f"(not carried out: start-up reconciles the workers)"
+        )
     ordered = tuple(sorted(problems, key=lambda problem: problem.line))
-    return reducer.state, reader.seq, lines, replayed, ordered, set_aside
+    recovery = Recovery(reducer.state, replayed, ordered, set_aside, tuple(notes))
+    return recovery, reader.seq, lines, repair
+
+
+def _may_hold_configuration(raw: bytes, line: int, configured_from: int | None) -> bool:
+    """Whether a line that cannot be used may have been a ``Configured`` event: it names one,
+    or it is unreadable where the state had no configuration yet (before the first one read)."""
+    try:
+        record = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        record = None
+    if type(record) is dict:
+        kind, event = record.get("kind"), record.get("event")
+        if kind in ("commands", "rejected"):
+            return False
+        if kind == "event" and type(event) is dict and type(event.get("@")) is str:
+            return bool(event["@"] == "Configured")
+    return b"Configured" in raw or configured_from is None or line < configured_from
 
 
 def _first_line(path: Path) -> str:

@@ -12,6 +12,12 @@ SIGINT/SIGTERM stop deo and leave the workers running; a restart adopts them. ``
 --drain`` drains every worker first; a SIGINT/SIGTERM during that drain stops deo without waiting
 for it. Once deo is stopping, further SIGINT/SIGTERM are ignored, so the log is always closed
 cleanly. SIGHUP, SIGUSR1 and SIGUSR2 are noted and ignored: deo reloads nothing on a signal.
+
+Exit status: 0 after a stop; 2 when start-up is refused (the configuration, the API address, or
+the log: in use, not a deo log, unreadable where it held the configuration), before any worker
+is touched; 3 when the log or its snapshot cannot be opened or written (disk full, file too
+big, read-only), at start-up or later: deo stops at once, carries out nothing more and leaves
+the workers running (a restart adopts them).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from pathlib import Path
 import anyio
 import attrs
 
-from adapters.log import EventLog
+from adapters.log import EventLog, LogWriteFailed
 from adapters.runtime.config_file import RunSettings, check_loggable
 from adapters.runtime.live import live_view
 from adapters.runtime.processes import (
@@ -213,18 +219,33 @@ async def run(
         return 2
     try:
         event_log, recovery = EventLog.open(
-            settings.log, fsync=settings.fsync, snapshot_every=settings.snapshot_every
+            settings.log,
+            fsync=settings.fsync,
+            snapshot_every=settings.snapshot_every,
+            segment_bytes=settings.segment_bytes,
+            keep_segments=settings.keep_segments,
         )
     except DeoError as exc:
         sock.close()
         out(f"deo: {exc}")
-        return 2
+        return 3 if isinstance(exc, LogWriteFailed) else 2
     for problem in recovery.problems:
         out(f"deo: {settings.log}: {problem}")
+    for note in recovery.notes:
+        out(f"deo: {settings.log}: {note}")
     if recovery.replayed:
         out(f"deo: rebuilt state from {settings.log} ({recovery.replayed} records after snapshot)")
     run_id = run_id_of(settings.log)
-    worker_token = worker_token_for(settings.log)
+    try:
+        worker_token = worker_token_for(settings.log)
+    except OSError as exc:
+        event_log.close()
+        sock.close()
+        out(f"deo: cannot write the worker token beside {settings.log}: {exc.strerror}")
+        return 2
+    # Past a file size limit, write() should fail with EFBIG (reported, exit 3) rather than
+    # the kernel killing deo; workers get the default back (Popen restores SIGXFSZ).
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     port = sock.getsockname()[1]
     url = f"http://{settings.api.host}:{port}"
     settings.worker_logs.mkdir(parents=True, exist_ok=True)
@@ -259,6 +280,7 @@ async def run(
     app = build_app(runner, token=token, worker_token=worker_token)
     refused = False
     # Open from here until the log is closed, so no signal can end deo without closing it.
+    failed: list[LogWriteFailed] = []
     with anyio.open_signal_receiver(*STOP_SIGNALS, *IGNORED_SIGNALS) as signals:
         try:
             async with anyio.create_task_group() as tg:
@@ -293,19 +315,33 @@ async def run(
                 if live:
                     tg.start_soon(live_view, runner, _write)
                 tg.start_soon(_stop_on_request, runner, tg.cancel_scope, out)
+        except* LogWriteFailed as group:
+            failed.append(_first_leaf(group))
         finally:
             with anyio.CancelScope(shield=True):
-                event_log.close()
+                try:
+                    event_log.close()
+                except LogWriteFailed as exc:  # the last records could not be written either
+                    failed.append(exc)
     # Leaving the receiver restored the default actions; from here to the exit of the process
     # (run's caller is ending) a signal could only cut that exit short.
     for signum in (*STOP_SIGNALS, *IGNORED_SIGNALS):
         signal.signal(signum, signal.SIG_IGN)
+    if failed:
+        out(f"deo: {failed[0]}; stopped, {len(runner.state.workers)} worker(s) left running")
+        return 3
     left = len(runner.state.workers)
     out(
         f"deo: stopped; {left} worker(s) left running"
         + (" (a restart adopts them)" if left else "")
     )
     return 2 if refused else 0
+
+
+def _first_leaf(group: BaseExceptionGroup[LogWriteFailed]) -> LogWriteFailed:
+    """The first write failure in ``group`` (task groups nest them)."""
+    first = group.exceptions[0]
+    return first if isinstance(first, LogWriteFailed) else _first_leaf(first)
 
 
 def _write(text: str) -> None:

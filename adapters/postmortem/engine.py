@@ -14,8 +14,9 @@ from typing import Any
 import attrs
 import orjson
 
-from adapters.log import LogProblem, LogReader, not_reduced
+from adapters.log import LogProblem, LogReader, not_reduced, segment_start, segments
 from core import Command, Configured, DeoError, Event, State, decode, encode, reduce
+from core.codec import types_with
 from core.policies import BUILT_INS, PolicyCatalog
 
 __all__ = ["Replayed", "apply_settings", "parse_setting", "replay"]
@@ -63,34 +64,70 @@ def replay(
     Those are the lines :class:`~adapters.log.LogReader` cannot read, and events the reducer
     refuses although the log records no refusal for them (unless ``transform`` changed them:
     then a refusal is the change's doing, and is yielded like any other step).
+
+    A rotated log is read segment by segment, oldest first (:func:`~adapters.log.segments`);
+    the problems of an earlier segment name it. When the first segment there is starts from a
+    state (its earlier ones were dropped), replay starts from that state; each later segment's
+    state must be the one replayed up to it.
     """
-    reader = LogReader(path, problems=problems)
+    with path.open("rb") as f:
+        header = f.readline()
+    earlier = [segment for segment in segments(path) if _first_line(segment) == header]
     state = State()
-    for record in reader.events():
-        before = state
-        event = transform(record.event) if transform is not None else record.event
-        try:
-            state, produced = reduce(before, event, policies)
-            error = None
-        except DeoError as exc:
-            produced, error = [], str(exc)
-            if record.error is None and not record.commands and transform is None:
-                problems.append(not_reduced(record, exc))
+    seq = 0
+    for index, file in enumerate([*earlier, path]):
+        found: list[LogProblem] = problems if file == path else []
+        begins = segment_start(file)
+        if begins is None:
+            reader = LogReader(file, seq=seq, problems=found)
+        else:
+            encoded, start_seq, offset, lines = begins
+            if index == 0:
+                # The segments before this one were dropped: start from the state it records.
+                try:
+                    start = decode(encoded, types_with(policies.records))
+                except Exception as exc:  # then from nothing, with the reason
+                    found.append(LogProblem(2, f"unreadable state record ({exc!r})"))
+                else:
+                    if isinstance(start, State):
+                        state, seq = start, start_seq
+            elif encoded != encode(state):
+                message = "the state this segment starts from is not the one replayed"
+                found.append(LogProblem(2, message))
+            reader = LogReader(file, offset=offset, first_line=lines + 1, seq=seq, problems=found)
+        for record in reader.events():
+            before = state
+            event = transform(record.event) if transform is not None else record.event
+            try:
+                state, produced = reduce(before, event, policies)
+                error = None
+            except DeoError as exc:
+                produced, error = [], str(exc)
+                if record.error is None and not record.commands and transform is None:
+                    found.append(not_reduced(record, exc))
+                    continue
+            except Exception as exc:  # a bug in the reducer: reported like a bad line, not raised
+                found.append(not_reduced(record, exc))
                 continue
-        except Exception as exc:  # a bug in the reducer: reported like a bad line, not raised
-            problems.append(not_reduced(record, exc))
-            continue
-        yield Replayed(
-            line=record.line,
-            seq=record.seq,
-            event=event,
-            before=before,
-            after=state,
-            recorded=record.commands,
-            recorded_error=record.error,
-            produced=produced,
-            produced_error=error,
-        )
+            yield Replayed(
+                line=record.line,
+                seq=record.seq,
+                event=event,
+                before=before,
+                after=state,
+                recorded=record.commands,
+                recorded_error=record.error,
+                produced=produced,
+                produced_error=error,
+            )
+        seq = reader.seq
+        if found is not problems:
+            problems.extend(LogProblem(p.line, f"{p.message} (in {file.name})") for p in found)
+
+
+def _first_line(path: Path) -> bytes:
+    with path.open("rb") as f:
+        return f.readline()
 
 
 # --- replaying under changed configuration -----------------------------------------------------

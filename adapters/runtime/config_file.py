@@ -74,6 +74,10 @@ class RunSettings:
     log: Path
     fsync: bool = True
     snapshot_every: int = 10_000
+    #: A snapshot taken once the log is this long starts a new segment (0: one file forever).
+    segment_bytes: int = 64 * 2**20
+    #: Earlier segments kept (None: all, ``keep_segments = "all"``).
+    keep_segments: int | None = 10
     tick_interval_s: float = 1.0
     worker_logs: Path = Path("deo-workers")
     api: ApiSettings = attrs.field(factory=ApiSettings)
@@ -86,6 +90,10 @@ class RunSettings:
             raise ConfigError(f"deo.tick_interval_s must be > 0, got {self.tick_interval_s}")
         if self.snapshot_every < 1:
             raise ConfigError(f"deo.snapshot_every must be >= 1, got {self.snapshot_every}")
+        if self.segment_bytes < 0:
+            raise ConfigError(f"deo.segment_bytes must be >= 0, got {self.segment_bytes}")
+        if self.keep_segments is not None and self.keep_segments < 0:
+            raise ConfigError(f'deo.keep_segments must be >= 0 or "all", got {self.keep_segments}')
         policies = {pool.name: build(pool.policy) for pool in self.config.pools}
         policy_names = {pool.name: pool.policy.name for pool in self.config.pools}
         for source in self.sources:
@@ -145,7 +153,18 @@ def load(path: Path) -> RunSettings:
     data = _read(path)
     base = path.parent.resolve()  # absolute: workers get these paths and may change directory
     deo = _table(
-        data, "deo", {"log", "fsync", "snapshot_every", "tick_interval_s", "worker_logs", "gpus"}
+        data,
+        "deo",
+        {
+            "log",
+            "fsync",
+            "snapshot_every",
+            "segment_bytes",
+            "keep_segments",
+            "tick_interval_s",
+            "worker_logs",
+            "gpus",
+        },
     )
     _known(data, "", {"deo", "api", "cordon", "nvml", "pools"})
     pools_table = _table(data, "pools", None)
@@ -169,9 +188,19 @@ def load(path: Path) -> RunSettings:
         cordon=_build(CordonRules, "cordon", _table(data, "cordon", None)),
     )
     settings: dict[str, Any] = {}
-    for key, kind in (("fsync", bool), ("snapshot_every", int), ("tick_interval_s", float)):
+    for key, kind in (
+        ("fsync", bool),
+        ("snapshot_every", int),
+        ("segment_bytes", int),
+        ("tick_interval_s", float),
+    ):
         if key in deo:
             settings[key] = _typed(f"deo.{key}", deo[key], kind)
+    if "keep_segments" in deo:
+        keep = deo["keep_segments"]
+        settings["keep_segments"] = (
+            None if keep == "all" else _typed("deo.keep_segments", keep, int)
+        )
     check_loggable(config)
     return RunSettings(
         config=config,

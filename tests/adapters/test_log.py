@@ -7,6 +7,8 @@ import contextlib
 import io
 import json
 import os
+import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,9 +19,19 @@ import pytest
 from conftest import write_simulated_log
 from hypothesis import HealthCheck, given, settings
 
-from adapters.log import SCHEMA_VERSION, EventLog, LogProblem, LogReader, snapshot_path
+from adapters.log import (
+    SCHEMA_VERSION,
+    EventLog,
+    LogDamaged,
+    LogProblem,
+    LogReader,
+    NotALog,
+    segments,
+    snapshot_path,
+)
 from adapters.postmortem import replay as replay_command
 from adapters.postmortem.engine import replay
+from adapters.run import run_id_of
 from core import (
     Config,
     Configured,
@@ -34,6 +46,7 @@ from core import (
     Tick,
     WorkerStarted,
     decode,
+    encode,
 )
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -827,8 +840,18 @@ def test_recovery_and_replay_report_every_bad_line_and_never_raise(
     for number in bad:
         assert f"{path}: line {number}: " in out.getvalue()
 
-    # recovery: the same lines reported, the readable log's state rebuilt
-    log, recovery = EventLog.open(path, fsync=False)
+    # recovery: the same lines reported, the readable log's state rebuilt; or, when an
+    # unreadable line comes before the configuration, nothing started and the log untouched
+    damaged = b"".join(lines)
+    try:
+        log, recovery = EventLog.open(path, fsync=False)
+    except LogDamaged as exc:
+        number = int(re.search(r"line (\d+) cannot be read", str(exc)).group(1))  # type: ignore[union-attr]
+        configured = next(n for n, line in enumerate(lines, 1) if b'"@":"Configured"' in line)
+        assert number in bad
+        assert number < configured or b"Configured" in lines[number - 1]
+        assert path.read_bytes() == damaged
+        return
     try:
         assert sorted(p.line for p in recovery.problems) == sorted(bad)
         assert recovery.state == intact.state
@@ -844,3 +867,254 @@ def test_recovery_and_replay_report_every_bad_line_and_never_raise(
     assert sorted(p.line for p in again.problems) == sorted(
         bad - {len(lines)} if unreadable_last else bad
     )
+
+
+# --- what recovery refuses, checks and repairs -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"shopping list\nmilk\neggs\n",
+        b"a single line without an end",
+        b'{"kind": "note", "text": "json lines of my own"}\n{"x": 1}\n',
+        b"first\n\nthird line\n",
+        b"{\n",
+        b'{"kind": "header", "schema": 1}',  # a whole line of JSON, not a torn header
+    ],
+    ids=["text", "one-line", "other-jsonl", "blank-line", "brace", "header-without-end"],
+)
+def test_a_file_that_is_not_a_deo_log_is_refused_and_left_untouched(
+    tmp_path: Path, content: bytes
+) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_bytes(content)
+    with pytest.raises(NotALog, match=r"notes\.txt is not a deo log"):
+        EventLog.open(path)
+    assert path.read_bytes() == content
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_an_edited_snapshot_is_ignored_with_a_message_and_the_state_rebuilt(
+    tmp_path: Path, demo_events: list[Event]
+) -> None:
+    path = tmp_path / "log.jsonl"
+    reducer = write_log(path, demo_events, fsync=False, snapshot_every=100)
+    target = snapshot_path(path)
+    payload = json.loads(target.read_bytes())
+    removed = sorted(payload["state"]["workers"])[0]
+    del payload["state"]["workers"][removed]  # header, offset and digests kept
+    target.write_text(json.dumps(payload))
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.state == reducer.state
+    assert removed in recovery.state.workers
+    assert recovery.replayed == len(demo_events)
+    assert any("edited or damaged" in note for note in recovery.notes), recovery.notes
+
+
+def test_a_snapshot_of_a_log_whose_covered_part_changed_is_ignored(
+    tmp_path: Path, demo_events: list[Event]
+) -> None:
+    path = tmp_path / "log.jsonl"
+    reducer = write_log(path, demo_events, fsync=False, snapshot_every=100)
+    raw = path.read_bytes()
+    # The same length, one recorded value changed inside the part the snapshot covers.
+    at = raw.index(b'"t":1')
+    path.write_bytes(raw[:at] + b'"t":2' + raw[at + 5 :])
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.replayed > len(demo_events) // 2  # from the start, not from the snapshot
+    assert any("are not those it was taken after" in note for note in recovery.notes)
+    del reducer
+
+
+@pytest.mark.parametrize("devices", ["0", 7, {"x": 1}])
+def test_a_snapshot_with_a_malformed_configuration_is_ignored(
+    tmp_path: Path, demo_events: list[Event], devices: Any
+) -> None:
+    path = tmp_path / "log.jsonl"
+    reducer = write_log(path, demo_events, fsync=False, snapshot_every=100)
+    target = snapshot_path(path)
+    payload = json.loads(target.read_bytes())
+    payload["state"]["config"]["gpu_devices"] = devices
+    target.write_text(json.dumps(payload))
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.state == reducer.state
+    assert [note for note in recovery.notes if "ignored" in note]
+
+
+def test_the_snapshot_offset_is_where_the_next_record_starts(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    log, _ = EventLog.open(path)
+    reducer = Reducer()
+    log.snapshot(reducer.state)  # before anything was appended to a new log
+    header_bytes = len(path.read_bytes())
+    assert json.loads(snapshot_path(path).read_bytes())["offset"] == header_bytes
+    log.record(reducer, configured())
+    log.close()
+    with path.open("ab") as f:
+        f.write(b'{"kind":"ev')  # torn: cut by recovery, which must not count it
+    log, _ = EventLog.open(path)
+    log.snapshot(reducer.state)
+    log.close()
+    assert json.loads(snapshot_path(path).read_bytes())["offset"] == path.stat().st_size
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.notes == () and recovery.replayed == 0
+    assert recovery.state == reducer.state
+
+
+def test_an_event_the_log_records_as_refused_changes_no_state_on_recovery(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    before = write_log(path, [configured(count=1)]).state
+    pin = encode(configured(t=1.0, count=3))  # accepted now, it would start two workers
+    with path.open("ab") as f:  # refused when it happened (say, by an older reducer)
+        f.write(orjson.dumps({"kind": "event", "seq": 3, "event": pin}) + b"\n")
+        f.write(orjson.dumps({"kind": "rejected", "seq": 4, "cause": 3, "error": "no"}) + b"\n")
+    written = path.read_bytes()
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.state == before
+    assert path.read_bytes() == written  # and no commands are made up for it
+    assert [p.line for p in recovery.problems] == [4]
+    assert "records its refusal" in recovery.problems[0].message
+
+
+def test_a_cut_between_an_event_and_its_commands_is_written_again_and_verifies(
+    demo_log: Path,
+) -> None:
+    raw = demo_log.read_bytes()
+    starts: list[tuple[int, int]] = []  # (start, end) of each commands record
+    position = 0
+    for line in raw.splitlines(keepends=True):
+        if b'"kind":"commands"' in line:
+            starts.append((position, position + len(line)))
+        position += len(line)
+    rng = random.Random(5)
+    for start, end in rng.sample(starts, 6):
+        cut = rng.choice([start, rng.randrange(start, end)])  # at the line or inside it
+        demo_log.write_bytes(raw[:cut])
+        snapshot_path(demo_log).unlink(missing_ok=True)
+        log, recovery = EventLog.open(demo_log)
+        log.close()
+        assert any("written again" in note for note in recovery.notes)
+        assert replays_cleanly(demo_log) > 0
+        # and the repaired log opens without repairing again
+        log, again = EventLog.open(demo_log)
+        log.close()
+        assert again.notes == () and again.state == recovery.state
+
+
+def test_an_unreadable_configuration_stops_recovery_and_leaves_the_log(demo_log: Path) -> None:
+    lines = demo_log.read_bytes().splitlines(keepends=True)
+    assert b'"@":"Configured"' in lines[1]
+    for garbage in (b"#" * (len(lines[1]) - 1) + b"\n", lines[1][:40] + b"\n", b"\0" * 30 + b"\n"):
+        damaged = b"".join([lines[0], garbage, *lines[2:]])
+        demo_log.write_bytes(damaged)
+        with pytest.raises(LogDamaged, match=r"line 2 cannot be read .* may have held the config"):
+            EventLog.open(demo_log)
+        assert demo_log.read_bytes() == damaged
+        assert not list(demo_log.parent.glob("*.torn-*"))
+
+
+def test_an_unreadable_line_after_the_configuration_is_reported_and_skipped(
+    demo_log: Path,
+) -> None:
+    lines = demo_log.read_bytes().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if b'"@":"Tick"' in line and i > 10)
+    lines[at] = b"#" * 20 + b"\n"
+    demo_log.write_bytes(b"".join(lines))
+    log, recovery = EventLog.open(demo_log)
+    log.close()
+    assert [p.line for p in recovery.problems] == [at + 1]
+
+
+def test_files_deo_writes_beside_the_log_are_private(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    old = os.umask(0o022)
+    try:
+        write_log(path, [configured(), Tick(t=1.0)], snapshot_every=1)
+        with path.open("ab") as f:
+            f.write(b'{"kind":"ev')
+        log, recovery = EventLog.open(path)
+        log.close()
+    finally:
+        os.umask(old)
+    assert recovery.set_aside is not None
+    for written in (path, snapshot_path(path), recovery.set_aside):
+        assert written.stat().st_mode & 0o777 == 0o600, written
+
+
+# --- segments ----------------------------------------------------------------------------------
+
+
+def test_a_rotated_log_replays_whole_and_recovers(tmp_path: Path, demo_events: list[Event]) -> None:
+    path = tmp_path / "run.jsonl"
+    reducer = write_log(path, demo_events, fsync=False, snapshot_every=50, segment_bytes=20_000)
+    earlier = segments(path)
+    assert len(earlier) >= 3
+    header = path.read_bytes().splitlines()[0]
+    assert all(segment.read_bytes().splitlines()[0] == header for segment in earlier)
+    assert run_id_of(path) == run_id_of(earlier[0])  # the workers' run id survives rotation
+    assert path.stat().st_size < 20_000 + 20_000
+    assert replays_cleanly(path) == len(demo_events)
+    for snapshot in (True, False):
+        if not snapshot:
+            snapshot_path(path).unlink()  # the segment's own state record serves instead
+        log, recovery = EventLog.open(path)
+        log.close()
+        assert recovery.state == reducer.state and recovery.problems == ()
+        assert recovery.replayed < len(demo_events) // 2
+
+
+def test_old_segments_beyond_the_kept_number_are_dropped_and_replay_starts_after_them(
+    tmp_path: Path, demo_events: list[Event]
+) -> None:
+    path = tmp_path / "run.jsonl"
+    reducer = write_log(
+        path, demo_events, fsync=False, snapshot_every=50, segment_bytes=20_000, keep_segments=2
+    )
+    earlier = segments(path)
+    assert len(earlier) == 2 and not earlier[0].name.endswith(".000001")
+    problems: list[LogProblem] = []
+    steps = list(replay(path, problems=problems))
+    assert problems == [] and all(step.matches for step in steps)
+    assert 0 < len(steps) < len(demo_events)
+    assert steps[-1].after == reducer.state
+    out = io.StringIO()
+    args = argparse.Namespace(log=path, set=[], sqlite=None, at=None, explain=None, quiet=True)
+    assert replay_command.run(args, out) == 0, out.getvalue()
+
+
+def test_a_segment_whose_state_is_not_the_replayed_one_is_reported(
+    tmp_path: Path, demo_events: list[Event]
+) -> None:
+    path = tmp_path / "run.jsonl"
+    write_log(path, demo_events, fsync=False, snapshot_every=50, segment_bytes=20_000)
+    second = segments(path)[1]
+    lines = second.read_bytes().splitlines(keepends=True)
+    record = json.loads(lines[1])
+    record["state"]["now"] = -1.0
+    second.write_bytes(lines[0] + orjson.dumps(record) + b"\n" + b"".join(lines[2:]))
+    problems: list[LogProblem] = []
+    list(replay(path, problems=problems))
+    assert [(p.line, second.name in p.message) for p in problems] == [(2, True)]
+
+
+def test_a_rotation_cut_short_by_a_crash_is_undone_on_open(
+    tmp_path: Path, demo_events: list[Event]
+) -> None:
+    path = tmp_path / "run.jsonl"
+    reducer = write_log(path, demo_events, fsync=False, snapshot_every=50, segment_bytes=20_000)
+    earlier = segments(path)
+    # Crashed after naming the finished segment, before starting the new one.
+    interrupted = path.with_name(f"{path.name}.{len(earlier) + 1:06d}")
+    os.link(path, interrupted)
+    path.with_name(path.name + ".next").write_bytes(b"partial")
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert not interrupted.exists() and segments(path) == earlier
+    assert recovery.state == reducer.state
+    assert replays_cleanly(path) == len(demo_events)

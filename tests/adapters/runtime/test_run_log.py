@@ -1,0 +1,254 @@
+"""``deo run`` on a log it must not trust or cannot write: the real program, real workers, real
+files, a real file size limit and real file permissions."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adapters.log import segments, snapshot_path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+SILENT = "import time; time.sleep(600)"
+
+
+def marked(marker: str) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                environ = Path(entry.path, "environ").read_bytes().split(b"\0")
+                if f"DEO_TEST_MARKER={marker}".encode() in environ:
+                    found.append(int(entry.name))
+    return found
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+class Deo:
+    """``deo run`` with a static pool of two silent workers, in ``directory``."""
+
+    def __init__(self, directory: Path, extra: str = "") -> None:
+        self.dir = directory
+        self.marker = uuid.uuid4().hex
+        self.log = directory / "run.jsonl"
+        self.config = directory / "deo.toml"
+        self.config.write_text(
+            f'[deo]\nlog = "run.jsonl"\ntick_interval_s = 0.2\n{extra}[api]\nport = 0\n'
+            f'[pools.envs]\nargv = ["{sys.executable}", "-c", "{SILENT}"]\n'
+            f'env = {{ DEO_TEST_MARKER = "{self.marker}" }}\nmax_workers = 4\n'
+            f'[pools.envs.policy]\nname = "static"\ncount = 2\n'
+        )
+        self.runs = 0
+
+    def start(self, preexec: Callable[[], None] | None = None) -> subprocess.Popen[str]:
+        self.runs += 1
+        return subprocess.Popen(
+            [sys.executable, "-m", "adapters.cli", "run", "--config", str(self.config)],
+            cwd=self.dir,
+            env={**os.environ, "DEO_TOKEN": "test-token"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            preexec_fn=preexec,
+        )
+
+    def workers(self) -> list[int]:
+        return marked(self.marker)
+
+    def run_two_workers_and_stop(self) -> None:
+        """Start deo, wait for both workers to be logged as started, stop deo (they live on)."""
+        process = self.start()
+        try:
+            wait_for(
+                "two workers",
+                lambda: (
+                    len(self.workers()) == 2
+                    and self.log.read_bytes().count(b'"@":"WorkerStarted"') == 2
+                ),
+            )
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.communicate(timeout=60)
+
+    def cleanup(self) -> None:
+        for pid in self.workers():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def deo(tmp_path: Path) -> Iterator[Callable[..., Deo]]:
+    made: list[Deo] = []
+
+    def make(directory: Path = tmp_path, extra: str = "") -> Deo:
+        made.append(Deo(directory, extra))
+        return made[-1]
+
+    yield make
+    for instance in made:
+        instance.cleanup()
+
+
+def finished(process: subprocess.Popen[str]) -> tuple[int, str]:
+    output, _ = process.communicate(timeout=120)
+    return process.returncode, output
+
+
+def test_a_lost_configuration_line_stops_start_up_and_spawns_nothing(
+    deo: Callable[..., Deo],
+) -> None:
+    d = deo()
+    d.run_two_workers_and_stop()
+    workers = d.workers()
+    lines = d.log.read_bytes().splitlines(keepends=True)
+    assert b'"@":"Configured"' in lines[1]
+    lines[1] = b"#" * (len(lines[1]) - 1) + b"\n"
+    d.log.write_bytes(b"".join(lines))
+    snapshot_path(d.log).unlink(missing_ok=True)
+    damaged = d.log.read_bytes()
+
+    status, output = finished(d.start())
+    assert status == 2, output
+    assert f"{d.log}: line 2 cannot be read" in output
+    assert "may have held the configuration" in output and "move the log aside" in output
+    assert "Traceback" not in output
+    assert d.workers() == workers  # none spawned, none stopped
+    assert d.log.read_bytes() == damaged
+
+
+def test_a_file_that_is_not_a_deo_log_is_refused_and_left_untouched(
+    deo: Callable[..., Deo],
+) -> None:
+    d = deo()
+    notes = b"remember: 2 GPUs for the envs"  # one line, no line end: not a torn header
+    d.log.write_bytes(notes)
+    status, output = finished(d.start())
+    assert status == 2, output
+    assert f"{d.log} is not a deo log" in output and "Traceback" not in output
+    assert d.log.read_bytes() == notes
+    assert sorted(p.name for p in d.dir.iterdir()) == ["deo.toml", "run.jsonl"]
+    assert d.workers() == []
+
+
+def test_a_file_size_limit_stops_deo_with_one_line_and_leaves_the_workers(
+    deo: Callable[..., Deo],
+) -> None:
+    d = deo(extra="snapshot_every = 1000000\n")
+    process = d.start()
+    try:
+        wait_for(
+            "two workers",
+            lambda: len(d.workers()) == 2 and d.log.read_bytes().count(b'"@":"WorkerStarted"') == 2,
+        )
+        # From now on the log cannot grow: its next write fails with EFBIG (deo ignores the
+        # SIGXFSZ that would otherwise kill it).
+        size = d.log.stat().st_size
+        resource.prlimit(process.pid, resource.RLIMIT_FSIZE, (size, size))
+        status, output = finished(process)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+    assert status == 3, output
+    assert "Traceback" not in output and "ExceptionGroup" not in output
+    last = output.strip().splitlines()[-1]
+    assert re.search(rf"{re.escape(str(d.log))}: cannot write the log: .*EFBIG", last), last
+    assert "2 worker(s) left running" in last
+    assert len(d.workers()) == 2
+    # What was written before is intact: a restart (without the limit) recovers and adopts.
+    restarted = d.start()
+    try:
+        wait_for("the workers adopted", lambda: d.log.read_bytes().count(b"WorkerAdopted") == 2)
+    finally:
+        restarted.send_signal(signal.SIGTERM)
+        status, output = finished(restarted)
+    assert status == 0, output
+    assert len(d.workers()) == 2
+
+
+@contextlib.contextmanager
+def read_only(path: Path) -> Iterator[None]:
+    """``path`` (a file or a directory) read-only for deo: by its mode, or, for root (whom
+    modes do not stop), by the immutable attribute."""
+    if os.geteuid() != 0:
+        mode = path.stat().st_mode
+        path.chmod(0o555 if path.is_dir() else 0o444)
+        try:
+            yield
+        finally:
+            path.chmod(mode)
+        return
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("running as root without a way to make a file read-only (chattr +i)")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+@pytest.mark.parametrize("what", ["log", "directory"])
+def test_a_read_only_log_or_directory_stops_deo_with_one_line(
+    deo: Callable[..., Deo], what: str
+) -> None:
+    d = deo(extra="snapshot_every = 5\n")
+    d.run_two_workers_and_stop()
+    workers = d.workers()
+    snapshot_path(d.log).unlink(missing_ok=True)  # so the next one is written into the directory
+    before = d.log.read_bytes()
+    with read_only(d.log if what == "log" else d.dir):
+        status, output = finished(d.start())
+    assert status == 3, output
+    assert "Traceback" not in output and "ExceptionGroup" not in output
+    last = output.strip().splitlines()[-1]
+    assert str(d.dir) in last and re.search("Permission denied|Operation not permitted", last)
+    assert d.workers() == workers
+    if what == "log":
+        assert d.log.read_bytes() == before
+
+
+def test_a_rotating_log_keeps_its_run_id_and_replays_with_tools_replay(
+    deo: Callable[..., Deo],
+) -> None:
+    d = deo(extra='snapshot_every = 5\nsegment_bytes = 2000\nkeep_segments = "all"\n')
+    d.run_two_workers_and_stop()
+    workers = d.workers()
+    process = d.start()
+    try:
+        wait_for("the workers adopted", lambda: d.log.read_bytes().count(b"WorkerAdopted") == 2)
+        wait_for("two segments", lambda: len(segments(d.log)) >= 2)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        status, output = finished(process)
+    assert status == 0, output
+    assert d.workers() == workers  # adopted across rotation: none lost, none started again
+    assert b"WorkerLost" not in b"".join(p.read_bytes() for p in [*segments(d.log), d.log])
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "replay"), "-q", str(d.log)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verified:" in proc.stdout
