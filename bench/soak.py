@@ -307,8 +307,17 @@ class DeoUnderTest:
         raise SoakError(f"deo run did not start (exit status {self.process.poll()}):\n{tail}")
 
     def exited(self) -> int | None:
+        """deo's exit status, None while it runs."""
         assert self.process is not None
         return self.process.poll()
+
+    def process_status(self) -> int | None:
+        """deo's exit status once it has exited (waiting a little for a dying process)."""
+        assert self.process is not None
+        try:
+            return self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return None
 
     def sample(self, t_s: float, live_workers: int) -> Sample:
         cpu_s, threads = cpu_and_threads(self.pid)
@@ -325,14 +334,18 @@ class DeoUnderTest:
 
     def ours(self, pid: int) -> bool:
         """Whether ``pid`` is (still) a process this soak's deo started."""
-        return environ_value(pid, MARKER_ENV) == self.marker and pid != self.pid
+        return environ_value(pid, MARKER_ENV) == self.marker and pid != self._own_pid()
+
+    def _own_pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
 
     def leftovers(self) -> list[int]:
         """Processes of this run still alive, deo excluded."""
         variables = [f"{MARKER_ENV}={self.marker}"]
         if self.run_id is not None:
             variables.append(f"{RUN_ID_ENV}={self.run_id}")
-        return [p for p in processes_with(variables) if p != self.pid and _alive(p)]
+        own = self._own_pid()
+        return [p for p in processes_with(variables) if p != own and _alive(p)]
 
 
 def _alive(pid: int) -> bool:
@@ -434,13 +447,13 @@ async def churn(
 
         async def sample() -> None:
             nonlocal live_workers, ended
-            next_t = 0.0
-            while True:
+            # A fixed schedule: a stall of this process or of the machine makes samples late,
+            # never fewer (the late ones are taken at once, each with the time it was taken).
+            steps = math.ceil(settings.duration_s / settings.sample_interval_s - 1e-9)
+            for k in range(steps + 1):
+                at_s = min(k * settings.sample_interval_s, settings.duration_s)
+                await anyio.sleep(max(0.0, at_s - (time.monotonic() - started)))
                 t_s = time.monotonic() - started
-                if deo.exited() is not None:
-                    ended = f"deo exited with status {deo.exited()} at t={t_s:.0f} s"
-                    tg.cancel_scope.cancel()
-                    return
                 try:
                     live = await workers()
                 except httpx.HTTPError as exc:
@@ -451,15 +464,14 @@ async def churn(
                         if deo.run_id is None and worker["pid"] and deo.ours(worker["pid"]):
                             deo.run_id = environ_value(worker["pid"], RUN_ID_ENV)
                 try:
+                    if deo.exited() is not None:
+                        raise OSError("exited")
                     samples.append(deo.sample(t_s, live_workers))
                 except OSError:
-                    continue  # deo exited between the check and the read: said next round
+                    ended = f"deo exited with status {deo.process_status()} at t={t_s:.0f} s"
+                    break
                 report(samples[-1])
-                if t_s >= settings.duration_s:
-                    tg.cancel_scope.cancel()
-                    return
-                next_t = min(next_t + settings.sample_interval_s, settings.duration_s)
-                await anyio.sleep(max(0.0, next_t - (time.monotonic() - started)))
+            tg.cancel_scope.cancel()
 
         tg.start_soon(pin)
         tg.start_soon(kill)

@@ -1,0 +1,204 @@
+"""bench/soak.py: a short soak of a real ``deo run``, its report, its leak verdict, its cleanup.
+
+The soak runs as a real program for a few seconds against a real deo with real worker processes,
+into a copy of a benchmarks.md whose other sections must survive untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.soak import (
+    END_MARK,
+    MARKER_ENV,
+    MIB,
+    START_MARK,
+    DeoUnderTest,
+    Sample,
+    SoakError,
+    SoakSettings,
+    cleanup,
+    verdict,
+    write_section,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+OTHER_SECTION = "<!-- bench_core:start -->\n## Core\nnumbers\n<!-- bench_core:end -->\n"
+DURATION_S = 6
+INTERVAL_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def soaked(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    tmp = tmp_path_factory.mktemp("soak")
+    (tmp / "benchmarks.md").write_text("# deo benchmarks\n\n" + OTHER_SECTION)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "soak.py"),
+            f"--duration-s={DURATION_S}",
+            f"--sample-interval-s={INTERVAL_S}",
+            "--pin-interval-s=0.5",
+            "--kill-interval-s=1",
+            "--requests-per-s=10",
+            f"--out={tmp / 'benchmarks.md'}",
+            f"--json={tmp / 'soak.json'}",
+            f"--workdir={tmp / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return done, tmp
+
+
+def result_of(tmp: Path) -> dict[str, Any]:
+    found: dict[str, Any] = json.loads((tmp / "soak.json").read_text())
+    return found
+
+
+def test_the_soak_samples_deo_while_churning(
+    soaked: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    done, tmp = soaked
+    # 1 only for a suspected leak, which a few seconds of warm-up may well look like.
+    assert done.returncode in (0, 1), done.stdout + done.stderr
+    result = result_of(tmp)
+    samples = result["samples"]
+    assert len(samples) == DURATION_S / INTERVAL_S + 1
+    assert all(s["rss_bytes"] > 0 and s["open_fds"] > 0 and s["threads"] > 0 for s in samples)
+    assert [s["t_s"] for s in samples] == sorted(s["t_s"] for s in samples)
+    assert samples[-1]["cpu_s"] >= samples[0]["cpu_s"] > 0
+    assert samples[-1]["log_bytes"] > samples[0]["log_bytes"]
+    traffic = result["traffic"]
+    assert traffic["pins"] + traffic["unpins"] > 0
+    assert traffic["gets"] > 0
+    assert traffic["failures"] == []
+    counts = result["ending"]["log_counts"]
+    assert counts["WorkerStarted"] > 0 and counts["WorkerExited"] > 0
+    assert counts["PoolPinned"] == traffic["pins"] + traffic["unpins"]
+
+
+def test_the_soak_ends_clean(soaked: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    _, tmp = soaked
+    ending = result_of(tmp)["ending"]
+    assert ending["stop_status"] == 0
+    assert ending["deo_status"] == 0
+    assert ending["orphans"] == []
+    assert ending["replay_status"] == 0, ending["replay_summary"]
+    assert ending["clean"]
+
+
+def test_the_soak_writes_its_section_and_keeps_the_others(
+    soaked: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    done, tmp = soaked
+    text = (tmp / "benchmarks.md").read_text()
+    assert OTHER_SECTION in text
+    section = text[text.index(START_MARK) : text.index(END_MARK)]
+    assert f"--duration-s={DURATION_S}" in section
+    assert "no process left carrying the run's DEO_RUN_ID" in section
+    assert ("no leak" in section) == (done.returncode == 0)
+    # Only the command line names the temporary directory the run went to.
+    rest = [line for line in section.splitlines() if not line.startswith("- Command:")]
+    assert not [line for line in rest if str(tmp) in line]
+
+
+def sample(t_s: float, rss_mib: float, fds: int) -> Sample:
+    return Sample(
+        t_s=t_s,
+        rss_bytes=int(rss_mib * MIB),
+        open_fds=fds,
+        threads=3,
+        cpu_s=t_s / 100,
+        log_bytes=int(t_s * 1000),
+        snapshot_bytes=0,
+        live_workers=3,
+    )
+
+
+def test_flat_memory_and_descriptors_after_warm_up_are_no_leak() -> None:
+    # Warm-up growth in the first half does not count; noise within the tolerance does not.
+    samples = [sample(t, 40 + min(t, 50) / 5 + (t % 3) * 0.1, 12 + t % 2) for t in range(100)]
+    found = verdict(samples, SoakSettings())
+    assert not found.leak, str(found)
+    assert "no leak" in str(found)
+
+
+def test_memory_growing_over_the_second_half_is_a_leak() -> None:
+    samples = [sample(t, 50 + t * 0.2, 12) for t in range(100)]
+    found = verdict(samples, SoakSettings())
+    assert found.leak
+    assert found.rss_growth_bytes > found.rss_allowed_bytes
+    assert "SUSPECTED LEAK" in str(found)
+
+
+def test_descriptors_growing_over_the_second_half_are_a_leak() -> None:
+    samples = [sample(t, 50, 12 + t // 5) for t in range(100)]
+    found = verdict(samples, SoakSettings(fd_tolerance=4))
+    assert found.leak
+    assert found.fd_growth > 4
+
+
+def test_a_process_carrying_the_marker_is_found_and_cleaned_up(tmp_path: Path) -> None:
+    deo = DeoUnderTest(tmp_path, SoakSettings())
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        env={**os.environ, MARKER_ENV: deo.marker},
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while child.pid not in deo.leftovers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert deo.leftovers() == [child.pid]
+        cleanup(deo)
+        assert child.wait(timeout=30) < 0  # killed by a signal
+        assert deo.leftovers() == []
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"duration_s": 0.0}, "--duration-s"),
+        ({"duration_s": 10.0, "sample_interval_s": 5.0}, "fewer than 4 samples"),
+        ({"max_workers": 0}, "--max-workers"),
+        ({"requests_per_s": float("nan")}, "--requests-per-s"),
+        ({"fd_tolerance": -1}, "--fd-tolerance"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(changes: dict[str, Any], named: str) -> None:
+    with pytest.raises(SoakError, match=named):
+        SoakSettings(**changes)
+
+
+def test_broken_markers_are_refused_and_the_file_left_alone(tmp_path: Path) -> None:
+    out = tmp_path / "benchmarks.md"
+    out.write_text(f"# deo benchmarks\n\n{END_MARK}\nkeep\n{START_MARK}\n")
+    before = out.read_text()
+    with pytest.raises(SoakError, match="broken"):
+        write_section(out, f"{START_MARK}\nnew\n{END_MARK}\n")
+    assert out.read_text() == before
+
+
+def test_bad_arguments_exit_2_with_the_flag_named(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "soak.py"), "--duration-s=-5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "--duration-s" in done.stderr
