@@ -66,8 +66,24 @@ import anyio
 import attrs
 import httpx
 
+__all__ = [
+    "HELP",
+    "DeoUnderTest",
+    "Result",
+    "Sample",
+    "SoakError",
+    "SoakSettings",
+    "Verdict",
+    "add_arguments",
+    "main",
+    "run",
+    "verdict",
+    "write_section",
+]
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
+HELP = "soak a real deo run under churn; report its memory, descriptors, CPU and log growth"
 START_MARK = "<!-- soak:start -->"
 END_MARK = "<!-- soak:end -->"
 WORKER = ROOT / "examples" / "worker.py"
@@ -506,11 +522,12 @@ async def finish(deo: DeoUnderTest, settings: SoakSettings) -> Ending:
     """``deo stop --drain``, wait for deo to exit, look for leftovers, replay the log."""
     began = time.monotonic()
     deo_cli = [sys.executable, "-m", "adapters.cli"]
-    stop = await anyio.run_process(
-        [*deo_cli, "stop", "--drain", "--url", deo.url, "--token-env", TOKEN_ENV],
-        env=deo.environ(),
-        check=False,
-    )
+    with anyio.fail_after(120):
+        stop = await anyio.run_process(
+            [*deo_cli, "stop", "--drain", "--url", deo.url, "--token-env", TOKEN_ENV],
+            env=deo.environ(),
+            check=False,
+        )
     # deo bounds its own drain (drain, SIGTERM and SIGKILL deadlines); this is a safety net.
     deadline = time.monotonic() + 120.0
     while deo.exited() is None and time.monotonic() < deadline:
@@ -521,7 +538,9 @@ async def finish(deo: DeoUnderTest, settings: SoakSettings) -> Ending:
         deo.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         await anyio.sleep(5)
     orphans = tuple(deo.leftovers())
-    replay = await anyio.run_process([*deo_cli, "replay", "-q", str(deo.log)], check=False)
+    # Generous: an hour's log replays in well under a minute on a quiet machine.
+    with anyio.fail_after(1800):
+        replay = await anyio.run_process([*deo_cli, "replay", "-q", str(deo.log)], check=False)
     # The report names the log by its file name: the directory is a temporary one.
     summary = (replay.stdout + replay.stderr).decode(errors="replace").strip()
     summary = summary.replace(str(deo.log), deo.log.name)
@@ -821,11 +840,10 @@ def render(result: Result) -> str:
 
 def write_section(path: Path, section: str) -> None:
     """Put ``section`` between the soak markers of ``path``, the rest of the file untouched."""
+    check_markers(path)
     if path.exists():
         text = path.read_text()
         start, end = text.find(START_MARK), text.find(END_MARK)
-        if (start == -1) != (end == -1) or end < start:
-            raise SoakError(f"{path}: broken {START_MARK} / {END_MARK} markers")
         if start != -1:
             text = text[:start] + section + text[end + len(END_MARK) :].removeprefix("\n")
         else:
@@ -839,30 +857,32 @@ def write_section(path: Path, section: str) -> None:
 # --- command line --------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python bench/soak.py",
-        description=__doc__.splitlines()[0],
-    )
+#: The settings' command-line flags: (flag, type, help).
+_SETTINGS_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("--duration-s", float, "how long to churn"),
+    ("--sample-interval-s", float, "seconds between samples of deo"),
+    ("--pin-interval-s", float, "mean seconds between pins of the pool"),
+    ("--kill-interval-s", float, "mean seconds between SIGKILLs of a worker"),
+    ("--requests-per-s", float, "GETs per second"),
+    ("--max-workers", int, "the pool's max_workers; pins go from 0 to it"),
+    ("--worker-item-s", float, "seconds per item of each worker (its heartbeat period)"),
+    ("--rss-tolerance", float, "allowed RSS growth over the second half, a fraction"),
+    ("--fd-tolerance", int, "allowed growth of open descriptors over the second half"),
+    ("--seed", int, "seed of the churn's random choices"),
+)
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the soak's arguments on ``parser``."""
     defaults = SoakSettings()
-    for flag, kind, help_text in (
-        ("--duration-s", float, "how long to churn"),
-        ("--sample-interval-s", float, "seconds between samples of deo"),
-        ("--pin-interval-s", float, "mean seconds between pins of the pool"),
-        ("--kill-interval-s", float, "mean seconds between SIGKILLs of a worker"),
-        ("--requests-per-s", float, "GETs per second"),
-        ("--max-workers", int, "the pool's max_workers; pins go from 0 to it"),
-        ("--worker-item-s", float, "seconds per item of each worker (its heartbeat period)"),
-        ("--rss-tolerance", float, "allowed RSS growth over the second half, a fraction"),
-        ("--fd-tolerance", int, "allowed growth of open descriptors over the second half"),
-        ("--seed", int, "seed of the churn's random choices"),
-    ):
-        name = flag[2:].replace("-", "_")
+    for flag, kind, help_text in _SETTINGS_FLAGS:
+        default = getattr(defaults, _dest(flag))
         parser.add_argument(
-            flag,
-            type=kind,
-            default=getattr(defaults, name),
-            help=f"{help_text} (default {getattr(defaults, name)})",
+            flag, type=kind, default=default, help=f"{help_text} (default {default})"
         )
     parser.add_argument(
         "--workdir",
@@ -878,11 +898,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="markdown file whose soak section is rewritten (default: docs/benchmarks.md)",
     )
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write every sample here")
-    return parser
 
 
-def command_line(argv: Sequence[str]) -> str:
-    return shlex.join(["python", "bench/soak.py", *argv])
+def _shown(path: Path) -> str:
+    """``path`` as a command line would name it: relative to the repository when inside it."""
+    try:
+        return path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def command_line(args: argparse.Namespace, program: Sequence[str]) -> str:
+    """The invocation ``args`` stand for, defaults left out."""
+    words = list(program)
+    defaults = SoakSettings()
+    for flag, _, _ in _SETTINGS_FLAGS:
+        value = getattr(args, _dest(flag))
+        if value != getattr(defaults, _dest(flag)):
+            words += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    if args.workdir is not None:
+        words += ["--workdir", _shown(args.workdir)]
+    if args.out.resolve() != DOC.resolve():
+        words += ["--out", _shown(args.out)]
+    if args.json is not None:
+        words += ["--json", _shown(args.json)]
+    return shlex.join(words)
+
+
+def check_markers(path: Path) -> None:
+    """SoakError now, not after an hour, if ``path`` has broken soak markers."""
+    if path.exists():
+        text = path.read_text()
+        start, end = text.find(START_MARK), text.find(END_MARK)
+        if (start == -1) != (end == -1) or end < start:
+            raise SoakError(f"{path}: broken {START_MARK} / {END_MARK} markers")
 
 
 async def soak(settings: SoakSettings, workdir: Path, command: str) -> Result:
@@ -900,7 +949,10 @@ async def soak(settings: SoakSettings, workdir: Path, command: str) -> Result:
         if ended is not None:
             tail = deo.output.read_text(errors="replace")[-2000:]
             raise SoakError(f"{ended}; its output ends:\n{tail}")
-        ending = await finish(deo, settings)
+        try:
+            ending = await finish(deo, settings)
+        except TimeoutError:
+            raise SoakError("`deo stop --drain` or `deo replay` did not finish in time") from None
     finally:
         cleanup(deo)
     return Result(
@@ -916,24 +968,20 @@ async def soak(settings: SoakSettings, workdir: Path, command: str) -> Result:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the soak; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace, program: Sequence[str]) -> int:
+    """Run the soak ``args`` describe (``program``: how the report names the command)."""
     try:
         settings = SoakSettings(
-            **{
-                f.name: getattr(args, f.name)
-                for f in attrs.fields(SoakSettings)
-                if hasattr(args, f.name)
-            }
+            **{_dest(f): getattr(args, _dest(f)) for f, _, _ in _SETTINGS_FLAGS}
         )
+        check_markers(args.out)
         with tempfile.TemporaryDirectory(prefix="deo-soak-") as tmp:
             workdir = args.workdir or Path(tmp)
             workdir.mkdir(parents=True, exist_ok=True)
-            result = anyio.run(soak, settings, workdir.resolve(), command_line(argv))
+            command = command_line(args, program)
+            result = anyio.run(soak, settings, workdir.resolve(), command)
     except SoakError as exc:
-        print(f"soak: error: {exc}", file=sys.stderr)
+        print(f"{' '.join(program)}: error: {exc}", file=sys.stderr)
         return 2
     first, last = windows(result.samples)
     print()
@@ -960,12 +1008,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         write_section(args.out, render(result))
     except SoakError as exc:
-        print(f"soak: error: {exc}", file=sys.stderr)
+        print(f"{' '.join(program)}: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}")
     if args.json is not None:
         args.json.write_text(json.dumps(result.as_json(), indent=1))
     return 0 if result.ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python bench/soak.py``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python bench/soak.py", description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv), ["python", "bench/soak.py"])
 
 
 if __name__ == "__main__":

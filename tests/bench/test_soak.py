@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deo_command
 
 from bench.soak import (
     END_MARK,
@@ -106,7 +107,7 @@ def test_the_soak_writes_its_section_and_keeps_the_others(
     text = (tmp / "benchmarks.md").read_text()
     assert OTHER_SECTION in text
     section = text[text.index(START_MARK) : text.index(END_MARK)]
-    assert f"--duration-s={DURATION_S}" in section
+    assert f"- Command: `python bench/soak.py --duration-s {DURATION_S} " in section
     assert "no process left carrying the run's DEO_RUN_ID" in section
     assert ("no leak" in section) == (done.returncode == 0)
     # Only the command line names the temporary directory the run went to.
@@ -193,7 +194,7 @@ def test_broken_markers_are_refused_and_the_file_left_alone(tmp_path: Path) -> N
     assert out.read_text() == before
 
 
-def test_bad_arguments_exit_2_with_the_flag_named(tmp_path: Path) -> None:
+def test_bad_arguments_exit_2_with_the_flag_named() -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "soak.py"), "--duration-s=-5"],
         capture_output=True,
@@ -201,4 +202,20 @@ def test_bad_arguments_exit_2_with_the_flag_named(tmp_path: Path) -> None:
         timeout=60,
     )
     assert done.returncode == 2
-    assert "--duration-s" in done.stderr
+    assert "python bench/soak.py: error: --duration-s" in done.stderr
+
+
+def test_deo_bench_soak_refuses_broken_markers_before_it_starts_deo(tmp_path: Path) -> None:
+    out = tmp_path / "benchmarks.md"
+    out.write_text(f"{START_MARK}\nno end\n")
+    command, env = deo_command()
+    done = subprocess.run(
+        [*command, "bench", "soak", f"--out={out}", f"--workdir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "deo bench soak: error:" in done.stderr and "broken" in done.stderr
+    assert not (tmp_path / "run").exists()  # nothing was started
