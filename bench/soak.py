@@ -614,7 +614,9 @@ class Window:
     rss_mib_per_h: float
     fds_max: int
     sockets_max: int
-    fds_per_h: float
+    #: Descriptors open beyond one per live worker: the median, and its slope.
+    extra_fds: float
+    extra_fds_per_h: float
     threads_max: int
     cpu_s_per_h: float
     log_mb_per_h: float
@@ -643,7 +645,8 @@ def window(samples: Sequence[Sample]) -> Window:
         rss_mib_per_h=_per_h(samples, lambda s: s.rss_bytes / MIB),
         fds_max=max(s.open_fds for s in samples),
         sockets_max=max(s.sockets for s in samples),
-        fds_per_h=_per_h(samples, lambda s: s.open_fds),
+        extra_fds=statistics.median(s.open_fds - s.live_workers for s in samples),
+        extra_fds_per_h=_per_h(samples, lambda s: s.open_fds - s.live_workers),
         threads_max=max(s.threads for s in samples),
         cpu_s_per_h=_rate_per_h(samples, lambda s: s.cpu_s),
         log_mb_per_h=_rate_per_h(samples, lambda s: s.log_bytes / 1e6),
@@ -842,7 +845,10 @@ def render(result: Result) -> str:
         f"| RSS (MiB, mean) | {first.rss_mib:.1f} | {last.rss_mib:.1f} |",
         f"| RSS growth (MiB per hour) | {first.rss_mib_per_h:+.1f} | {last.rss_mib_per_h:+.1f} |",
         f"| open descriptors (most) | {first.fds_max} | {last.fds_max} |",
-        f"| open descriptors growth (per hour) | {first.fds_per_h:+.1f} | {last.fds_per_h:+.1f} |",
+        f"| descriptors beyond one per live worker (median) | {first.extra_fds:g} | "
+        f"{last.extra_fds:g} |",
+        f"| descriptors beyond one per live worker (growth per hour) | "
+        f"{first.extra_fds_per_h:+.1f} | {last.extra_fds_per_h:+.1f} |",
         f"| sockets (most) | {first.sockets_max} | {last.sockets_max} |",
         f"| threads (most) | {first.threads_max} | {last.threads_max} |",
         f"| CPU (s per hour) | {first.cpu_s_per_h:.0f} | {last.cpu_s_per_h:.0f} |",
