@@ -26,10 +26,10 @@ Then it stops deo with ``deo stop --drain``, checks that no process carrying the
 The report compares a first and a last window (a tenth of the run each): levels, growth per hour,
 CPU seconds per hour, log bytes per hour. The verdict "no leak" needs resident memory and open
 descriptors flat over the second half of the run (the first half is warm-up: imports, caches,
-allocator pools): the median RSS of its last quarter at most ``--rss-tolerance`` (a fraction)
-above that of its first quarter (never less than 2 MiB), and the median of the descriptors open
-beyond one per live worker (deo holds a pidfd for each) in its last quarter at most
-``--fd-tolerance`` above that in its first.
+allocator pools). Growth there is the median of its last quarter less that of its first, of
+resident memory and of the descriptors open beyond one per live worker (deo holds a pidfd for
+each); a leak is growth above a noise floor (1 MiB, 2 descriptors) at a rate above
+``--rss-tolerance-mib-per-h`` or ``--fd-tolerance-per-h``.
 
 The result goes to ``--out`` (``docs/benchmarks.md``) between ``<!-- soak:start -->`` and
 ``<!-- soak:end -->``, the rest of the file untouched; ``--json`` also writes every sample.
@@ -95,8 +95,10 @@ TOKEN_ENV = "DEO_TOKEN"
 MARKER_ENV = "SOAK_RUN_MARKER"
 RUN_ID_ENV = "DEO_RUN_ID"
 MIB = 2**20
-#: Resident memory may always grow this much over the second half (allocator noise).
-RSS_FLOOR_BYTES = 2 * MIB
+#: Growth over the second half never counted as a leak, whatever its rate: allocator noise, and
+#: connections or worker starts in flight at the moment of a sample.
+RSS_NOISE_BYTES = 1 * MIB
+FD_NOISE = 2
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 #: Generous: a loaded machine answers slowly, and slowness is not what this benchmark measures.
 HTTP_TIMEOUT_S = 30.0
@@ -119,8 +121,8 @@ class SoakSettings:
     max_workers: int = 6
     #: Seconds per item of the example worker: also its heartbeat period.
     worker_item_s: float = 0.5
-    rss_tolerance: float = 0.05
-    fd_tolerance: int = 4
+    rss_tolerance_mib_per_h: float = 5.0
+    fd_tolerance_per_h: float = 5.0
     seed: int = 20261123
 
     def __attrs_post_init__(self) -> None:
@@ -142,10 +144,10 @@ class SoakSettings:
             )
         if not 1 <= self.max_workers <= 64:
             raise SoakError(f"--max-workers: must be 1 to 64, got {self.max_workers}")
-        if not (math.isfinite(self.rss_tolerance) and self.rss_tolerance >= 0):
-            raise SoakError(f"--rss-tolerance: must be >= 0, got {self.rss_tolerance}")
-        if self.fd_tolerance < 0:
-            raise SoakError(f"--fd-tolerance: must be >= 0, got {self.fd_tolerance}")
+        for name in ("rss_tolerance_mib_per_h", "fd_tolerance_per_h"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise SoakError(f"--{name.replace('_', '-')}: must be >= 0, got {value}")
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -380,10 +382,11 @@ class DeoUnderTest:
         if self.run_id is not None:
             variables.append(f"{RUN_ID_ENV}={self.run_id}")
         own = self._own_pid()
-        return [p for p in processes_with(variables) if p != own and _alive(p)]
+        return [p for p in processes_with(variables) if p != own and alive(p)]
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
@@ -656,37 +659,69 @@ def window(samples: Sequence[Sample]) -> Window:
 
 @attrs.frozen(slots=True, kw_only=True)
 class Verdict:
-    """Memory and descriptors over the second half: flat, or a suspected leak."""
+    """Memory and descriptors over the second half: flat, or a suspected leak.
 
+    Growth is the difference of the medians of the half's last and first quarters (medians: a
+    sample taken while a request or a worker's start is in flight does not move them); a rate is
+    that growth over the time between the quarters' middles. A leak is growth beyond the noise
+    floor at a rate beyond the tolerance, so that neither a few noisy samples of a short run nor a
+    slow warm-up of a long one passes for one.
+    """
+
+    span_s: float
     rss_growth_bytes: float
-    rss_allowed_bytes: float
+    rss_allowed_mib_per_h: float
     fd_growth: float
-    fd_allowed: int
+    fd_allowed_per_h: float
+
+    @property
+    def rss_mib_per_h(self) -> float:
+        return self.rss_growth_bytes / MIB / self.span_s * 3600 if self.span_s > 0 else 0.0
+
+    @property
+    def fds_per_h(self) -> float:
+        return self.fd_growth / self.span_s * 3600 if self.span_s > 0 else 0.0
+
+    @property
+    def rss_leak(self) -> bool:
+        return (
+            self.rss_growth_bytes > RSS_NOISE_BYTES
+            and self.rss_mib_per_h > self.rss_allowed_mib_per_h
+        )
+
+    @property
+    def fd_leak(self) -> bool:
+        return self.fd_growth > FD_NOISE and self.fds_per_h > self.fd_allowed_per_h
 
     @property
     def leak(self) -> bool:
-        return self.rss_growth_bytes > self.rss_allowed_bytes or self.fd_growth > self.fd_allowed
+        return self.rss_leak or self.fd_leak
 
     def __str__(self) -> str:
         what = "SUSPECTED LEAK" if self.leak else "no leak"
         return (
             f"{what}: over the second half RSS {self.rss_growth_bytes / MIB:+.1f} MiB "
-            f"(allowed {self.rss_allowed_bytes / MIB:.1f}), open descriptors "
-            f"{self.fd_growth:+g} (allowed {self.fd_allowed})"
+            f"({self.rss_mib_per_h:+.1f} MiB/h{', a leak' if self.rss_leak else ''}), "
+            f"descriptors beyond one per live worker {self.fd_growth:+g} "
+            f"({self.fds_per_h:+.1f}/h{', a leak' if self.fd_leak else ''})"
         )
 
 
 def verdict(samples: Sequence[Sample], settings: SoakSettings) -> Verdict:
+    """Whether ``samples`` show deo's memory or descriptors growing over the second half."""
     half = [s for s in samples if s.t_s >= samples[-1].t_s / 2]
     quarter = max(1, len(half) // 4)
     early, late = half[:quarter], half[-quarter:]
-    base_rss = statistics.median(s.rss_bytes for s in early)
+
+    def growth(value: Callable[[Sample], float]) -> float:
+        return float(statistics.median(map(value, late)) - statistics.median(map(value, early)))
+
     return Verdict(
-        rss_growth_bytes=statistics.median(s.rss_bytes for s in late) - base_rss,
-        rss_allowed_bytes=max(RSS_FLOOR_BYTES, settings.rss_tolerance * base_rss),
-        fd_growth=statistics.median(s.open_fds - s.live_workers for s in late)
-        - statistics.median(s.open_fds - s.live_workers for s in early),
-        fd_allowed=settings.fd_tolerance,
+        span_s=statistics.median(s.t_s for s in late) - statistics.median(s.t_s for s in early),
+        rss_growth_bytes=growth(lambda s: s.rss_bytes),
+        rss_allowed_mib_per_h=settings.rss_tolerance_mib_per_h,
+        fd_growth=growth(lambda s: s.open_fds - s.live_workers),
+        fd_allowed_per_h=settings.fd_tolerance_per_h,
     )
 
 
@@ -774,7 +809,12 @@ class Result:
             "samples": [attrs.asdict(s) for s in self.samples],
             "traffic": attrs.asdict(self.traffic),
             "ending": {**attrs.asdict(self.ending), "clean": self.ending.clean},
-            "verdict": {**attrs.asdict(self.verdict), "leak": self.verdict.leak},
+            "verdict": {
+                **attrs.asdict(self.verdict),
+                "rss_mib_per_h": self.verdict.rss_mib_per_h,
+                "fds_per_h": self.verdict.fds_per_h,
+                "leak": self.verdict.leak,
+            },
             "ok": self.ok,
         }
 
@@ -855,11 +895,11 @@ def render(result: Result) -> str:
         f"| log growth (MB per hour) | {first.log_mb_per_h:.1f} | {last.log_mb_per_h:.1f} |",
         f"| snapshot (kB) | {first.snapshot_kb:.1f} | {last.snapshot_kb:.1f} |",
         "",
-        f"Verdict, {result.verdict}. Over the second half of the run, the last quarter "
-        "against the first: memory, the median RSS, allowed "
-        f"{s.rss_tolerance:.0%} (at least {RSS_FLOOR_BYTES // MIB} MiB); descriptors, the "
-        "median of those open beyond one per live worker (deo holds a pidfd for each), "
-        f"allowed {s.fd_tolerance}.",
+        f"Verdict, {result.verdict}. Over the second half of the run, the median of its last "
+        "quarter against that of its first: resident memory, and descriptors open beyond one "
+        "per live worker (deo holds a pidfd for each). A leak: growth above "
+        f"{RSS_NOISE_BYTES // MIB} MiB at more than {s.rss_tolerance_mib_per_h:g} MiB per hour, "
+        f"or above {FD_NOISE} descriptors at more than {s.fd_tolerance_per_h:g} per hour.",
         "",
         f"At the end: `deo stop --drain` exit status {e.stop_status}, deo exited with "
         f"{e.deo_status} after {e.stop_s:.1f} s; "
@@ -902,8 +942,8 @@ _SETTINGS_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--requests-per-s", float, "GETs per second"),
     ("--max-workers", int, "the pool's max_workers; pins go from 0 to it"),
     ("--worker-item-s", float, "seconds per item of each worker (its heartbeat period)"),
-    ("--rss-tolerance", float, "allowed RSS growth over the second half, a fraction"),
-    ("--fd-tolerance", int, "allowed growth of open descriptors over the second half"),
+    ("--rss-tolerance-mib-per-h", float, "RSS growth per hour over the second half not a leak"),
+    ("--fd-tolerance-per-h", float, "descriptor growth per hour over the second half not a leak"),
     ("--seed", int, "seed of the churn's random choices"),
 )
 
@@ -971,7 +1011,41 @@ def check_markers(path: Path) -> None:
 
 
 async def soak(settings: SoakSettings, workdir: Path, command: str) -> Result:
-    """Run one soak in ``workdir``; the result, whatever the verdict."""
+    """Run one soak in ``workdir``; the result, whatever the verdict.
+
+    SIGINT or SIGTERM ends it early with :class:`SoakError`, deo and its workers killed first.
+    """
+    result: Result | None = None
+    failed: SoakError | None = None
+    interrupted = ""
+    async with anyio.create_task_group() as tg:
+
+        async def work() -> None:
+            nonlocal result, failed
+            try:
+                result = await _soak(settings, workdir, command)
+            except SoakError as exc:
+                failed = exc  # raised below, not wrapped in the task group's exception group
+            tg.cancel_scope.cancel()
+
+        async def watch() -> None:
+            nonlocal interrupted
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    interrupted = signal.Signals(signum).name
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(watch)
+        tg.start_soon(work)
+    if failed is not None:
+        raise failed
+    if result is None:
+        raise SoakError(f"{interrupted}: stopped early; deo and its workers were killed")
+    return result
+
+
+async def _soak(settings: SoakSettings, workdir: Path, command: str) -> Result:
     load_start = _load_average()
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     deo = DeoUnderTest(workdir, settings)
