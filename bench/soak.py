@@ -837,8 +837,16 @@ def render(result: Result) -> str:
         "## Soak: `deo run` under churn (`bench/soak.py`)",
         "",
         f"- Command: `{result.command}`",
-        f"- Date: {result.date}; duration {_duration(s.duration_s)}"
-        + ("" if s.duration_s >= 3600 else " (shorter than the one-hour default)"),
+        f"- Date: {result.date}",
+        f"- Duration: {_duration(s.duration_s)}"
+        + (
+            ""
+            if s.duration_s >= 3600
+            else ", not the hour this benchmark runs by default: a slow leak may not show in it"
+        ),
+        f"- Result: {'no leak' if not result.verdict.leak else 'SUSPECTED LEAK'}; "
+        + ("clean end" if e.clean else "the checks at the end FAILED")
+        + f" (below); {len(t.failures)} failed requests.",
         f"- Code: commit {result.code}",
         f"- Python: {platform.python_implementation()} {platform.python_version()}; machine: "
         f"os.cpu_count()={os.cpu_count()}, {platform.platform()}",
