@@ -176,11 +176,14 @@ class Traffic:
     kills: int = 0
     gets: int = 0
     fresh_connections: int = 0
+    failed_requests: int = 0
+    #: The first few failures, whole (the count says how many there were).
     failures: list[str] = attrs.field(factory=list)
 
     def failed(self, what: str) -> None:
-        # Keep the first few whole; the count says the rest.
-        self.failures.append(what)
+        self.failed_requests += 1
+        if len(self.failures) < 100:
+            self.failures.append(what)
 
 
 # --- reading /proc -------------------------------------------------------------------------------
@@ -549,7 +552,7 @@ class Ending:
         )
 
 
-async def finish(deo: DeoUnderTest, settings: SoakSettings) -> Ending:
+async def finish(deo: DeoUnderTest) -> Ending:
     """``deo stop --drain``, wait for deo to exit, look for leftovers, replay the log."""
     began = time.monotonic()
     deo_cli = [sys.executable, "-m", "adapters.cli"]
@@ -808,7 +811,7 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        return self.ending.clean and not self.verdict.leak and not self.traffic.failures
+        return self.ending.clean and not self.verdict.leak and self.traffic.failed_requests == 0
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -854,7 +857,7 @@ def render(result: Result) -> str:
         ),
         f"- Result: {'no leak' if not result.verdict.leak else 'SUSPECTED LEAK'}; "
         + ("clean end" if e.clean else "the checks at the end FAILED")
-        + f" (below); {len(t.failures)} failed requests.",
+        + f" (below); {t.failed_requests} failed requests.",
         f"- Code: commit {result.code}",
         f"- Python: {platform.python_implementation()} {platform.python_version()}; machine: "
         f"os.cpu_count()={os.cpu_count()}, {platform.platform()}",
@@ -869,7 +872,7 @@ def render(result: Result) -> str:
         f"{s.pin_interval_s:g} s ({t.pins} pins, {t.unpins} unpins); a random active worker "
         f"SIGKILLed about every {s.kill_interval_s:g} s ({t.kills} kills); "
         f"{t.gets} GETs of /global-status, /metrics and /v1/workers "
-        f"({t.fresh_connections} on a fresh connection), {len(t.failures)} failed requests.",
+        f"({t.fresh_connections} on a fresh connection), {t.failed_requests} failed requests.",
         f"- The log: {counts.get('records', 0):,} records; {counts.get('WorkerStarted', 0)} "
         f"workers started, {counts.get('WorkerExited', 0)} exits, "
         f"{counts.get('PoolPinned', 0)} pins, {counts.get('WorkerHeartbeat', 0):,} heartbeats, "
@@ -1075,7 +1078,7 @@ async def _soak(settings: SoakSettings, workdir: Path, command: str) -> Result:
             tail = deo.output.read_text(errors="replace")[-2000:]
             raise SoakError(f"{ended}; its output ends:\n{tail}")
         try:
-            ending = await finish(deo, settings)
+            ending = await finish(deo)
         except TimeoutError:
             raise SoakError("`deo stop --drain` or `deo replay` did not finish in time") from None
     finally:
@@ -1128,6 +1131,8 @@ def run(args: argparse.Namespace, program: Sequence[str]) -> int:
         f"end: stop {e.stop_status}, deo exit {e.deo_status} after {e.stop_s:.1f} s, "
         f"orphans {list(e.orphans)}, replay {e.replay_status} ({e.replay_summary})"
     )
+    if result.traffic.failed_requests:
+        print(f"{result.traffic.failed_requests} failed requests; the first:")
     for failure in result.traffic.failures[:10]:
         print(f"failed request: {failure}")
     try:

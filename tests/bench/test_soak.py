@@ -91,7 +91,7 @@ def test_the_soak_samples_deo_while_churning(
     traffic = result["traffic"]
     assert traffic["pins"] + traffic["unpins"] > 0
     assert traffic["gets"] > 0
-    assert traffic["failures"] == []
+    assert traffic["failures"] == [] and traffic["failed_requests"] == 0
     counts = result["ending"]["log_counts"]
     assert counts["WorkerStarted"] > 0 and counts["WorkerExited"] > 0
     assert counts["PoolPinned"] == traffic["pins"] + traffic["unpins"]
