@@ -9,6 +9,9 @@ file untouched) and one PNG per scenario into ``--plots``.
 Exit status: 0 when the report was written, whether or not deo met its targets (the report says
 which it missed); 2 on bad input (a missing scenarios directory, an unknown ``--only`` name, an
 invalid scenario file, broken markers in ``--out``).
+
+``deo bench soak`` runs the soak benchmark instead (:mod:`bench.soak`): a real ``deo run`` under
+churn, its memory, descriptors, CPU and log growth.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench import harness
+from bench import harness, soak
 
 __all__ = ["HELP", "add_arguments", "main"]
 
@@ -27,6 +30,14 @@ HELP = "run every scenario under every policy; write docs/benchmarks.md"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the command's arguments on ``parser``."""
+    kinds = parser.add_subparsers(dest="bench", metavar="BENCHMARK")
+    soak.add_arguments(
+        kinds.add_parser(
+            "soak",
+            help=soak.HELP,
+            description=soak.HELP + " (see bench/soak.py)",
+        )
+    )
     parser.add_argument(
         "--scenarios",
         type=Path,
@@ -83,6 +94,8 @@ def command_line(args: argparse.Namespace) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Run the command; returns the exit status."""
+    if args.bench == "soak":
+        return soak.run(args, ["deo", "bench", "soak"])
 
     def progress(line: str) -> None:
         print(line, flush=True)
