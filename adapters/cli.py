@@ -58,11 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--json", action="store_true", help="print the raw JSON")
         else:
             sub.add_argument("--drain", action="store_true", help="drain every worker first")
-            sub.add_argument(
-                "--token-env",
-                default="DEO_TOKEN",
-                help="environment variable holding the operator token",
-            )
+        sub.add_argument(
+            "--token-env",
+            default="DEO_TOKEN",
+            help="environment variable holding the operator token",
+        )
+        sub.add_argument(
+            "--log",
+            type=Path,
+            help="the run's event log: when the token variable is unset, the token deo run "
+            "generated is read from LOG.token",
+        )
 
     replay = commands.add_parser(
         "replay",

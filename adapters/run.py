@@ -48,7 +48,8 @@ __all__ = ["find_spawned", "reconcile", "run"]
 log = logging.getLogger("deo.run")
 
 #: Variables every worker of this run inherits, besides those the core gives each worker
-#: (CUDA_VISIBLE_DEVICES, DEO_WORKER_ID, ...) and the executor's DEO_HEARTBEAT_FILE.
+#: (CUDA_VISIBLE_DEVICES, DEO_WORKER_ID, ...), the executor's DEO_HEARTBEAT_FILE and the
+#: worker's own token (DEO_WORKER_TOKEN).
 API_URL_ENV = "DEO_API_URL"
 WORKER_TOKEN_ENV = "DEO_WORKER_TOKEN"
 #: Names the log a worker belongs to, so a restart never takes another deo's worker for its own.
@@ -62,17 +63,28 @@ def run_id_of(log_path: Path) -> str:
         return hashlib.sha256(f.readline()).hexdigest()[:16]
 
 
-def worker_token_for(log_path: Path) -> str:
-    """The workers' API token, kept beside the log (mode 0600) so adopted workers keep theirs."""
-    path = log_path.with_name(log_path.name + ".worker-token")
+def worker_secret_for(log_path: Path) -> str:
+    """The secret each worker's API token is derived from (:func:`adapters.api.app.worker_token`),
+    kept beside the log (mode 0600) so that adopted workers' tokens stay valid."""
+    path = log_path.with_name(log_path.name + ".worker-secret")
     try:
         return path.read_text().strip()
     except FileNotFoundError:
-        token = secrets.token_urlsafe(24)
+        secret = secrets.token_urlsafe(32)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(token)
-        return token
+            f.write(secret)
+        return secret
+
+
+def write_operator_token(path: Path, token: str) -> None:
+    """Write ``token`` to ``path``, readable by this user alone (mode 0600), replacing it whole."""
+    partial = path.with_name(path.name + ".partial")
+    partial.unlink(missing_ok=True)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    partial.replace(path)
 
 
 def worker_environ(token_env: str, runtime: dict[str, str]) -> dict[str, str]:
@@ -159,12 +171,24 @@ async def run(
     ``live`` redraws a compact view of pools, workers, GPUs and decisions (for a terminal);
     otherwise decisions go out as log lines.
     """
-    from adapters.api.app import build_app, listen, serve
+    from adapters.api.app import build_app, listen, serve, worker_token
+    from adapters.api.client import operator_token_path
+    from adapters.api.guard import connection_cap
     from adapters.sources.nvml import physical_gpu_ids, poll_gpus
 
-    token = os.environ.get(settings.api.token_env) or secrets.token_urlsafe(24)
-    if settings.api.token_env not in os.environ:
-        out(f"deo: no ${settings.api.token_env}; operator token for this run: {token}")
+    api = settings.api
+    try:
+        max_connections = connection_cap(api.max_connections)
+    except ValueError as exc:
+        out(f"deo: api: {exc}")
+        return 2
+    if not api.loopback:
+        reads = (
+            "reads (GET) are open to anyone who can reach it (api.open_reads = true)"
+            if api.open_reads
+            else "every endpoint, reads included, needs the operator token"
+        )
+        out(f"deo: warning: the API listens on {api.host}, beyond loopback: {reads}")
     clock = time.time  # wall time: it must keep meaning the same across restarts
     # Everything that can fail at start-up fails before any worker is touched.
     try:
@@ -192,12 +216,20 @@ async def run(
         out(f"deo: {settings.log}: {problem}")
     if recovery.replayed:
         out(f"deo: rebuilt state from {settings.log} ({recovery.replayed} records after snapshot)")
+    token = os.environ.get(api.token_env)
+    if not token:
+        # Generated for this run and written for the operator's eyes only, never to stdout
+        # (which often ends up in a shared log); `deo stop --log LOG` reads it.
+        token = secrets.token_urlsafe(24)
+        token_path = operator_token_path(settings.log)
+        write_operator_token(token_path, token)
+        out(f"deo: no ${api.token_env}; operator token written to {token_path} (mode 0600)")
     run_id = run_id_of(settings.log)
-    worker_token = worker_token_for(settings.log)
+    worker_secret = worker_secret_for(settings.log)
     port = sock.getsockname()[1]
     url = f"http://{settings.api.host}:{port}"
     settings.worker_logs.mkdir(parents=True, exist_ok=True)
-    runtime_env = {API_URL_ENV: url, WORKER_TOKEN_ENV: worker_token, RUN_ID_ENV: run_id}
+    runtime_env = {API_URL_ENV: url, RUN_ID_ENV: run_id}
 
     def emit(event: Event) -> None:
         runner.emit(event)  # the runner, built below around the processes, takes their reports
@@ -207,6 +239,8 @@ async def run(
         clock=clock,
         log_dir=settings.worker_logs,
         environ=worker_environ(settings.api.token_env, runtime_env),
+        # Each worker's own token: it speaks for that worker alone, and stays out of the log.
+        secret_environ=lambda worker_id: {WORKER_TOKEN_ENV: worker_token(worker_secret, worker_id)},
     )
     runner = Runner(
         event_log,
@@ -215,11 +249,23 @@ async def run(
         clock=clock,
         tick_interval_s=settings.tick_interval_s,
     )
-    app = build_app(runner, token=token, worker_token=worker_token)
+    app = build_app(
+        runner,
+        token=token,
+        worker_secret=worker_secret,
+        reads_need_token=not (api.loopback or api.open_reads),
+    )
     refused = False
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: serve(app, sock=sock))
+            tg.start_soon(
+                lambda: serve(
+                    app,
+                    sock=sock,
+                    max_connections=max_connections,
+                    request_timeout_s=api.request_timeout_s,
+                )
+            )
             out(f"deo: API on {url} (log {settings.log})")
             tg.start_soon(processes.run)
             for event in await reconcile(recovery.state, processes, clock, run_id):

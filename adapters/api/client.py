@@ -1,4 +1,9 @@
-"""``deo status`` and ``deo stop``: clients of a running deo's HTTP API."""
+"""``deo status`` and ``deo stop``: clients of a running deo's HTTP API.
+
+The operator token comes from ``$DEO_TOKEN`` (or the variable ``--token-env`` names) or, when
+that is unset, from the file ``deo run`` wrote beside its log when it generated the token
+(:func:`operator_token_path`; give the log with ``--log``).
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,40 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-__all__ = ["status", "stop"]
+__all__ = ["find_operator_token", "operator_token_path", "status", "stop"]
 
 
-def _get(url: str) -> Any:
-    response = httpx.get(url, timeout=5.0)
+def operator_token_path(log_path: Path) -> Path:
+    """Where ``deo run`` writes the operator token it generated (mode 0600): beside the log."""
+    return log_path.with_name(log_path.name + ".token")
+
+
+def find_operator_token(token_env: str, log_path: Path | None = None) -> str | None:
+    """The operator token: ``$token_env`` if set, else the token file of the log at
+    ``log_path`` if there is one, else None."""
+    token = os.environ.get(token_env)
+    if token:
+        return token
+    if log_path is None:
+        return None
+    try:
+        return operator_token_path(log_path).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _bearer(args: argparse.Namespace) -> dict[str, str]:
+    token = find_operator_token(getattr(args, "token_env", "DEO_TOKEN"), getattr(args, "log", None))
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _get(url: str, headers: dict[str, str]) -> Any:
+    response = httpx.get(url, headers=headers, timeout=5.0)
     response.raise_for_status()
     return response.json()
 
@@ -32,7 +62,8 @@ def _when(t: Any) -> str:
 def status(args: argparse.Namespace) -> int:
     """Print the pools, workers, GPUs and alerts of the deo at ``args.url``."""
     try:
-        body = _get(f"{args.url}/global-status")
+        # The token, when there is one: a deo listening beyond loopback wants it for reads too.
+        body = _get(f"{args.url}/global-status", _bearer(args))
         if not isinstance(body, dict):
             raise ValueError("the answer is not a JSON object")
     except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
@@ -69,16 +100,17 @@ def status(args: argparse.Namespace) -> int:
 
 def stop(args: argparse.Namespace) -> int:
     """Ask the deo at ``args.url`` to stop, draining its workers first with ``--drain``."""
-    token = os.environ.get(args.token_env)
-    if not token:
-        print(f"deo stop: set ${args.token_env} to the operator token", file=sys.stderr)
+    headers = _bearer(args)
+    if not headers:
+        print(
+            f"deo stop: set ${args.token_env} to the operator token, or give --log LOG when "
+            f"deo run wrote it to LOG.token",
+            file=sys.stderr,
+        )
         return 2
     try:
         response = httpx.post(
-            f"{args.url}/v1/stop",
-            json={"drain": bool(args.drain)},
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=10.0,
+            f"{args.url}/v1/stop", json={"drain": bool(args.drain)}, headers=headers, timeout=10.0
         )
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         print(f"deo stop: {args.url}: {exc}", file=sys.stderr)

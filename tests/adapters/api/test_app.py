@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from adapters.api.app import build_app, serve
+from adapters.api.app import MAX_WORKER_ID_CHARS, build_app, serve, worker_token
 from adapters.log import EventLog
 from adapters.runtime.runner import Runner
 from core import (
@@ -30,10 +30,11 @@ from core import (
 )
 
 TOKEN = "operator-secret"
-WORKER_TOKEN = "worker-secret"
+WORKER_SECRET = "worker-secret"
 MAX_BODY_BYTES = 1024
 OPERATOR = {"Authorization": f"Bearer {TOKEN}"}
-WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
+#: Worker envs-0's own token.
+WORKER = {"Authorization": f"Bearer {worker_token(WORKER_SECRET, 'envs-0')}"}
 
 
 @pytest.fixture
@@ -100,15 +101,18 @@ POOLS = [
 
 
 @asynccontextmanager
-async def running(tmp_path: Path) -> AsyncIterator[Harness]:
-    """Runner, configured with three pools and two GPUs, and the API on a free loopback port."""
+async def running(tmp_path: Path, **app_options: Any) -> AsyncIterator[Harness]:
+    """Runner, configured with three pools and two GPUs, and the API on a free loopback port.
+
+    Workers' reports are logged however close together, unless ``app_options`` say otherwise."""
     log_path = tmp_path / "deo.jsonl"
     log, _ = EventLog.open(log_path, fsync=False)
     clock = ManualClock()
     executor = RecordingExecutor()
     # No ticks during a test: every record in the log comes from something the test did.
     runner = Runner(log, Reducer(), executor, clock=clock, tick_interval_s=3600.0)
-    app = build_app(runner, token=TOKEN, worker_token=WORKER_TOKEN, max_body_bytes=MAX_BODY_BYTES)
+    options: dict[str, Any] = {"max_body_bytes": MAX_BODY_BYTES, "min_worker_interval_s": 0.0}
+    app = build_app(runner, token=TOKEN, worker_secret=WORKER_SECRET, **{**options, **app_options})
     ports: list[int] = []
     listening = anyio.Event()
 
@@ -401,10 +405,18 @@ async def test_heartbeat_auth_and_unknown_workers(tmp_path: Path) -> None:
         assert wrong.status_code == 403
         assert "token" in wrong.json()["error"]
 
+        # Worker envs-0's token speaks for envs-0 alone.
+        for other in ("envs-1", "ghost"):
+            response = await h.client.post(f"/v1/workers/{other}/heartbeat", headers=WORKER)
+            assert response.status_code == 403, other
+        before = h.log_bytes()
         for unknown in ("ghost", "envs-99"):
-            response = await h.client.post(f"/v1/workers/{unknown}/heartbeat", headers=WORKER)
+            response = await h.client.post(f"/v1/workers/{unknown}/heartbeat", headers=OPERATOR)
             assert response.status_code == 404
             assert f"unknown worker {unknown!r}" in response.json()["error"]
+        # Refused before the log, and counted.
+        assert h.log_bytes() == before
+        assert refused_counts(await h.client.get("/metrics")) == {"token": 4, "unknown_worker": 2}
 
 
 @pytest.mark.anyio
@@ -421,9 +433,91 @@ def test_tokens_must_be_set_and_distinct(tmp_path: Path) -> None:
     with log:
         runner = Runner(log, Reducer(), RecordingExecutor(), clock=lambda: 0.0)
         with pytest.raises(ValueError, match="non-empty"):
-            build_app(runner, token="", worker_token="w")
+            build_app(runner, token="", worker_secret="w")
         with pytest.raises(ValueError, match="differ"):
-            build_app(runner, token="same", worker_token="same")
+            build_app(runner, token="same", worker_secret="same")
+
+
+def refused_counts(metrics: httpx.Response) -> dict[str, float]:
+    """deo_api_requests_refused_total by reason, from a /metrics answer."""
+    [family] = [
+        f
+        for f in text_string_to_metric_families(metrics.text)
+        if f.name == "deo_api_requests_refused"
+    ]
+    return {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}
+
+
+@pytest.mark.anyio
+async def test_worker_reports_for_long_or_unknown_ids_never_reach_the_log(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        await start_worker(h, "envs-0", 4242)
+        before = h.log_bytes()
+        long_id = "w" * 10_000
+        for _ in range(50):
+            for worker_id, headers in ((long_id, WORKER), ("envs-7", OPERATOR)):
+                response = await h.client.post(
+                    f"/v1/workers/{worker_id}/heartbeat", headers=headers
+                )
+                assert response.status_code == 404, response.text
+        too_long = await h.client.post(f"/v1/workers/{long_id}/ready", headers=OPERATOR)
+        assert f"at most {MAX_WORKER_ID_CHARS}" in too_long.json()["error"]
+        assert len(too_long.content) < 500  # the id is not echoed back whole
+
+        assert h.log_bytes() == before
+        counts = refused_counts(await h.client.get("/metrics"))
+        assert counts == {"worker_id": 51, "unknown_worker": 50}
+
+
+@pytest.mark.anyio
+async def test_a_workers_reports_are_logged_at_most_once_per_interval(tmp_path: Path) -> None:
+    async with running(tmp_path, min_worker_interval_s=3600.0) as h:
+        await start_worker(h, "envs-0", 4242)
+        before = h.log_bytes()
+        answers = [
+            await h.client.post("/v1/workers/envs-0/heartbeat", headers=WORKER) for _ in range(40)
+        ]
+
+        assert [a.status_code for a in answers] == [200] * 40
+        assert answers[0].json() == {"commands": []}
+        assert answers[1].json() == {"commands": [], "coalesced": True}
+        written = h.log_bytes()[len(before) :]
+        assert written.count(b"WorkerHeartbeat") == 1
+        metrics = (await h.client.get("/metrics")).text
+        assert "deo_api_heartbeats_coalesced_total 39.0" in metrics
+
+
+@pytest.mark.anyio
+async def test_a_worker_reports_ready_and_becomes_active(tmp_path: Path) -> None:
+    async with running(tmp_path, min_worker_interval_s=3600.0) as h:
+        config = h.runner.state.config
+        pools = [attrs.evolve(p, require_ready=True) if p.name == "envs" else p for p in POOLS]
+        await h.runner.submit(Configured(t=0.5, config=attrs.evolve(config, pools=pools)))
+        await start_worker(h, "envs-0", 4242)
+        assert h.runner.state.workers["envs-0"].state.value == "starting"
+        # A heartbeat first: readiness is still taken right after it.
+        assert (await h.client.post("/v1/workers/envs-0/heartbeat", headers=WORKER)).is_success
+
+        response = await h.client.post("/v1/workers/envs-0/ready", headers=WORKER)
+
+        assert response.status_code == 200, response.text
+        assert h.runner.state.workers["envs-0"].state.value == "active"
+        assert h.log_bytes().count(b"WorkerReady") == 1
+        # Reported again: a sign of life, coalesced like a heartbeat.
+        again = await h.client.post("/v1/workers/envs-0/ready", headers=WORKER)
+        assert again.json() == {"commands": [], "coalesced": True}
+        assert h.log_bytes().count(b"WorkerReady") == 1
+        wrong = await h.client.post("/v1/workers/envs-1/ready", headers=WORKER)
+        assert wrong.status_code == 403
+
+
+@pytest.mark.anyio
+async def test_reads_can_require_the_operator_token(tmp_path: Path) -> None:
+    async with running(tmp_path, reads_need_token=True) as h:
+        for url in ("/global-status", "/metrics", "/v1/workers"):
+            assert (await h.client.get(url)).status_code == 401, url
+            assert (await h.client.get(url, headers=WORKER)).status_code == 403, url
+            assert (await h.client.get(url, headers=OPERATOR)).status_code == 200, url
 
 
 # --- bad requests --------------------------------------------------------------------------------
@@ -552,8 +646,12 @@ async def test_unknown_subjects_are_404_and_logged_as_rejected(tmp_path: Path) -
 # Every write endpoint, and what each kind of refusal answers: 404 for a subject the core does not
 # know, 409 for one whose state refuses the request (logged as rejected, like the 404), 400/422
 # for a body that never becomes an event (never logged).
+# A worker's report for a worker deo does not have is refused before the log (see
+# test_worker_reports_never_log_refusals).
 REFUSALS: list[tuple[str, str, dict[str, Any], int, str]] = [
     ("heartbeat", "/v1/workers/ghost/heartbeat", {}, 404, "unknown worker 'ghost'"),
+    ("ready", "/v1/workers/ghost/ready", {}, 404, "unknown worker 'ghost'"),
+    ("ready", "/v1/workers/envs-0/ready", {"json": {"x": 1}}, 422, "unexpected field"),
     ("heartbeat", "/v1/workers/envs-0/heartbeat", {"json": {"x": 1}}, 422, "unexpected field"),
     ("heartbeat", "/v1/workers/envs-0/heartbeat", {"content": b"{"}, 400, "not valid JSON"),
     ("pause", "/v1/pause", {"json": {"pool": "nope"}}, 404, "unknown pool 'nope'"),
@@ -598,7 +696,7 @@ async def test_each_write_answers_its_refusal_with_the_status_of_the_error_class
             assert response.headers["content-type"] == "application/json", where
             assert message in response.json()["error"], where
             written = h.log_bytes()[len(before) :]
-            if status in (404, 409):
+            if status in (404, 409) and endpoint not in ("heartbeat", "ready"):
                 # The core refused a real input: logged with its refusal, the state unchanged.
                 assert b'"kind":"rejected"' in written, where
                 assert message.encode() in written, where
@@ -610,6 +708,7 @@ async def test_each_write_answers_its_refusal_with_the_status_of_the_error_class
         seen = {endpoint for endpoint, *_ in REFUSALS}
         assert seen == {
             "heartbeat",
+            "ready",
             "pause",
             "resume",
             "pin",
@@ -625,7 +724,7 @@ async def test_a_write_while_deo_stops_is_a_503_and_logs_nothing(tmp_path: Path)
     log_path = tmp_path / "deo.jsonl"
     log, _ = EventLog.open(log_path, fsync=False)
     runner = Runner(log, Reducer(), RecordingExecutor(), clock=ManualClock(), tick_interval_s=3600)
-    app = build_app(runner, token=TOKEN, worker_token=WORKER_TOKEN)
+    app = build_app(runner, token=TOKEN, worker_secret=WORKER_SECRET)
     ports: list[int] = []
     listening = anyio.Event()
 
@@ -699,7 +798,7 @@ async def test_serves_on_loopback_by_default_and_stops_when_cancelled(tmp_path: 
 async def test_a_port_in_use_raises_oserror(tmp_path: Path) -> None:
     log, _ = EventLog.open(tmp_path / "deo.jsonl", fsync=False)
     runner = Runner(log, Reducer(), RecordingExecutor(), clock=lambda: 0.0)
-    app = build_app(runner, token=TOKEN, worker_token=WORKER_TOKEN)
+    app = build_app(runner, token=TOKEN, worker_secret=WORKER_SECRET)
     # uvicorn would log this and call sys.exit; serve() binds itself and raises instead.
     with log, socket.create_server(("127.0.0.1", 0)) as taken, pytest.raises(OSError):
         await serve(app, port=taken.getsockname()[1])
