@@ -85,6 +85,9 @@ __all__ = ["MAX_WORKER_ID_CHARS", "build_app", "listen", "serve", "worker_token"
 #: How long a cancelled server waits for requests in flight before cutting them off.
 SHUTDOWN_GRACE_S = 5
 
+#: Connections the kernel queues for the accept loop (capped by net.core.somaxconn).
+LISTEN_BACKLOG = 2048
+
 #: Worker states reported per pool; exited workers are forgotten by the core, so never counted.
 _LIVE_STATES: tuple[WorkerState, ...] = tuple(s for s in WorkerState if s is not WorkerState.EXITED)
 
@@ -674,7 +677,8 @@ def build_app(
 def listen(host: str, port: int) -> socket.socket:
     """A listening socket for :func:`serve`; bind it early to learn the port before serving."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family)
+    # A long kernel queue costs no descriptors: connections wait there while the guard is full.
+    return socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
 
 
 async def serve(
