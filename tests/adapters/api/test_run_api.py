@@ -1,5 +1,6 @@
-"""Slow clients against ``deo run``: the real program under a low open-file limit, hundreds of
-real sockets trickling header bytes, a real operator request and a real worker respawn."""
+"""``deo run``'s API end to end, with the real program and real sockets: slow clients under a low
+open-file limit, the generated operator token, listening beyond loopback, workers reporting
+ready."""
 
 from __future__ import annotations
 
@@ -267,6 +268,71 @@ def test_listening_beyond_loopback_warns_and_closes_reads(workdir: tuple[Path, s
         assert httpx.get(f"{local}/global-status", timeout=30).status_code == 401
         operator = {"Authorization": f"Bearer {TOKEN}"}
         assert httpx.get(f"{local}/global-status", headers=operator, timeout=30).status_code == 200
+    finally:
+        if deo.poll() is None:
+            deo.send_signal(signal.SIGTERM)
+            deo.wait(timeout=30)
+
+
+READY_WORKER = """
+import sys, time
+from deo_worker import Heartbeat, report_ready
+time.sleep(0.5)  # loading a model, say
+if not report_ready(timeout_s=60):
+    sys.exit(3)
+heartbeat = Heartbeat.from_environ()
+while True:
+    heartbeat.beat()
+    time.sleep(0.2)
+"""
+
+
+def test_workers_of_a_pool_that_requires_readiness_report_it_and_stay(
+    workdir: tuple[Path, str],
+) -> None:
+    tmp_path, marker = workdir
+    worker = tmp_path / "ready_worker.py"
+    worker.write_text(READY_WORKER)
+    config = tmp_path / "deo.toml"
+    config.write_text(
+        '[deo]\nlog = "run.jsonl"\ntick_interval_s = 0.2\n[api]\nport = 0\n'
+        "[pools.envs]\n"
+        f'argv = ["{sys.executable}", "{worker}"]\n'
+        f'env = {{ DEO_TEST_MARKER = "{marker}", PYTHONPATH = "{ROOT}" }}\n'
+        "min_workers = 2\nmax_workers = 2\nrequire_ready = true\nstart_timeout_s = 30.0\n"
+        '[pools.envs.policy]\nname = "static"\ncount = 2\n'
+    )
+    out = tmp_path / "deo.out"
+    deo = subprocess.Popen(
+        [sys.executable, "-m", "adapters.cli", "run", "--config", str(config)],
+        cwd=tmp_path,
+        env={**os.environ, "DEO_TOKEN": TOKEN, "DEO_TEST_MARKER": marker},
+        stdout=out.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        found = wait_for(
+            "the API", lambda: re.search(r"API on (http://\S+)", out.read_text()), lambda: None, 60
+        )
+        url = found.group(1)
+
+        def workers() -> list[dict[str, Any]]:
+            body: dict[str, Any] = httpx.get(f"{url}/v1/workers", timeout=30).json()
+            return body["workers"]
+
+        def active() -> list[dict[str, Any]]:
+            return [w for w in workers() if w["state"] == "active"]
+
+        # Only a readiness report makes a worker of this pool active.
+        wait_for("two ready workers", lambda: len(active()) == 2, lambda: None, 60)
+        records = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+        events = [r["event"]["@"] for r in records if r.get("kind") == "event"]
+        assert events.count("WorkerReady") == 2
+        assert "SpawnFailed" not in events and "WorkerExited" not in events
+        status = httpx.get(f"{url}/global-status", timeout=30).json()
+        assert status["alerts"] == []
+        assert {w["id"] for w in active()} == {"envs-0", "envs-1"}  # the first two, kept
     finally:
         if deo.poll() is None:
             deo.send_signal(signal.SIGTERM)
