@@ -241,8 +241,9 @@ class ConnectionGuard:
         listener.setblocking(False)
         failing = False
         while True:
-            await self._make_room()
             await anyio.wait_readable(listener)
+            # Room is made for a connection that is there, never ahead of one.
+            await self._make_room()
             try:
                 connection, _address = listener.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import socket
 from collections.abc import AsyncIterator
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import attrs
 import httpx
 import pytest
@@ -792,6 +794,85 @@ async def test_serves_on_loopback_by_default_and_stops_when_cancelled(tmp_path: 
     assert listening_addresses(port) == []
     with pytest.raises(OSError):
         await anyio.connect_tcp("127.0.0.1", port)
+
+
+@asynccontextmanager
+async def guarded(tmp_path: Path, **serve_options: Any) -> AsyncIterator[int]:
+    """The API served with ``serve_options`` (a cap, a deadline) on a free port."""
+    log, _ = EventLog.open(tmp_path / "deo.jsonl", fsync=False)
+    runner = Runner(log, Reducer(), RecordingExecutor(), clock=ManualClock(), tick_interval_s=3600)
+    app = build_app(runner, token=TOKEN, worker_secret=WORKER_SECRET)
+    ports: list[int] = []
+    listening = anyio.Event()
+
+    def started(port: int) -> None:
+        ports.append(port)
+        listening.set()
+
+    with log:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(runner.run)
+            await runner.submit(Configured(t=0.0, config=Config(pools=POOLS, gpus=["0"])))
+            tg.start_soon(functools.partial(serve, app, port=0, started=started, **serve_options))
+            with anyio.fail_after(10):
+                await listening.wait()
+            yield ports[0]
+            tg.cancel_scope.cancel()
+
+
+async def closed_by_server(stream: anyio.abc.SocketStream) -> bool:
+    """Wait (at most 30 s) for the server to close ``stream``; True if it did."""
+    with anyio.move_on_after(30):
+        try:
+            while await stream.receive():
+                pass
+        except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+            pass
+        return True
+    return False
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    raise AssertionError(f"no sample {name} {labels} in:\n{text}")
+
+
+@pytest.mark.anyio
+async def test_a_request_that_does_not_arrive_in_time_is_closed(tmp_path: Path) -> None:
+    async with guarded(tmp_path, request_timeout_s=0.5) as port:
+        slow = await anyio.connect_tcp("127.0.0.1", port)
+        async with slow:
+            await slow.send(b"POST /v1/pause HTTP/1.1\r\nHost: x\r\n")  # and no more
+            assert await closed_by_server(slow)
+        # A client that sends its request at once is answered, however many were cut.
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            metrics = (await client.get("/metrics")).text
+        assert metric(metrics, "deo_api_connections_closed_total", reason="timed_out") == 1
+
+
+@pytest.mark.anyio
+async def test_at_the_cap_the_oldest_slow_connection_makes_room(tmp_path: Path) -> None:
+    async with guarded(tmp_path, max_connections=8, request_timeout_s=600) as port:
+        slow = [await anyio.connect_tcp("127.0.0.1", port) for _ in range(8)]
+        for stream in slow:
+            await stream.send(b"GET /global-status HTTP/1.1\r\n")
+        async with contextlib.AsyncExitStack() as clients:
+            # Each new client (keeping its connection) takes the place of the oldest slow one.
+            for _ in range(4):
+                client = await clients.enter_async_context(
+                    httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}")
+                )
+                response = await client.get("/metrics")
+                assert response.status_code == 200
+            metrics = response.text
+        assert metric(metrics, "deo_api_connection_cap") == 8
+        assert metric(metrics, "deo_api_connections_closed_total", reason="evicted") == 4
+        assert [await closed_by_server(s) for s in slow[:4]] == [True] * 4
+        for stream in slow:
+            await stream.aclose()
 
 
 @pytest.mark.anyio
