@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -883,3 +885,72 @@ async def test_a_port_in_use_raises_oserror(tmp_path: Path) -> None:
     # uvicorn would log this and call sys.exit; serve() binds itself and raises instead.
     with log, socket.create_server(("127.0.0.1", 0)) as taken, pytest.raises(OSError):
         await serve(app, port=taken.getsockname()[1])
+
+
+# The server of the test below: every descriptor taken by something else in the process until
+# the guard has failed to accept three times, then given back.
+OUT_OF_DESCRIPTORS = """
+import logging, os, resource, sys
+import anyio
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from adapters.api.app import serve
+from adapters.api.guard import GuardCounters
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (512, 512))
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+app = Starlette(routes=[Route("/", lambda request: PlainTextResponse("hello"))])
+app.state.guard_counters = counters = GuardCounters()
+
+async def main() -> None:
+    async with anyio.create_task_group() as tg:
+        listening = anyio.Event()
+        def started(port: int) -> None:
+            print(port, flush=True)
+            listening.set()
+        tg.start_soon(lambda: serve(app, port=0, max_connections=8, started=started))
+        await listening.wait()
+        hogs = []
+        while True:
+            try:
+                hogs.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                break
+        print("exhausted", flush=True)
+        while counters.accept_errors < 3:
+            await anyio.sleep(0.05)
+        for fd in hogs:
+            os.close(fd)
+        print("released", flush=True)
+        await anyio.sleep(600)
+
+anyio.run(main)
+"""
+
+
+def test_accepts_failing_for_want_of_descriptors_are_logged_once(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[3]
+    server = subprocess.Popen(
+        [sys.executable, "-c", OUT_OF_DESCRIPTORS],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=(tmp_path / "server.err").open("wb"),
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        assert server.stdout.readline().strip() == "exhausted"
+        waiting = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3)]
+        assert server.stdout.readline().strip() == "released"
+        response = httpx.get(f"http://127.0.0.1:{port}/", timeout=30)
+        assert response.text == "hello"
+        for s in waiting:
+            s.close()
+        errors = (tmp_path / "server.err").read_text()
+        assert errors.count("cannot accept connections") == 1, errors
+        assert errors.count("accepting connections again") == 1, errors
+    finally:
+        server.kill()
+        server.wait()
