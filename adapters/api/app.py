@@ -47,7 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from uvicorn.server import ServerState
@@ -210,11 +210,15 @@ async def _read_object(request: Request, max_body_bytes: int) -> dict[str, Any]:
     # Count what actually arrives too: a chunked body declares no length.
     chunks: list[bytes] = []
     received_bytes = 0
-    async for chunk in request.stream():
-        received_bytes += len(chunk)
-        if received_bytes > max_body_bytes:
-            raise _ApiError(413, f"request body exceeds the {max_body_bytes}-byte limit")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            received_bytes += len(chunk)
+            if received_bytes > max_body_bytes:
+                raise _ApiError(413, f"request body exceeds the {max_body_bytes}-byte limit")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Gone (or cut off at its request deadline) before its body arrived: nothing to do.
+        raise _ApiError(400, "the connection closed before the request body arrived") from None
     raw = b"".join(chunks)
     if not raw.strip():
         return {}
@@ -605,7 +609,14 @@ def build_app(
             now_s = time.monotonic()
             last_s = logged_at.get(worker_id)
             changes_state = ready and worker.state is WorkerState.STARTING
-            if not changes_state and last_s is not None and now_s - last_s < min_worker_interval_s:
+            # Never so coarse that a pool with a short heartbeat grace sees its workers go silent.
+            grace_s = runner.state.pools[worker.pool].spec.heartbeat_grace_s
+            interval_s = (
+                min_worker_interval_s
+                if grace_s is None
+                else min(min_worker_interval_s, grace_s / 4)
+            )
+            if not changes_state and last_s is not None and now_s - last_s < interval_s:
                 if worker.state is WorkerState.REQUESTED:
                     # Its start is not handled yet: a readiness report now would be refused.
                     requests.refuse("rate")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import socket
 import subprocess
 import sys
@@ -492,6 +493,21 @@ async def test_a_workers_reports_are_logged_at_most_once_per_interval(tmp_path: 
 
 
 @pytest.mark.anyio
+async def test_reports_are_logged_often_enough_for_a_short_heartbeat_grace(tmp_path: Path) -> None:
+    async with running(tmp_path, min_worker_interval_s=3600.0) as h:
+        config = h.runner.state.config
+        pools = [attrs.evolve(p, heartbeat_grace_s=0.4) if p.name == "envs" else p for p in POOLS]
+        await h.runner.submit(Configured(t=0.5, config=attrs.evolve(config, pools=pools)))
+        await start_worker(h, "envs-0", 4242)
+        before = h.log_bytes()
+        for _ in range(2):
+            response = await h.client.post("/v1/workers/envs-0/heartbeat", headers=WORKER)
+            assert response.json() == {"commands": []}  # logged, not coalesced
+            await anyio.sleep(0.2)  # longer than a quarter of the grace
+        assert h.log_bytes()[len(before) :].count(b"WorkerHeartbeat") == 2
+
+
+@pytest.mark.anyio
 async def test_a_worker_reports_ready_and_becomes_active(tmp_path: Path) -> None:
     async with running(tmp_path, min_worker_interval_s=3600.0) as h:
         config = h.runner.state.config
@@ -853,6 +869,23 @@ async def test_a_request_that_does_not_arrive_in_time_is_closed(tmp_path: Path) 
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
             metrics = (await client.get("/metrics")).text
         assert metric(metrics, "deo_api_connections_closed_total", reason="timed_out") == 1
+
+
+@pytest.mark.anyio
+async def test_a_body_that_does_not_arrive_in_time_is_cut_off_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with guarded(tmp_path, request_timeout_s=0.5) as port:
+        slow = await anyio.connect_tcp("127.0.0.1", port)
+        head = f"POST /v1/pause HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        with caplog.at_level(logging.WARNING):
+            async with slow:
+                await slow.send(f"{head}Content-Length: 100\r\n\r\n{{".encode())
+                assert await closed_by_server(slow)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                status = (await client.get("/global-status")).json()
+        assert status["paused_all"] is False  # half a request does nothing
+        assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 @pytest.mark.anyio
