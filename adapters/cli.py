@@ -61,7 +61,7 @@ def build_parser(plugins: dict[str, Any] | None = None) -> argparse.ArgumentPars
         description="Show a running deo's pools (with the age of each pressure sample), "
         "workers, GPUs and alerts.",
     )
-    remote.add_target_arguments(status, token=False)
+    remote.add_target_arguments(status)
     status.add_argument("--json", action="store_true", help="print the raw JSON")
     stop = commands.add_parser(
         "stop",
@@ -70,7 +70,7 @@ def build_parser(plugins: dict[str, Any] | None = None) -> argparse.ArgumentPars
         "unless --drain, which drains every worker first.",
     )
     stop.add_argument("--drain", action="store_true", help="drain every worker first")
-    remote.add_target_arguments(stop, token=True)
+    remote.add_target_arguments(stop)
     for name, action in remote.ACTIONS.items():
         remote.add_action_arguments(
             commands.add_parser(name, help=action.help, description=action.help),

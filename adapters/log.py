@@ -786,7 +786,7 @@ def _load_snapshot(
         return None, f"{target.name} ignored ({why}); the state is rebuilt from the whole log"
 
 
-class _Unusable(Exception):
+class _Unusable(DeoError):
     """Why a snapshot cannot be used."""
 
 

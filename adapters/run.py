@@ -68,7 +68,8 @@ __all__ = ["find_spawned", "reconcile", "run"]
 log = logging.getLogger("deo.run")
 
 #: Variables every worker of this run inherits, besides those the core gives each worker
-#: (CUDA_VISIBLE_DEVICES, DEO_WORKER_ID, ...) and the executor's DEO_HEARTBEAT_FILE.
+#: (CUDA_VISIBLE_DEVICES, DEO_WORKER_ID, ...), the executor's DEO_HEARTBEAT_FILE and the
+#: worker's own token (DEO_WORKER_TOKEN).
 API_URL_ENV = "DEO_API_URL"
 WORKER_TOKEN_ENV = "DEO_WORKER_TOKEN"
 #: Names the log a worker belongs to, so a restart never takes another deo's worker for its own.
@@ -87,17 +88,28 @@ def run_id_of(log_path: Path) -> str:
         return hashlib.sha256(f.readline()).hexdigest()[:16]
 
 
-def worker_token_for(log_path: Path) -> str:
-    """The workers' API token, kept beside the log (mode 0600) so adopted workers keep theirs."""
-    path = log_path.with_name(log_path.name + ".worker-token")
+def worker_secret_for(log_path: Path) -> str:
+    """The secret each worker's API token is derived from (:func:`adapters.api.app.worker_token`),
+    kept beside the log (mode 0600) so that adopted workers' tokens stay valid."""
+    path = log_path.with_name(log_path.name + ".worker-secret")
     try:
         return path.read_text().strip()
     except FileNotFoundError:
-        token = secrets.token_urlsafe(24)
+        secret = secrets.token_urlsafe(32)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(token)
-        return token
+            f.write(secret)
+        return secret
+
+
+def write_operator_token(path: Path, token: str) -> None:
+    """Write ``token`` to ``path``, readable by this user alone (mode 0600), replacing it whole."""
+    partial = path.with_name(path.name + ".partial")
+    partial.unlink(missing_ok=True)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    partial.replace(path)
 
 
 def worker_environ(token_env: str, runtime: dict[str, str]) -> dict[str, str]:
@@ -194,12 +206,24 @@ async def run(
     ``live`` redraws a compact view of pools, workers, GPUs and decisions (for a terminal);
     otherwise decisions go out as log lines.
     """
-    from adapters.api.app import build_app, listen, serve
+    from adapters.api.app import build_app, listen, serve, worker_token
+    from adapters.api.client import operator_token_path
+    from adapters.api.guard import connection_cap
     from adapters.sources.nvml import physical_gpu_ids, poll_gpus
 
-    token = os.environ.get(settings.api.token_env) or secrets.token_urlsafe(24)
-    if settings.api.token_env not in os.environ:
-        out(f"deo: no ${settings.api.token_env}; operator token for this run: {token}")
+    api = settings.api
+    try:
+        max_connections = connection_cap(api.max_connections)
+    except ValueError as exc:
+        out(f"deo: api: {exc}")
+        return 2
+    if not api.loopback:
+        reads = (
+            "reads (GET) are open to anyone who can reach it (api.open_reads = true)"
+            if api.open_reads
+            else "every endpoint, reads included, needs the operator token"
+        )
+        out(f"deo: warning: the API listens on {api.host}, beyond loopback: {reads}")
     clock = time.time  # wall time: it must keep meaning the same across restarts
     # Everything that can fail at start-up fails before any worker is touched.
     try:
@@ -236,12 +260,20 @@ async def run(
     if recovery.replayed:
         out(f"deo: rebuilt state from {settings.log} ({recovery.replayed} records after snapshot)")
     run_id = run_id_of(settings.log)
+    token = os.environ.get(api.token_env)
     try:
-        worker_token = worker_token_for(settings.log)
+        if not token:
+            # Generated for this run and written for the operator's eyes only, never to stdout
+            # (which often ends up in a shared log); `deo stop --log LOG` reads it.
+            token = secrets.token_urlsafe(24)
+            token_path = operator_token_path(settings.log)
+            write_operator_token(token_path, token)
+            out(f"deo: no ${api.token_env}; operator token written to {token_path} (mode 0600)")
+        worker_secret = worker_secret_for(settings.log)
     except OSError as exc:
         event_log.close()
         sock.close()
-        out(f"deo: cannot write the worker token beside {settings.log}: {exc.strerror}")
+        out(f"deo: cannot write beside {settings.log}: {exc.filename}: {exc.strerror}")
         return 2
     # Past a file size limit, write() should fail with EFBIG (reported, exit 3) rather than
     # the kernel killing deo; workers get the default back (Popen restores SIGXFSZ).
@@ -249,7 +281,7 @@ async def run(
     port = sock.getsockname()[1]
     url = f"http://{settings.api.host}:{port}"
     settings.worker_logs.mkdir(parents=True, exist_ok=True)
-    runtime_env = {API_URL_ENV: url, WORKER_TOKEN_ENV: worker_token, RUN_ID_ENV: run_id}
+    runtime_env = {API_URL_ENV: url, RUN_ID_ENV: run_id}
 
     def emit(event: Event) -> None:
         runner.emit(event)  # the runner, built below around the processes, takes their reports
@@ -269,6 +301,8 @@ async def run(
         run_marks={RUN_ID_ENV: run_id},
         stop_timeout_s=stop_timeout_s,
         reap_orphans=subreaper,
+        # Each worker's own token: it speaks for that worker alone, and stays out of the log.
+        secret_environ=lambda worker_id: {WORKER_TOKEN_ENV: worker_token(worker_secret, worker_id)},
     )
     runner = Runner(
         event_log,
@@ -277,7 +311,12 @@ async def run(
         clock=clock,
         tick_interval_s=settings.tick_interval_s,
     )
-    app = build_app(runner, token=token, worker_token=worker_token)
+    app = build_app(
+        runner,
+        token=token,
+        worker_secret=worker_secret,
+        reads_need_token=not (api.loopback or api.open_reads),
+    )
     refused = False
     # Open from here until the log is closed, so no signal can end deo without closing it.
     failed: list[LogWriteFailed] = []
@@ -285,7 +324,14 @@ async def run(
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_stop_on_signal, signals, runner, tg.cancel_scope, out)
-                tg.start_soon(lambda: serve(app, sock=sock))
+                tg.start_soon(
+                    lambda: serve(
+                        app,
+                        sock=sock,
+                        max_connections=max_connections,
+                        request_timeout_s=api.request_timeout_s,
+                    )
+                )
                 out(f"deo: API on {url} (log {settings.log})")
                 tg.start_soon(processes.run)
                 for event in await reconcile(recovery.state, processes, clock, run_id):

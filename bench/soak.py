@@ -67,6 +67,8 @@ import anyio
 import attrs
 import httpx
 
+from core import DeoError
+
 __all__ = [
     "HELP",
     "DeoUnderTest",
@@ -105,7 +107,7 @@ HTTP_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 60.0
 
 
-class SoakError(Exception):
+class SoakError(DeoError):
     """The soak could not run (bad arguments, deo did not start); the message says why."""
 
 

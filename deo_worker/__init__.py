@@ -2,6 +2,8 @@
 
 - :class:`Drain` — the drain signal as a flag and an awaitable (``deo_worker.drain``);
 - :class:`Heartbeat` — signs of life by file or API, a no-op outside deo (``deo_worker.heartbeat``);
+- :func:`report_ready` and :func:`report_ready_async` — tell deo the worker is ready, for pools
+  with ``require_ready = true`` (``deo_worker.ready``);
 - :func:`serve_until_drained` and :func:`drainable` — an atroposlib ``BaseEnv`` that drains
   (``deo_worker.atropos``);
 - ``python -m deo_worker.demo_env`` — a stand-in Atropos env worker (``deo_worker.demo_env``).
@@ -17,6 +19,7 @@ from deo_worker.atropos import (
 )
 from deo_worker.drain import DEFAULT_DRAIN_SIGNALS, Drain
 from deo_worker.heartbeat import Heartbeat
+from deo_worker.ready import report_ready, report_ready_async
 
 __all__ = [
     "DEFAULT_DRAIN_SIGNALS",
@@ -25,5 +28,7 @@ __all__ = [
     "Heartbeat",
     "disconnect_env",
     "drainable",
+    "report_ready",
+    "report_ready_async",
     "serve_until_drained",
 ]

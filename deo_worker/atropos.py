@@ -36,6 +36,7 @@ import httpx
 
 from deo_worker.drain import Drain
 from deo_worker.heartbeat import Heartbeat
+from deo_worker.ready import report_ready_async
 
 __all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "disconnect_env", "drainable", "serve_until_drained"]
 
@@ -48,6 +49,8 @@ DEFAULT_DRAIN_TIMEOUT_S = 50.0
 #: How long cancelled stragglers get to unwind, and how long ``/disconnect-env`` may take.
 _UNWIND_S = 2.0
 _DISCONNECT_TIMEOUT_S = 5.0
+#: How often the env is looked at for its registration (an ``env_id``).
+_REGISTRATION_POLL_S = 0.1
 
 _Env = TypeVar("_Env")
 
@@ -116,6 +119,7 @@ async def serve_until_drained(
     heartbeat: Heartbeat | None = None,
     heartbeat_interval_s: float = 1.0,
     rollout_manager: Callable[[], Awaitable[Any]] | None = None,
+    ready_on_registration: bool = True,
 ) -> int:
     """Run ``env``'s rollout loop until deo drains it (or the loop ends); then disconnect.
 
@@ -126,6 +130,9 @@ async def serve_until_drained(
     ``drain_timeout_s``). ``heartbeat``: sent every ``heartbeat_interval_s`` while serving; by
     default :meth:`Heartbeat.from_environ`. ``rollout_manager``: the coroutine function to run
     instead of ``env.env_manager`` (:func:`drainable` passes BaseEnv's own).
+    ``ready_on_registration``: once the env has registered with the trajectory API (it has an
+    ``env_id``), tell deo the worker is ready (:func:`deo_worker.ready.report_ready_async`), for
+    pools with ``require_ready = true``.
 
     Returns how many in-flight rollouts were cancelled at the drain deadline (0 when all
     finished, or when the loop ended by itself). An exception from the rollout loop before the
@@ -149,6 +156,9 @@ async def serve_until_drained(
         (heartbeat or Heartbeat.from_environ()).run(heartbeat_interval_s)
     )
     drained = asyncio.ensure_future(active_drain.wait())
+    announcing = asyncio.ensure_future(
+        _ready_once_registered(env) if ready_on_registration else asyncio.sleep(0)
+    )
     try:
         await asyncio.wait({manager, drained}, return_when=asyncio.FIRST_COMPLETED)
         if not drained.done():  # the loop ended by itself (total_steps reached) or failed
@@ -166,11 +176,19 @@ async def serve_until_drained(
         log.info("drained: %d rollouts cancelled at the deadline", abandoned)
         return abandoned
     finally:
-        for task in (manager, beating, drained):
+        for task in (manager, beating, drained, announcing):
             task.cancel()
-        await asyncio.wait({manager, beating, drained}, timeout=_UNWIND_S)
+        await asyncio.wait({manager, beating, drained, announcing}, timeout=_UNWIND_S)
         if own_drain:
             active_drain.close()
+
+
+async def _ready_once_registered(env: Any) -> None:
+    """Report ready to deo once ``env`` has an ``env_id``: the trajectory API knows it then."""
+    while getattr(env, "env_id", None) is None:
+        await asyncio.sleep(_REGISTRATION_POLL_S)
+    if await report_ready_async():
+        log.info("registered as env %s: reported ready", env.env_id)
 
 
 async def _disconnect(env: Any) -> None:

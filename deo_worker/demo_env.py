@@ -37,6 +37,7 @@ import httpx
 from deo_worker.atropos import disconnect_env
 from deo_worker.drain import Drain
 from deo_worker.heartbeat import WORKER_ID_ENV, Heartbeat
+from deo_worker.ready import report_ready_async
 
 __all__ = ["DemoEnvSettings", "main", "parse_args", "run"]
 
@@ -360,6 +361,8 @@ async def run(settings: DemoEnvSettings, drain: Drain, worker_id: str) -> int:
             env.env_id = await _unless_drained(drain, env.register)
             if env.env_id is not None:
                 say(f"registered as env {env.env_id}")
+                # Registered with the trajectory API: ready, for a pool that waits for it.
+                background.start_soon(report_ready_async)
                 await _unless_drained(drain, env.read_info)
                 await env.produce()
         except* _Refused as group:  # raised inside task groups, so it comes in a group

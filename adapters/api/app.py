@@ -1,35 +1,46 @@
-"""deo's status and control HTTP API: a Starlette app served by uvicorn.
+"""deo's status and control HTTP API: a Starlette app served by uvicorn behind deo's own guard.
 
-Reads are open and need no token (they change nothing): ``GET /global-status``, ``GET /metrics``
-(Prometheus text format) and ``GET /v1/workers``. Because they are open, :func:`serve` binds to
-loopback (127.0.0.1) by default; expose it further only behind something that authenticates.
+Reads (``GET /global-status``, ``GET /metrics`` in Prometheus text format, ``GET /v1/workers``)
+change nothing and are open by default; :func:`serve` binds to loopback (127.0.0.1) by default.
+With ``reads_need_token`` (what ``deo run`` sets when it listens beyond loopback) they need the
+operator token too.
 
 Writes need ``Authorization: Bearer <token>``: the operator token for operator actions (pause,
-resume, pin, drain, cordon, uncordon, pressure), the operator or the worker token for
-``POST /v1/workers/{id}/heartbeat``. A missing token is 401, a wrong one 403.
+resume, pin, drain, cordon, uncordon, pressure, stop). A worker speaks only for itself:
+``POST /v1/workers/{id}/heartbeat`` and ``POST /v1/workers/{id}/ready`` take the operator token
+or that worker's own token, :func:`worker_token` of the run's worker secret and its id, which
+``deo run`` puts in the worker's environment. A missing token is 401, a wrong one 403.
 
 Every write is turned into one core event and handed to :meth:`Runner.submit`, which answers with
 the commands it produced or raises the error the core refused the event with. The request is
 checked (auth, size, JSON, field types) and its event constructed *before* it is submitted,
 because the runner logs every event it is given: a malformed request must leave no trace in the
 event log, while a refusal by the reducer (an unknown pool, a pin outside the bounds) is a real
-input and is logged as rejected.
+input and is logged as rejected. Worker requests are checked further before they reach the log:
+a worker id that is too long or not one of the live workers is refused (404) and only counted
+(``deo_api_requests_refused_total``). A heartbeat is not logged by itself: the runner records
+the workers it saw once per tick (:meth:`Runner.saw`). Readiness reports closer together than
+``min_worker_interval_s`` are answered without being logged (counted as coalesced), so workers
+add at most one record per worker and interval to the log, whatever they send.
 
 Errors are JSON ``{"error": "..."}`` naming what was wrong, with the status every
 :class:`~core.errors.DeoError` carries (``http_status``): 400/413/422 for a malformed request, 401
 and 403 for a missing or wrong token, 404 for an unknown pool, worker or GPU, 409 for a request
-the subject's current state refuses, 503 while deo stops.
+the subject's current state refuses, 429 for a worker reporting too often, 503 while deo stops.
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+import hashlib
 import hmac
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import anyio
+import attrs
 import orjson
 import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
@@ -37,10 +48,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
+from uvicorn.server import ServerState
 
+from adapters.api.guard import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    ConnectionGuard,
+    GuardCounters,
+    connection_cap,
+)
 from adapters.describe import pool_summary
 from adapters.runtime.runner import Runner
 from core import (
@@ -56,19 +75,49 @@ from core import (
     PoolPinned,
     QueueSampled,
     State,
+    WorkerReady,
     WorkerState,
 )
 from core.state import PoolState, Worker, split_worker_id
 
-__all__ = ["build_app", "serve"]
+__all__ = ["MAX_WORKER_ID_CHARS", "build_app", "listen", "serve", "worker_token"]
 
 #: How long a cancelled server waits for requests in flight before cutting them off.
 SHUTDOWN_GRACE_S = 5
+
+#: Connections the kernel queues for the accept loop (capped by net.core.somaxconn).
+LISTEN_BACKLOG = 2048
 
 #: Worker states reported per pool; exited workers are forgotten by the core, so never counted.
 _LIVE_STATES: tuple[WorkerState, ...] = tuple(s for s in WorkerState if s is not WorkerState.EXITED)
 
 _QUEUE_FIELDS = ("queued_sequences", "batch_size_seqs", "trainer_step")
+
+#: Longest worker id the API takes; deo's own ids (``pool-index``) are far shorter.
+MAX_WORKER_ID_CHARS = 128
+#: A worker's heartbeats (and repeated readiness reports) closer together than this are answered
+#: without being logged: the worker was seen that recently anyway.
+DEFAULT_MIN_WORKER_INTERVAL_S = 1.0
+
+
+def worker_token(worker_secret: str, worker_id: str) -> str:
+    """The API token of worker ``worker_id``: an HMAC of its id under the run's worker secret.
+
+    It authorizes requests for that worker only; the secret itself is never given to workers.
+    """
+    return hmac.new(worker_secret.encode(), worker_id.encode(), hashlib.sha256).hexdigest()
+
+
+@attrs.define
+class _RequestCounters:
+    """Worker requests answered without reaching the log, for /metrics."""
+
+    #: By reason: "token", "worker_id" (too long), "unknown_worker", "state", "rate".
+    refused: dict[str, int] = attrs.field(factory=dict)
+    coalesced: int = 0
+
+    def refuse(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
 
 
 # --- responses and errors ------------------------------------------------------------------------
@@ -161,11 +210,15 @@ async def _read_object(request: Request, max_body_bytes: int) -> dict[str, Any]:
     # Count what actually arrives too: a chunked body declares no length.
     chunks: list[bytes] = []
     received_bytes = 0
-    async for chunk in request.stream():
-        received_bytes += len(chunk)
-        if received_bytes > max_body_bytes:
-            raise _ApiError(413, f"request body exceeds the {max_body_bytes}-byte limit")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            received_bytes += len(chunk)
+            if received_bytes > max_body_bytes:
+                raise _ApiError(413, f"request body exceeds the {max_body_bytes}-byte limit")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Gone (or cut off at its request deadline) before its body arrived: nothing to do.
+        raise _ApiError(400, "the connection closed before the request body arrived") from None
     raw = b"".join(chunks)
     if not raw.strip():
         return {}
@@ -344,8 +397,12 @@ class _StateCollector:
     """Prometheus metrics computed from the runner's state at each scrape (nothing to keep in
     sync: the state is the single source of truth)."""
 
-    def __init__(self, runner: Runner) -> None:
+    def __init__(
+        self, runner: Runner, requests: _RequestCounters, connections: GuardCounters
+    ) -> None:
         self.runner = runner
+        self.requests = requests
+        self.connections = connections
 
     def collect(self) -> Iterator[Metric]:
         state = self.runner.state
@@ -383,6 +440,38 @@ class _StateCollector:
         )
         handled.add_metric([], self.runner.events_handled)
         yield from (workers, target, queued, cordoned, alerts, handled)
+        yield from self._api_metrics()
+
+    def _api_metrics(self) -> Iterator[Metric]:
+        refused = CounterMetricFamily(
+            "deo_api_requests_refused",
+            "Worker requests refused before reaching the log, by reason",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self.requests.refused.items()):
+            refused.add_metric([reason], count)
+        coalesced = CounterMetricFamily(
+            "deo_api_heartbeats_coalesced",
+            "Worker reports answered without being logged (one was logged just before)",
+        )
+        coalesced.add_metric([], self.requests.coalesced)
+        c = self.connections
+        open_ = GaugeMetricFamily("deo_api_connections_open", "Open API connections")
+        open_.add_metric([], c.open)
+        cap = GaugeMetricFamily("deo_api_connection_cap", "Most API connections held at once")
+        cap.add_metric([], c.cap)
+        closed = CounterMetricFamily(
+            "deo_api_connections_closed",
+            "Connections the API closed: evicted at the cap, or no request within the deadline",
+            labels=["reason"],
+        )
+        closed.add_metric(["evicted"], c.evicted)
+        closed.add_metric(["timed_out"], c.timed_out)
+        accept = CounterMetricFamily(
+            "deo_api_accept_errors", "Accepts that failed for want of descriptors or memory"
+        )
+        accept.add_metric([], c.accept_errors)
+        yield from (refused, coalesced, open_, cap, closed, accept)
 
 
 # --- the app -------------------------------------------------------------------------------------
@@ -391,20 +480,32 @@ _Build = Callable[[Request, dict[str, Any], float], Event]
 
 
 def build_app(
-    runner: Runner, *, token: str, worker_token: str, max_body_bytes: int = 65_536
+    runner: Runner,
+    *,
+    token: str,
+    worker_secret: str,
+    max_body_bytes: int = 65_536,
+    reads_need_token: bool = False,
+    min_worker_interval_s: float = DEFAULT_MIN_WORKER_INTERVAL_S,
 ) -> Starlette:
-    """The API app for ``runner``. ``token`` authorizes operator actions; ``worker_token``
-    (or ``token``) authorizes heartbeats. Serve it with :func:`serve`."""
-    if not token or not worker_token:
-        raise ValueError("token and worker_token must be non-empty")
-    if hmac.compare_digest(token.encode(), worker_token.encode()):
-        raise ValueError("worker_token must differ from token, or any worker could act as operator")
+    """The API app for ``runner``. ``token`` authorizes operator actions (and reads, with
+    ``reads_need_token``); a worker's requests take ``token`` or that worker's
+    :func:`worker_token` under ``worker_secret``. Serve it with :func:`serve`."""
+    if not token or not worker_secret:
+        raise ValueError("token and worker_secret must be non-empty")
+    if hmac.compare_digest(token.encode(), worker_secret.encode()):
+        raise ValueError("worker_secret must differ from token")
     if max_body_bytes < 0:
         raise ValueError(f"max_body_bytes must be >= 0, got {max_body_bytes}")
+    if min_worker_interval_s < 0:
+        raise ValueError(f"min_worker_interval_s must be >= 0, got {min_worker_interval_s}")
     operator_only = (token.encode(),)
-    operator_or_worker = (token.encode(), worker_token.encode())
+    requests = _RequestCounters()
+    connections = GuardCounters()
     registry = CollectorRegistry()
-    registry.register(_StateCollector(runner))
+    registry.register(_StateCollector(runner, requests, connections))
+    #: When each worker's last report was logged (monotonic seconds), for coalescing.
+    logged_at: dict[str, float] = {}
 
     def action(
         accepted: tuple[bytes, ...], build: _Build
@@ -450,20 +551,21 @@ def build_app(
 
         return build
 
-    async def heartbeat(request: Request) -> Response:
-        # Not an event of its own: the runner batches sightings into one record per tick.
-        _authorize(request, operator_or_worker)
-        _only(await _read_object(request, max_body_bytes), ())
-        runner.saw(path(request, "worker_id"))  # UnknownSubject (404) for a worker never made
-        return _json(_commands_json([]))
+    def read(endpoint: Callable[[Request], Response]) -> Callable[[Request], Awaitable[Response]]:
+        async def guarded(request: Request) -> Response:
+            if reads_need_token:
+                _authorize(request, operator_only)
+            return endpoint(request)
 
-    async def global_status(request: Request) -> Response:
+        return guarded
+
+    def global_status(request: Request) -> Response:
         return _json(_global_status(runner))
 
-    async def metrics(request: Request) -> Response:
+    def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def workers(request: Request) -> Response:
+    def workers(request: Request) -> Response:
         state = runner.state
         live = sorted(state.workers.values(), key=lambda w: (w.pool, w.index))
         return _json({"workers": [_worker_json(w, state) for w in live]})
@@ -480,15 +582,69 @@ def build_app(
         runner.request_stop(drain=drain)
         return _json({"stopping": True, "drain": drain})
 
-    def post(route: str, build: _Build, accepted: tuple[bytes, ...] = operator_only) -> Route:
-        return Route(route, action(accepted, build), methods=["POST"])
+    def worker_report(ready: bool) -> Callable[[Request], Awaitable[Response]]:
+        """A heartbeat (a sighting the runner batches) or a readiness report (rate-bounded):
+        checked before anything reaches the log."""
+
+        async def endpoint(request: Request) -> Response:
+            worker_id = path(request, "worker_id")
+            if len(worker_id) > MAX_WORKER_ID_CHARS:
+                requests.refuse("worker_id")
+                raise _ApiError(
+                    404,
+                    f"no worker {worker_id[:32]!r}... of {len(worker_id)} characters "
+                    f"(worker ids have at most {MAX_WORKER_ID_CHARS})",
+                )
+            try:
+                _authorize(
+                    request, (*operator_only, worker_token(worker_secret, worker_id).encode())
+                )
+            except _ApiError:
+                requests.refuse("token")
+                raise
+            _only(await _read_object(request, max_body_bytes), ())
+            worker = runner.state.workers.get(worker_id)
+            if worker is None:
+                requests.refuse("unknown_worker")
+                raise _ApiError(404, f"unknown worker {worker_id!r}: not a live worker of deo")
+            if not ready:
+                # Not an event of its own: the runner batches sightings into one record per tick.
+                runner.saw(worker_id)
+                return _json(_commands_json([]))
+            now_s = time.monotonic()
+            last_s = logged_at.get(worker_id)
+            changes_state = worker.state is WorkerState.STARTING
+            if not changes_state and last_s is not None and now_s - last_s < min_worker_interval_s:
+                if worker.state is WorkerState.REQUESTED:
+                    # Its start is not handled yet: a readiness report now would be refused.
+                    requests.refuse("rate")
+                    retry_s = max(1, round(min_worker_interval_s))
+                    raise _ApiError(
+                        429,
+                        f"worker {worker_id!r} has not started yet; retry in {retry_s}s",
+                        {"Retry-After": str(retry_s)},
+                    )
+                requests.coalesced += 1
+                return _json({"commands": [], "coalesced": True})
+            logged_at[worker_id] = now_s
+            if len(logged_at) > 2 * len(runner.state.workers) + 16:
+                for gone in [w for w in logged_at if w not in runner.state.workers]:
+                    del logged_at[gone]
+            ready_event = WorkerReady(t=runner.clock(), worker_id=worker_id)
+            return _json(_commands_json(await runner.submit(ready_event)))
+
+        return endpoint
+
+    def post(route: str, build: _Build) -> Route:
+        return Route(route, action(operator_only, build), methods=["POST"])
 
     routes = [
-        Route("/global-status", global_status, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/v1/workers", workers, methods=["GET"]),
+        Route("/global-status", read(global_status), methods=["GET"]),
+        Route("/metrics", read(metrics), methods=["GET"]),
+        Route("/v1/workers", read(workers), methods=["GET"]),
         Route("/v1/stop", stop, methods=["POST"]),
-        Route("/v1/workers/{worker_id}/heartbeat", heartbeat, methods=["POST"]),
+        Route("/v1/workers/{worker_id}/heartbeat", worker_report(False), methods=["POST"]),
+        Route("/v1/workers/{worker_id}/ready", worker_report(True), methods=["POST"]),
         post("/v1/pause", build_pause(AutoscalingPaused)),
         post("/v1/resume", build_pause(AutoscalingResumed)),
         post("/v1/pools/{pool}/pin", build_pin),
@@ -506,7 +662,7 @@ def build_app(
             no_body(lambda g, t: GpuUncordonRequested(t=t, gpu_id=g), "gpu_id"),
         ),
     ]
-    return Starlette(
+    app = Starlette(
         routes=routes,
         exception_handlers={
             DeoError: _deo_error,
@@ -514,33 +670,19 @@ def build_app(
             Exception: _server_error,
         },
     )
+    # serve() counts its connections here, for /metrics.
+    app.state.guard_counters = connections
+    return app
 
 
 # --- serving -------------------------------------------------------------------------------------
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its signal handling, reporting its port once it listens."""
-
-    def __init__(self, config: uvicorn.Config, started: Callable[[int], None] | None) -> None:
-        super().__init__(config)
-        self._on_started = started
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # deo owns SIGINT/SIGTERM (stopping may drain workers first); uvicorn must not take them.
-        yield
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started and self._on_started is not None:
-            self._on_started(self.servers[0].sockets[0].getsockname()[1])
-
-
 def listen(host: str, port: int) -> socket.socket:
     """A listening socket for :func:`serve`; bind it early to learn the port before serving."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family)
+    # A long kernel queue costs no descriptors: connections wait there while the guard is full.
+    return socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
 
 
 async def serve(
@@ -550,43 +692,59 @@ async def serve(
     port: int = 8787,
     started: Callable[[int], None] | None = None,
     sock: socket.socket | None = None,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
 ) -> None:
     """Serve ``app`` until cancelled, then shut down gracefully. Needs the asyncio backend.
 
     Loopback by default because the GET endpoints are open. ``port=0`` picks a free port;
     ``started(port)`` is called with the actual one once the server listens. ``sock``, from
-    :func:`listen`, replaces ``host`` and ``port``.
+    :func:`listen`, replaces ``host`` and ``port``. Connections are accepted by a
+    :class:`~adapters.api.guard.ConnectionGuard`: at most ``max_connections`` (fewer where the
+    open-file limit leaves less beside the descriptors kept for workers), each given
+    ``request_timeout_s`` to deliver a complete request. ValueError if the open-file limit is too
+    low to serve at all.
     """
     # Bind here rather than in uvicorn: a port in use then raises OSError to the caller, where
     # uvicorn would log it and call sys.exit.
     if sock is None:
         sock = listen(host, port)
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        # None keeps uvicorn from replacing the process's logging configuration with its own.
-        log_config=None,
-        lifespan="off",
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-    )
-    server = _Server(config, started)
-    finished = anyio.Event()
-
-    async def run() -> None:
-        # Shielded, so that cancelling serve() makes uvicorn stop in order (close the listener and
-        # idle connections, let requests in flight finish) instead of abandoning it mid-loop.
-        with anyio.CancelScope(shield=True):
-            try:
-                await server.serve(sockets=[sock])
-            finally:
-                finished.set()
-
     try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
-            try:
-                await finished.wait()
-            finally:
-                server.should_exit = True  # uvicorn polls this every 0.1 s
+        counters = getattr(app.state, "guard_counters", None)
+        guard = ConnectionGuard(
+            cap=connection_cap(max_connections),
+            request_timeout_s=request_timeout_s,
+            counters=counters if isinstance(counters, GuardCounters) else None,
+        )
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            # None keeps uvicorn from replacing the process's logging configuration with its own.
+            log_config=None,
+            lifespan="off",
+        )
+        config.load()
+        server_state = ServerState()
+        protocol = guard.protocol_class()
+
+        def connection() -> asyncio.Protocol:
+            return protocol(config=config, server_state=server_state, app_state={})
+
+        if started is not None:
+            started(sock.getsockname()[1])
+        try:
+            await guard.accept_forever(sock, connection)
+        finally:
+            # Shielded, so that cancelling serve() stops in order: no new connections, idle
+            # ones closed, requests in flight given SHUTDOWN_GRACE_S to finish.
+            with anyio.CancelScope(shield=True):
+                sock.close()
+                guard.shutdown()
+                with anyio.move_on_after(SHUTDOWN_GRACE_S):
+                    while server_state.tasks:
+                        await anyio.sleep(0.05)
+                for task in list(server_state.tasks):
+                    task.cancel()
+                guard.abort_all()
     finally:
         sock.close()

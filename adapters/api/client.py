@@ -4,6 +4,11 @@ Each finds deo from ``--url``, or from ``--config`` (the file ``deo run`` was st
 ``[api]`` table gives the address and the variable holding the operator token), or at
 ``http://127.0.0.1:8787``. Exit status: 0 done, 1 refused by deo (an unknown pool, a pin
 outside the bounds ...), 2 deo not reached or the command itself wrong (no token, bad file).
+
+The operator token comes from ``$DEO_TOKEN`` (or the variable ``--token-env`` or the file's
+``api.token_env`` names) or, when that is unset, from the file ``deo run`` wrote beside its log
+when it generated the token (:func:`operator_token_path`; the log is the one ``--log`` or the
+``--config`` file names).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ __all__ = [
     "act",
     "add_action_arguments",
     "add_target_arguments",
+    "find_operator_token",
+    "operator_token_path",
     "status",
     "stop",
 ]
@@ -45,23 +52,47 @@ class _Answered(DeoError):
     """deo answered the request with a refusal (exit status 1)."""
 
 
-def add_target_arguments(parser: argparse.ArgumentParser, *, token: bool) -> None:
-    """``--config`` / ``--url`` (which deo), and ``--token-env`` for commands that need the
-    operator token."""
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config`` / ``--url`` (which deo), ``--token-env`` and ``--log`` (where the operator
+    token is)."""
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
         "--config",
         type=Path,
         help="the TOML file deo run was started with: its [api] table says where deo listens "
-        "and which variable holds the operator token",
+        "and which variable holds the operator token, its deo.log where the generated token is",
     )
     where.add_argument("--url", help=f"deo's API address (default {DEFAULT_URL})")
+    parser.add_argument(
+        "--token-env",
+        help="environment variable holding the operator token (default: the file's "
+        f"api.token_env with --config, else {DEFAULT_TOKEN_ENV})",
+    )
+    parser.add_argument(
+        "--log",
+        type=Path,
+        help="the run's event log: when the token variable is unset, the token deo run "
+        "generated is read from LOG.token (default with --config: the file's deo.log)",
+    )
+
+
+def operator_token_path(log_path: Path) -> Path:
+    """Where ``deo run`` writes the operator token it generated (mode 0600): beside the log."""
+    return log_path.with_name(log_path.name + ".token")
+
+
+def find_operator_token(token_env: str, log_path: Path | None = None) -> str | None:
+    """The operator token: ``$token_env`` if set, else the token file of the log at
+    ``log_path`` if there is one, else None."""
+    token = os.environ.get(token_env)
     if token:
-        parser.add_argument(
-            "--token-env",
-            help="environment variable holding the operator token (default: the file's "
-            f"api.token_env with --config, else {DEFAULT_TOKEN_ENV})",
-        )
+        return token
+    if log_path is None:
+        return None
+    try:
+        return operator_token_path(log_path).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _connectable(host: str) -> str:
@@ -70,15 +101,24 @@ def _connectable(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _target(args: argparse.Namespace) -> tuple[str, str]:
-    """(deo's API address, the name of the variable holding the operator token)."""
+@attrs.frozen(slots=True)
+class _Target:
+    url: str
+    token_env: str
+    log: Path | None
+
+
+def _target(args: argparse.Namespace) -> _Target:
+    """Which deo, and where its operator token is."""
     token_env = DEFAULT_TOKEN_ENV
     url = args.url or DEFAULT_URL
+    log_path: Path | None = args.log
     if args.config is not None:
-        from adapters.runtime.config_file import load_api
+        from adapters.runtime.config_file import load_api, load_log_path
 
         try:
             api = load_api(args.config)
+            log_path = log_path or load_log_path(args.config)
         except ConfigError as exc:
             raise _Refused(f"{args.config}: {exc}") from None
         if api.port == 0:
@@ -88,13 +128,16 @@ def _target(args: argparse.Namespace) -> tuple[str, str]:
             )
         url = f"http://{_connectable(api.host)}:{api.port}"
         token_env = api.token_env
-    return url.rstrip("/"), getattr(args, "token_env", None) or token_env
+    return _Target(url.rstrip("/"), args.token_env or token_env, log_path)
 
 
-def _operator_token(token_env: str) -> str:
-    token = os.environ.get(token_env)
+def _operator_token(target: _Target) -> str:
+    token = find_operator_token(target.token_env, target.log)
     if not token:
-        raise _Refused(f"set ${token_env} to the operator token (deo run prints one if unset)")
+        raise _Refused(
+            f"set ${target.token_env} to the operator token, or give --log LOG (or --config) "
+            f"when deo run generated it and wrote it to LOG.token"
+        )
     return token
 
 
@@ -107,8 +150,8 @@ def _error_of(response: httpx.Response) -> str:
     return error if isinstance(error, str) else response.text
 
 
-def _get(url: str) -> Any:
-    response = httpx.get(url, timeout=5.0)
+def _get(url: str, headers: dict[str, str]) -> Any:
+    response = httpx.get(url, headers=headers, timeout=5.0)
     response.raise_for_status()
     return response.json()
 
@@ -137,12 +180,15 @@ def _age(now: Any, t: Any) -> str:
 def status(args: argparse.Namespace) -> int:
     """Print the pools, workers, GPUs and alerts of a running deo."""
     try:
-        url, _ = _target(args)
+        target = _target(args)
     except _Refused as exc:
         print(f"deo status: {exc}", file=sys.stderr)
         return 2
+    # The token, when there is one: a deo listening beyond loopback wants it for reads too.
+    token = find_operator_token(target.token_env, target.log)
+    url = target.url
     try:
-        body = _get(f"{url}/global-status")
+        body = _get(f"{url}/global-status", {"Authorization": f"Bearer {token}"} if token else {})
         if not isinstance(body, dict):
             raise ValueError("the answer is not a JSON object")
     except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
@@ -189,8 +235,9 @@ def status(args: argparse.Namespace) -> int:
 def _post(args: argparse.Namespace, path: str, body: dict[str, Any]) -> Any:
     """POST ``body`` to ``path`` with the operator token: the answer's JSON, or _Refused (not
     reached) / _Answered (refused by deo)."""
-    url, token_env = _target(args)
-    token = _operator_token(token_env)
+    target = _target(args)
+    url = target.url
+    token = _operator_token(target)
     try:
         response = httpx.post(
             f"{url}{path}",
@@ -310,7 +357,7 @@ def add_action_arguments(parser: argparse.ArgumentParser, action: Action) -> Non
             type=_count if name == "count" else str,
             help=text,
         )
-    add_target_arguments(parser, token=True)
+    add_target_arguments(parser)
 
 
 def act(verb: str, args: argparse.Namespace) -> int:

@@ -260,8 +260,8 @@ def run_demo(
         return 2
     log = log.absolute()
     log.parent.mkdir(parents=True, exist_ok=True)
-    # A fresh run each time: this log, its snapshot and its workers' token are the demo's own.
-    for old in (log, snapshot_path(log), log.with_name(log.name + ".worker-token")):
+    # A fresh run each time: this log, its snapshot and its workers' secret are the demo's own.
+    for old in (log, snapshot_path(log), log.with_name(log.name + ".worker-secret")):
         old.unlink(missing_ok=True)
     files = _worker_logs(log)
     files.mkdir(exist_ok=True)

@@ -7,6 +7,7 @@ Every problem is reported with its key (``pools.envs.max_workers: expected an in
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import math
 import os
 import tomllib
@@ -42,12 +43,19 @@ __all__ = ["ApiSettings", "RunSettings", "Source", "check_loggable", "load", "lo
 
 @attrs.frozen(slots=True, kw_only=True)
 class ApiSettings:
-    """Where the HTTP API listens and the bearer token its mutating endpoints require."""
+    """Where the HTTP API listens, the bearer token its mutating endpoints require, and how many
+    connections it holds."""
 
     host: str = "127.0.0.1"
     port: int = 8787
     #: The name of the environment variable holding the operator token.
     token_env: str = "DEO_TOKEN"
+    #: Beyond loopback, reads need the operator token too unless this says they stay open.
+    open_reads: bool = False
+    #: Most connections held at once (fewer where the open-file limit leaves less).
+    max_connections: int = 256
+    #: How long a connection has to deliver a complete request before it is closed.
+    request_timeout_s: float = 10.0
 
     def __attrs_post_init__(self) -> None:
         if not self.host:
@@ -56,6 +64,20 @@ class ApiSettings:
             raise ConfigError(f"api.port: {self.port} is not in 0-65535 (0 picks a free port)")
         if not self.token_env:
             raise ConfigError("api.token_env: empty")
+        if self.max_connections < 1:
+            raise ConfigError(f"api.max_connections must be >= 1, got {self.max_connections}")
+        if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):
+            raise ConfigError(f"api.request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+    @property
+    def loopback(self) -> bool:
+        """The API listens on a loopback address only (reachable from this machine alone)."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False  # a host name: it may resolve beyond loopback
 
 
 #: Where a pool's pressure comes from: ``kind = "json"`` (the default) or ``kind = "atropos"``.
@@ -143,6 +165,13 @@ def _api_settings(data: dict[str, Any]) -> ApiSettings:
 def load_api(path: Path) -> ApiSettings:
     """Only the ``[api]`` table of ``path``: where a running deo listens, for its clients."""
     return _api_settings(_read(path))
+
+
+def load_log_path(path: Path) -> Path:
+    """Only ``deo.log`` of ``path``, resolved as :func:`load` resolves it."""
+    deo = _table(_read(path), "deo", None)
+    log: str = _typed("deo.log", deo.get("log", "deo.jsonl"), str)
+    return path.parent.resolve() / log
 
 
 def load(path: Path) -> RunSettings:

@@ -8,7 +8,8 @@ sources (``deo run`` gives it :meth:`Runner.emit <adapters.runtime.runner.Runner
 - A worker's environment is what every worker inherits (``environ``) plus the ``SpawnWorker``'s
   ``env`` as the core wrote it (CUDA_VISIBLE_DEVICES among it), so the logged command says what
   the worker got. The executor adds only the path of the worker's heartbeat file
-  (``DEO_HEARTBEAT_FILE``), beside its log.
+  (``DEO_HEARTBEAT_FILE``), beside its log, and what ``secret_environ`` gives that worker (its
+  own API token): secrets stay out of the logged command.
 
 - A worker is started from its argv list (never a shell) in its own session, so it leads its own
   process group; stdin is /dev/null and stdout and stderr are appended to ``LOG_DIR/ID.log``.
@@ -257,10 +258,13 @@ def _signal_for(command: _Signalling) -> tuple[signal.Signals, bool]:
 
 
 def _start(
-    command: SpawnWorker, log_path: Path, environ: dict[str, str]
+    command: SpawnWorker,
+    log_path: Path,
+    environ: dict[str, str],
+    secrets: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes] | str:
-    """Start the worker's process with ``environ`` and the command's env (which wins), or say
-    why it could not be started."""
+    """Start the worker's process with ``environ``, the command's env and ``secrets`` (later
+    ones win), or say why it could not be started."""
     argv = list(command.argv)  # a list, so Popen executes it directly: never a shell
     if not argv:
         return "cannot execute an empty argv"
@@ -278,7 +282,7 @@ def _start(
             stdin=subprocess.DEVNULL,
             stdout=log_fd,
             stderr=subprocess.STDOUT,
-            env={**environ, **command.env},
+            env={**environ, **command.env, **(secrets or {})},
             start_new_session=True,  # its own process group, and no terminal's signals
         )
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
@@ -349,15 +353,18 @@ class LocalProcesses:
         run_marks: Mapping[str, str] | None = None,
         stop_timeout_s: Callable[[str | None], float] = lambda pool: DEFAULT_STOP_TIMEOUT_S,
         reap_orphans: bool = False,
+        secret_environ: Callable[[str], Mapping[str, str]] | None = None,
     ) -> None:
         """``emit`` takes each event and must not block. ``environ`` is what workers inherit
-        (default: this process's environment); each spawn's own variables are added to it."""
+        (default: this process's environment); each spawn's own variables are added to it, then
+        ``secret_environ(worker_id)``, the variables of that worker alone that are not logged."""
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
         self._emit = emit
         self._clock = clock
         self._log_dir = log_dir
         self._environ = dict(os.environ if environ is None else environ)
+        self._secret_environ = secret_environ
         self._poll_interval_s = poll_interval_s
         self._workers: dict[str, _Worker] = {}
         #: Workers whose exit was reported; worker ids are never reused, so later commands for
@@ -555,7 +562,8 @@ class LocalProcesses:
             **self._environ,
             HEARTBEAT_ENV: str(heartbeat_path(self._log_dir, worker_id)),
         }
-        started = _start(command, self._log_dir / f"{worker_id}.log", environ)
+        secrets = {} if self._secret_environ is None else self._secret_environ(worker_id)
+        started = _start(command, self._log_dir / f"{worker_id}.log", environ, secrets)
         if isinstance(started, str):
             self._pending.pop(worker_id, None)
             self._emit(SpawnFailed(t=self._clock(), worker_id=worker_id, error=started))

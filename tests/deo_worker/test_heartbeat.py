@@ -1,4 +1,5 @@
-"""deo_worker/heartbeat.py: the file deo watches and deo's real HTTP API (Runner, Reducer, log)."""
+"""deo_worker/heartbeat.py and deo_worker/ready.py: the file deo watches and deo's real HTTP API
+(Runner, Reducer, log)."""
 
 from __future__ import annotations
 
@@ -18,17 +19,18 @@ import pytest
 from conftest import free_port
 
 from adapters import run as deo_run
-from adapters.api.app import build_app, serve
+from adapters.api.app import build_app, serve, worker_token
 from adapters.log import EventLog
 from adapters.runtime.runner import Runner
 from adapters.sources import heartbeat as heartbeat_source
 from core import Command, Config, Configured, PolicySpec, PoolSpec, Reducer, WorkerStarted
-from deo_worker import Heartbeat
+from deo_worker import Heartbeat, report_ready, report_ready_async
 from deo_worker import heartbeat as heartbeat_module
 
 OPERATOR_TOKEN = "operator-secret"
-WORKER_TOKEN = "worker-secret"
+WORKER_SECRET = "worker-secret"
 WORKER_ID = "envs-0"
+WORKER_TOKEN = worker_token(WORKER_SECRET, WORKER_ID)
 
 
 @pytest.fixture
@@ -60,13 +62,18 @@ class Deo:
 
 
 @asynccontextmanager
-async def deo_api(tmp_path: Path, sock: socket.socket | None = None) -> AsyncIterator[Deo]:
+async def deo_api(
+    tmp_path: Path, sock: socket.socket | None = None, *, require_ready: bool = False
+) -> AsyncIterator[Deo]:
     """deo's API around a real Runner with one started worker, ``envs-0``; on ``sock`` when
-    given, else on a free port."""
+    given, else on a free port; its pool waits for a readiness report with ``require_ready``."""
     log, _ = EventLog.open(tmp_path / "deo.jsonl", fsync=False)
     clock = Clock()
     runner = Runner(log, Reducer(), Ignore(), clock=clock, tick_interval_s=3600.0)
-    app = build_app(runner, token=OPERATOR_TOKEN, worker_token=WORKER_TOKEN)
+    # Every beat logged, however close together: the tests move the clock between beats.
+    app = build_app(
+        runner, token=OPERATOR_TOKEN, worker_secret=WORKER_SECRET, min_worker_interval_s=0.0
+    )
     ports: list[int] = []
     listening = anyio.Event()
 
@@ -78,6 +85,7 @@ async def deo_api(tmp_path: Path, sock: socket.socket | None = None) -> AsyncIte
         name="envs",
         argv=["python", "env.py"],
         policy=PolicySpec(name="static", params={"count": 1}),
+        require_ready=require_ready,
     )
     async with anyio.create_task_group() as group:
         group.start_soon(runner.run)
@@ -310,3 +318,62 @@ async def test_a_refused_or_unreachable_api_is_logged_once_and_never_raises(
         assert nobody.beat() is False
     [unreachable] = [r.getMessage() for r in caplog.records]
     assert "ConnectError" in unreachable
+
+
+# --- readiness -----------------------------------------------------------------------------------
+
+
+def worker_environ(deo: Deo, token: str = WORKER_TOKEN) -> dict[str, str]:
+    return {"DEO_API_URL": deo.url, "DEO_WORKER_ID": WORKER_ID, "DEO_WORKER_TOKEN": token}
+
+
+@pytest.mark.anyio
+async def test_a_ready_report_makes_a_starting_worker_active(tmp_path: Path) -> None:
+    async with deo_api(tmp_path, require_ready=True) as deo:
+        assert deo.runner.state.workers[WORKER_ID].state.value == "starting"
+        assert await report_ready_async(worker_environ(deo)) is True
+        assert deo.runner.state.workers[WORKER_ID].state.value == "active"
+        # The blocking one, from a thread (this thread runs deo's server): a sign of life now.
+        deo.clock.t_s = 2.0
+        assert await anyio.to_thread.run_sync(report_ready, worker_environ(deo)) is True
+        assert deo.last_seen() == 2.0
+
+
+@pytest.mark.anyio
+async def test_a_ready_report_outside_deo_does_nothing_and_a_refused_one_is_false(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert await report_ready_async({}) is True  # not run by deo: nothing to tell
+    assert report_ready({"DEO_API_URL": "http://127.0.0.1:1"}) is True
+    async with deo_api(tmp_path, require_ready=True) as deo:
+        with caplog.at_level(logging.WARNING, logger="deo_worker.ready"):
+            refused = await report_ready_async(worker_environ(deo, "not-its-token"))
+        assert refused is False
+        [message] = [r.getMessage() for r in caplog.records]
+        assert "403" in message
+        assert deo.runner.state.workers[WORKER_ID].state.value == "starting"
+
+
+@pytest.mark.anyio
+async def test_a_ready_report_waits_for_deo_to_come_up(tmp_path: Path) -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    environ = {
+        "DEO_API_URL": f"http://127.0.0.1:{sock.getsockname()[1]}",
+        "DEO_WORKER_ID": WORKER_ID,
+        "DEO_WORKER_TOKEN": WORKER_TOKEN,
+    }
+    answers: list[bool] = []
+
+    async def report() -> None:
+        answers.append(await report_ready_async(environ, timeout_s=60))
+
+    async with anyio.create_task_group() as worker:
+        worker.start_soon(report)
+        await anyio.sleep(0.6)  # at least one refused connection first
+        sock.listen()
+        async with deo_api(tmp_path, sock=sock, require_ready=True) as deo:
+            with anyio.fail_after(30):
+                while deo.runner.state.workers[WORKER_ID].state.value != "active":
+                    await anyio.sleep(0.05)
+    assert answers == [True]

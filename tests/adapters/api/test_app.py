@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import attrs
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from adapters.api.app import build_app, serve
+from adapters.api.app import MAX_WORKER_ID_CHARS, build_app, serve, worker_token
 from adapters.log import EventLog
 from adapters.runtime.runner import Runner
 from core import (
@@ -31,10 +36,11 @@ from core import (
 )
 
 TOKEN = "operator-secret"
-WORKER_TOKEN = "worker-secret"
+WORKER_SECRET = "worker-secret"
 MAX_BODY_BYTES = 1024
 OPERATOR = {"Authorization": f"Bearer {TOKEN}"}
-WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
+#: Worker envs-0's own token.
+WORKER = {"Authorization": f"Bearer {worker_token(WORKER_SECRET, 'envs-0')}"}
 
 
 @pytest.fixture
@@ -101,15 +107,18 @@ POOLS = [
 
 
 @asynccontextmanager
-async def running(tmp_path: Path) -> AsyncIterator[Harness]:
-    """Runner, configured with three pools and two GPUs, and the API on a free loopback port."""
+async def running(tmp_path: Path, **app_options: Any) -> AsyncIterator[Harness]:
+    """Runner, configured with three pools and two GPUs, and the API on a free loopback port.
+
+    Workers' reports are logged however close together, unless ``app_options`` say otherwise."""
     log_path = tmp_path / "deo.jsonl"
     log, _ = EventLog.open(log_path, fsync=False)
     clock = ManualClock()
     executor = RecordingExecutor()
     # No ticks during a test: every record in the log comes from something the test did.
     runner = Runner(log, Reducer(), executor, clock=clock, tick_interval_s=3600.0)
-    app = build_app(runner, token=TOKEN, worker_token=WORKER_TOKEN, max_body_bytes=MAX_BODY_BYTES)
+    options: dict[str, Any] = {"max_body_bytes": MAX_BODY_BYTES, "min_worker_interval_s": 0.0}
+    app = build_app(runner, token=TOKEN, worker_secret=WORKER_SECRET, **{**options, **app_options})
     ports: list[int] = []
     listening = anyio.Event()
 
@@ -407,10 +416,18 @@ async def test_heartbeat_auth_and_unknown_workers(tmp_path: Path) -> None:
         assert wrong.status_code == 403
         assert "token" in wrong.json()["error"]
 
+        # Worker envs-0's token speaks for envs-0 alone.
+        for other in ("envs-1", "ghost"):
+            response = await h.client.post(f"/v1/workers/{other}/heartbeat", headers=WORKER)
+            assert response.status_code == 403, other
+        before = h.log_bytes()
         for unknown in ("ghost", "envs-99"):
-            response = await h.client.post(f"/v1/workers/{unknown}/heartbeat", headers=WORKER)
+            response = await h.client.post(f"/v1/workers/{unknown}/heartbeat", headers=OPERATOR)
             assert response.status_code == 404
             assert f"unknown worker {unknown!r}" in response.json()["error"]
+        # Refused before the log, and counted.
+        assert h.log_bytes() == before
+        assert refused_counts(await h.client.get("/metrics")) == {"token": 4, "unknown_worker": 2}
 
 
 @pytest.mark.anyio
@@ -427,9 +444,106 @@ def test_tokens_must_be_set_and_distinct(tmp_path: Path) -> None:
     with log:
         runner = Runner(log, Reducer(), RecordingExecutor(), clock=lambda: 0.0)
         with pytest.raises(ValueError, match="non-empty"):
-            build_app(runner, token="", worker_token="w")
+            build_app(runner, token="", worker_secret="w")
         with pytest.raises(ValueError, match="differ"):
-            build_app(runner, token="same", worker_token="same")
+            build_app(runner, token="same", worker_secret="same")
+
+
+def refused_counts(metrics: httpx.Response) -> dict[str, float]:
+    """deo_api_requests_refused_total by reason, from a /metrics answer."""
+    [family] = [
+        f
+        for f in text_string_to_metric_families(metrics.text)
+        if f.name == "deo_api_requests_refused"
+    ]
+    return {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}
+
+
+@pytest.mark.anyio
+async def test_worker_reports_for_long_or_unknown_ids_never_reach_the_log(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        await start_worker(h, "envs-0", 4242)
+        before = h.log_bytes()
+        long_id = "w" * 10_000
+        for _ in range(50):
+            for worker_id, headers in ((long_id, WORKER), ("envs-7", OPERATOR)):
+                response = await h.client.post(
+                    f"/v1/workers/{worker_id}/heartbeat", headers=headers
+                )
+                assert response.status_code == 404, response.text
+        too_long = await h.client.post(f"/v1/workers/{long_id}/ready", headers=OPERATOR)
+        assert f"at most {MAX_WORKER_ID_CHARS}" in too_long.json()["error"]
+        assert len(too_long.content) < 500  # the id is not echoed back whole
+
+        assert h.log_bytes() == before
+        counts = refused_counts(await h.client.get("/metrics"))
+        assert counts == {"worker_id": 51, "unknown_worker": 50}
+
+
+@pytest.mark.anyio
+async def test_a_workers_reports_are_logged_at_most_once_per_interval(tmp_path: Path) -> None:
+    async with running(tmp_path, min_worker_interval_s=3600.0) as h:
+        await start_worker(h, "envs-0", 4242)
+        before = h.log_bytes()
+        answers = [
+            await h.client.post("/v1/workers/envs-0/heartbeat", headers=WORKER) for _ in range(40)
+        ]
+
+        assert [a.status_code for a in answers] == [200] * 40
+        assert answers[0].json() == {"commands": []}
+        assert answers[1].json() == {"commands": [], "coalesced": True}
+        written = h.log_bytes()[len(before) :]
+        assert written.count(b"WorkerHeartbeat") == 1
+        metrics = (await h.client.get("/metrics")).text
+        assert "deo_api_heartbeats_coalesced_total 39.0" in metrics
+
+
+@pytest.mark.anyio
+async def test_reports_are_logged_often_enough_for_a_short_heartbeat_grace(tmp_path: Path) -> None:
+    async with running(tmp_path, min_worker_interval_s=3600.0) as h:
+        config = h.runner.state.config
+        pools = [attrs.evolve(p, heartbeat_grace_s=0.4) if p.name == "envs" else p for p in POOLS]
+        await h.runner.submit(Configured(t=0.5, config=attrs.evolve(config, pools=pools)))
+        await start_worker(h, "envs-0", 4242)
+        before = h.log_bytes()
+        for _ in range(2):
+            response = await h.client.post("/v1/workers/envs-0/heartbeat", headers=WORKER)
+            assert response.json() == {"commands": []}  # logged, not coalesced
+            await anyio.sleep(0.2)  # longer than a quarter of the grace
+        assert h.log_bytes()[len(before) :].count(b"WorkerHeartbeat") == 2
+
+
+@pytest.mark.anyio
+async def test_a_worker_reports_ready_and_becomes_active(tmp_path: Path) -> None:
+    async with running(tmp_path, min_worker_interval_s=3600.0) as h:
+        config = h.runner.state.config
+        pools = [attrs.evolve(p, require_ready=True) if p.name == "envs" else p for p in POOLS]
+        await h.runner.submit(Configured(t=0.5, config=attrs.evolve(config, pools=pools)))
+        await start_worker(h, "envs-0", 4242)
+        assert h.runner.state.workers["envs-0"].state.value == "starting"
+        # A heartbeat first: readiness is still taken right after it.
+        assert (await h.client.post("/v1/workers/envs-0/heartbeat", headers=WORKER)).is_success
+
+        response = await h.client.post("/v1/workers/envs-0/ready", headers=WORKER)
+
+        assert response.status_code == 200, response.text
+        assert h.runner.state.workers["envs-0"].state.value == "active"
+        assert h.log_bytes().count(b"WorkerReady") == 1
+        # Reported again: a sign of life, coalesced like a heartbeat.
+        again = await h.client.post("/v1/workers/envs-0/ready", headers=WORKER)
+        assert again.json() == {"commands": [], "coalesced": True}
+        assert h.log_bytes().count(b"WorkerReady") == 1
+        wrong = await h.client.post("/v1/workers/envs-1/ready", headers=WORKER)
+        assert wrong.status_code == 403
+
+
+@pytest.mark.anyio
+async def test_reads_can_require_the_operator_token(tmp_path: Path) -> None:
+    async with running(tmp_path, reads_need_token=True) as h:
+        for url in ("/global-status", "/metrics", "/v1/workers"):
+            assert (await h.client.get(url)).status_code == 401, url
+            assert (await h.client.get(url, headers=WORKER)).status_code == 403, url
+            assert (await h.client.get(url, headers=OPERATOR)).status_code == 200, url
 
 
 # --- bad requests --------------------------------------------------------------------------------
@@ -558,8 +672,12 @@ async def test_unknown_subjects_are_404_and_logged_as_rejected(tmp_path: Path) -
 # Every write endpoint, and what each kind of refusal answers: 404 for a subject the core does not
 # know, 409 for one whose state refuses the request (logged as rejected, like the 404), 400/422
 # for a body that never becomes an event (never logged).
+# A worker's report for a worker deo does not have is refused before the log (see
+# test_worker_reports_never_log_refusals).
 REFUSALS: list[tuple[str, str, dict[str, Any], int, str]] = [
     ("heartbeat", "/v1/workers/ghost/heartbeat", {}, 404, "unknown worker 'ghost'"),
+    ("ready", "/v1/workers/ghost/ready", {}, 404, "unknown worker 'ghost'"),
+    ("ready", "/v1/workers/envs-0/ready", {"json": {"x": 1}}, 422, "unexpected field"),
     ("heartbeat", "/v1/workers/envs-0/heartbeat", {"json": {"x": 1}}, 422, "unexpected field"),
     ("heartbeat", "/v1/workers/envs-0/heartbeat", {"content": b"{"}, 400, "not valid JSON"),
     ("pause", "/v1/pause", {"json": {"pool": "nope"}}, 404, "unknown pool 'nope'"),
@@ -604,7 +722,7 @@ async def test_each_write_answers_its_refusal_with_the_status_of_the_error_class
             assert response.headers["content-type"] == "application/json", where
             assert message in response.json()["error"], where
             written = h.log_bytes()[len(before) :]
-            if status in (404, 409) and endpoint != "heartbeat":
+            if status in (404, 409) and endpoint not in ("heartbeat", "ready"):
                 # The core refused a real input: logged with its refusal, the state unchanged.
                 assert b'"kind":"rejected"' in written, where
                 assert message.encode() in written, where
@@ -618,6 +736,7 @@ async def test_each_write_answers_its_refusal_with_the_status_of_the_error_class
         seen = {endpoint for endpoint, *_ in REFUSALS}
         assert seen == {
             "heartbeat",
+            "ready",
             "pause",
             "resume",
             "pin",
@@ -633,7 +752,7 @@ async def test_a_write_while_deo_stops_is_a_503_and_logs_nothing(tmp_path: Path)
     log_path = tmp_path / "deo.jsonl"
     log, _ = EventLog.open(log_path, fsync=False)
     runner = Runner(log, Reducer(), RecordingExecutor(), clock=ManualClock(), tick_interval_s=3600)
-    app = build_app(runner, token=TOKEN, worker_token=WORKER_TOKEN)
+    app = build_app(runner, token=TOKEN, worker_secret=WORKER_SECRET)
     ports: list[int] = []
     listening = anyio.Event()
 
@@ -703,11 +822,176 @@ async def test_serves_on_loopback_by_default_and_stops_when_cancelled(tmp_path: 
         await anyio.connect_tcp("127.0.0.1", port)
 
 
+@asynccontextmanager
+async def guarded(tmp_path: Path, **serve_options: Any) -> AsyncIterator[int]:
+    """The API served with ``serve_options`` (a cap, a deadline) on a free port."""
+    log, _ = EventLog.open(tmp_path / "deo.jsonl", fsync=False)
+    runner = Runner(log, Reducer(), RecordingExecutor(), clock=ManualClock(), tick_interval_s=3600)
+    app = build_app(runner, token=TOKEN, worker_secret=WORKER_SECRET)
+    ports: list[int] = []
+    listening = anyio.Event()
+
+    def started(port: int) -> None:
+        ports.append(port)
+        listening.set()
+
+    with log:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(runner.run)
+            await runner.submit(Configured(t=0.0, config=Config(pools=POOLS, gpus=["0"])))
+            tg.start_soon(functools.partial(serve, app, port=0, started=started, **serve_options))
+            with anyio.fail_after(10):
+                await listening.wait()
+            yield ports[0]
+            tg.cancel_scope.cancel()
+
+
+async def closed_by_server(stream: anyio.abc.SocketStream) -> bool:
+    """Wait (at most 30 s) for the server to close ``stream``; True if it did."""
+    with anyio.move_on_after(30):
+        try:
+            while await stream.receive():
+                pass
+        except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+            pass
+        return True
+    return False
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    raise AssertionError(f"no sample {name} {labels} in:\n{text}")
+
+
+@pytest.mark.anyio
+async def test_a_request_that_does_not_arrive_in_time_is_closed(tmp_path: Path) -> None:
+    async with guarded(tmp_path, request_timeout_s=0.5) as port:
+        slow = await anyio.connect_tcp("127.0.0.1", port)
+        async with slow:
+            await slow.send(b"POST /v1/pause HTTP/1.1\r\nHost: x\r\n")  # and no more
+            assert await closed_by_server(slow)
+        # A client that sends its request at once is answered, however many were cut.
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            metrics = (await client.get("/metrics")).text
+        assert metric(metrics, "deo_api_connections_closed_total", reason="timed_out") == 1
+
+
+@pytest.mark.anyio
+async def test_a_body_that_does_not_arrive_in_time_is_cut_off_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with guarded(tmp_path, request_timeout_s=0.5) as port:
+        slow = await anyio.connect_tcp("127.0.0.1", port)
+        head = f"POST /v1/pause HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        with caplog.at_level(logging.WARNING):
+            async with slow:
+                await slow.send(f"{head}Content-Length: 100\r\n\r\n{{".encode())
+                assert await closed_by_server(slow)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                status = (await client.get("/global-status")).json()
+        assert status["paused_all"] is False  # half a request does nothing
+        assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+@pytest.mark.anyio
+async def test_at_the_cap_the_oldest_slow_connection_makes_room(tmp_path: Path) -> None:
+    async with guarded(tmp_path, max_connections=8, request_timeout_s=600) as port:
+        slow = [await anyio.connect_tcp("127.0.0.1", port) for _ in range(8)]
+        for stream in slow:
+            await stream.send(b"GET /global-status HTTP/1.1\r\n")
+        async with contextlib.AsyncExitStack() as clients:
+            # Each new client (keeping its connection) takes the place of the oldest slow one.
+            for _ in range(4):
+                client = await clients.enter_async_context(
+                    httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}")
+                )
+                response = await client.get("/metrics")
+                assert response.status_code == 200
+            metrics = response.text
+        assert metric(metrics, "deo_api_connection_cap") == 8
+        assert metric(metrics, "deo_api_connections_closed_total", reason="evicted") == 4
+        assert [await closed_by_server(s) for s in slow[:4]] == [True] * 4
+        for stream in slow:
+            await stream.aclose()
+
+
 @pytest.mark.anyio
 async def test_a_port_in_use_raises_oserror(tmp_path: Path) -> None:
     log, _ = EventLog.open(tmp_path / "deo.jsonl", fsync=False)
     runner = Runner(log, Reducer(), RecordingExecutor(), clock=lambda: 0.0)
-    app = build_app(runner, token=TOKEN, worker_token=WORKER_TOKEN)
+    app = build_app(runner, token=TOKEN, worker_secret=WORKER_SECRET)
     # uvicorn would log this and call sys.exit; serve() binds itself and raises instead.
     with log, socket.create_server(("127.0.0.1", 0)) as taken, pytest.raises(OSError):
         await serve(app, port=taken.getsockname()[1])
+
+
+# The server of the test below: every descriptor taken by something else in the process until
+# the guard has failed to accept three times, then given back.
+OUT_OF_DESCRIPTORS = """
+import logging, os, resource, sys
+import anyio
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from adapters.api.app import serve
+from adapters.api.guard import GuardCounters
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (512, 512))
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+app = Starlette(routes=[Route("/", lambda request: PlainTextResponse("hello"))])
+app.state.guard_counters = counters = GuardCounters()
+
+async def main() -> None:
+    async with anyio.create_task_group() as tg:
+        listening = anyio.Event()
+        def started(port: int) -> None:
+            print(port, flush=True)
+            listening.set()
+        tg.start_soon(lambda: serve(app, port=0, max_connections=8, started=started))
+        await listening.wait()
+        hogs = []
+        while True:
+            try:
+                hogs.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                break
+        print("exhausted", flush=True)
+        while counters.accept_errors < 3:
+            await anyio.sleep(0.05)
+        for fd in hogs:
+            os.close(fd)
+        print("released", flush=True)
+        await anyio.sleep(600)
+
+anyio.run(main)
+"""
+
+
+def test_accepts_failing_for_want_of_descriptors_are_logged_once(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[3]
+    server = subprocess.Popen(
+        [sys.executable, "-c", OUT_OF_DESCRIPTORS],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=(tmp_path / "server.err").open("wb"),
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        assert server.stdout.readline().strip() == "exhausted"
+        waiting = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3)]
+        assert server.stdout.readline().strip() == "released"
+        response = httpx.get(f"http://127.0.0.1:{port}/", timeout=30)
+        assert response.text == "hello"
+        for s in waiting:
+            s.close()
+        errors = (tmp_path / "server.err").read_text()
+        assert errors.count("cannot accept connections") == 1, errors
+        assert errors.count("accepting connections again") == 1, errors
+    finally:
+        server.kill()
+        server.wait()

@@ -133,6 +133,37 @@ def test_a_file_that_is_not_utf8_is_a_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("api", "message"),
+    [
+        ("max_connections = 0", "api.max_connections must be >= 1, got 0"),
+        ("request_timeout_s = 0", "api.request_timeout_s must be > 0, got 0.0"),
+        ('open_reads = "yes"', "api.open_reads: expected true or false"),
+    ],
+)
+def test_bad_api_settings_are_named(tmp_path: Path, api: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load(write(tmp_path, f"[api]\n{api}\n"))
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.1.2.3", False),
+        ("deo.example", False),  # a name may resolve anywhere
+    ],
+)
+def test_which_hosts_are_loopback(tmp_path: Path, host: str, loopback: bool) -> None:
+    settings = load(write(tmp_path, f'[api]\nhost = "{host}"\n'))
+    assert settings.api.loopback is loopback
+
+
+@pytest.mark.parametrize(
     ("change", "key"),
     [
         (
