@@ -451,8 +451,8 @@ class _StateCollector:
         for reason, count in sorted(self.requests.refused.items()):
             refused.add_metric([reason], count)
         coalesced = CounterMetricFamily(
-            "deo_api_heartbeats_coalesced",
-            "Worker reports answered without being logged (one was logged just before)",
+            "deo_api_ready_reports_coalesced",
+            "Readiness reports answered without being logged (one was logged just before)",
         )
         coalesced.add_metric([], self.requests.coalesced)
         c = self.connections

@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -249,7 +250,7 @@ def run_demo(
     log: Path, settings: DemoSettings | None = None, out: Callable[[str], None] = print
 ) -> int:
     """Run the demo, writing deo's event log to ``log``; returns the exit status."""
-    from adapters.run import run
+    from adapters.run import IGNORED_SIGNALS, STOP_SIGNALS, run
 
     demo = settings or DemoSettings()
     if importlib.util.find_spec("atroposlib") is None:
@@ -303,6 +304,9 @@ def run_demo(
                     await trainer.aclose()
             return status
 
+    # `run` leaves deo's signals ignored when it returns (a `deo run` process is then exiting);
+    # the demo goes on to its summary, which Ctrl-C must still interrupt.
+    handlers = {signum: signal.getsignal(signum) for signum in (*STOP_SIGNALS, *IGNORED_SIGNALS)}
     try:
         status = anyio.run(main)
     except Exception as exc:
@@ -311,6 +315,9 @@ def run_demo(
             raise
         out(f"deo demo: {failed}; see {_shown(files)}")
         return 1
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     if status != 0:
         out(f"deo demo: deo exited with status {status}; see {log}")
         return status

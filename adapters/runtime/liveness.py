@@ -33,6 +33,11 @@ class Liveness:
     def __init__(self) -> None:
         self._pending: set[str] = set()
 
+    @property
+    def pending(self) -> frozenset[str]:
+        """The workers seen since their last record, not yet recorded."""
+        return frozenset(self._pending)
+
     def saw(self, state: State, worker_id: str) -> None:
         """Note a sign of life of ``worker_id``.
 

@@ -481,36 +481,35 @@ async def test_worker_reports_for_long_or_unknown_ids_never_reach_the_log(tmp_pa
 
 
 @pytest.mark.anyio
-async def test_a_workers_reports_are_logged_at_most_once_per_interval(tmp_path: Path) -> None:
-    async with running(tmp_path, min_worker_interval_s=3600.0) as h:
+async def test_heartbeats_are_sightings_never_logged_one_by_one(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
         await start_worker(h, "envs-0", 4242)
         before = h.log_bytes()
         answers = [
             await h.client.post("/v1/workers/envs-0/heartbeat", headers=WORKER) for _ in range(40)
         ]
 
-        assert [a.status_code for a in answers] == [200] * 40
-        assert answers[0].json() == {"commands": []}
-        assert answers[1].json() == {"commands": [], "coalesced": True}
-        written = h.log_bytes()[len(before) :]
-        assert written.count(b"WorkerHeartbeat") == 1
-        metrics = (await h.client.get("/metrics")).text
-        assert "deo_api_heartbeats_coalesced_total 39.0" in metrics
+        assert [a.json() for a in answers] == [{"commands": []}] * 40
+        assert h.runner.liveness.pending == {"envs-0"}  # for the next tick to record, once
+        assert b"WorkerHeartbeat" not in h.log_bytes()[len(before) :]
 
 
 @pytest.mark.anyio
-async def test_reports_are_logged_often_enough_for_a_short_heartbeat_grace(tmp_path: Path) -> None:
+async def test_repeated_ready_reports_are_logged_at_most_once_per_interval(
+    tmp_path: Path,
+) -> None:
     async with running(tmp_path, min_worker_interval_s=3600.0) as h:
-        config = h.runner.state.config
-        pools = [attrs.evolve(p, heartbeat_grace_s=0.4) if p.name == "envs" else p for p in POOLS]
-        await h.runner.submit(Configured(t=0.5, config=attrs.evolve(config, pools=pools)))
         await start_worker(h, "envs-0", 4242)
         before = h.log_bytes()
-        for _ in range(2):
-            response = await h.client.post("/v1/workers/envs-0/heartbeat", headers=WORKER)
-            assert response.json() == {"commands": []}  # logged, not coalesced
-            await anyio.sleep(0.2)  # longer than a quarter of the grace
-        assert h.log_bytes()[len(before) :].count(b"WorkerHeartbeat") == 2
+        answers = [
+            await h.client.post("/v1/workers/envs-0/ready", headers=WORKER) for _ in range(40)
+        ]
+
+        assert [a.status_code for a in answers] == [200] * 40
+        assert answers[1].json() == {"commands": [], "coalesced": True}
+        assert h.log_bytes()[len(before) :].count(b"WorkerReady") == 1
+        metrics = (await h.client.get("/metrics")).text
+        assert "deo_api_ready_reports_coalesced_total 39.0" in metrics
 
 
 @pytest.mark.anyio

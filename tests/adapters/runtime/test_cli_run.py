@@ -47,10 +47,15 @@ def with_api(d: Deo, *, deo_table: str = "", extra: str = "") -> None:
     d.config.write_text(text.replace("[deo]\n", f"[deo]\n{deo_table}", 1) + extra)
 
 
-def printed_token(d: Deo) -> str:
-    found = re.search(rf"no \${TOKEN_ENV}; operator token for this run: (\S+)", d.output())
+def written_token(d: Deo) -> str:
+    """The operator token deo run generated: only in the file it names, never on its output."""
+    found = re.search(
+        rf"no \${TOKEN_ENV}; operator token written to (\S+) \(mode 0600\)", d.output()
+    )
     assert found is not None, d.output()
-    return found.group(1)
+    token = Path(found.group(1)).read_text().strip()
+    assert token and token not in d.output()
+    return token
 
 
 def test_actions_reach_deo_through_its_config_file(deo: Callable[[str], Deo]) -> None:
@@ -65,7 +70,7 @@ def test_actions_reach_deo_through_its_config_file(deo: Callable[[str], Deo]) ->
     )
     with_api(d, deo_table='gpus = ["0"]\n', extra='[nvml]\nbackend = "off"\n')
     d.start()
-    token = printed_token(d)
+    token = written_token(d)
     wait_for("one worker", lambda: len(d.workers("active")) == 1)
 
     def run(*args: Any, token: str | None = token) -> subprocess.CompletedProcess[str]:
@@ -123,7 +128,12 @@ def test_actions_reach_deo_through_its_config_file(deo: Callable[[str], Deo]) ->
     assert unknown.returncode == 1
     assert "deo cordon: refused (404): " in unknown.stderr and "'7'" in unknown.stderr
 
-    no_token = run("pause", token=None)
+    # Without the variable, the file's deo.log says where deo run wrote the token it generated.
+    from_file = run("pause", token=None)
+    assert from_file.returncode == 0, from_file.stderr
+    assert d.status()["paused_all"] is True
+    assert run("resume", token=None).returncode == 0
+    no_token = cli("pause", "--url", d.url, "--token-env", TOKEN_ENV, token=None, cwd=d.dir)
     assert no_token.returncode == 2
     assert f"set ${TOKEN_ENV} to the operator token" in no_token.stderr
     wrong_token = run("pause", token="not-the-token")
