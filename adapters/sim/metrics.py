@@ -13,9 +13,12 @@
   are not counted.
 * ``scale_actions``: ScalePool commands whose source is the policy (configuration and operator
   changes are not the controller's).
-* ``flaps``: per pool, a policy ScalePool whose direction (up or down) reverses the previous
-  policy ScalePool's and comes less than the pool's ``stabilization_s`` *as the scenario declares
-  it* after it (so baselines run with the window off are judged by the same window).
+* ``flaps``: reversals, per pool, over any span: a policy ScalePool whose direction (up or down)
+  reverses the previous policy ScalePool's, however long after it (a 10-minute cycle between 70
+  and 128 workers counts as much as a jittery one); ``reversals_per_hour`` divides them by the
+  run's hours.
+* ``groups_discarded``: groups cancelled at the off-policy limit (generation wasted), and
+  ``discarded_generation_s`` the generation seconds they had spent.
 """
 
 from __future__ import annotations
@@ -50,6 +53,14 @@ class Metrics:
     peak_workers: int
     #: Groups whose generation was lost to a crash, a kill or a lost GPU.
     groups_lost: int
+    groups_discarded: int = 0
+    discarded_generation_s: float = 0.0
+    duration_s: float = 3600.0
+
+    @property
+    def reversals_per_hour(self) -> float:
+        """Reversals of scaling direction (``flaps``) per hour of the run."""
+        return self.flaps * 3600.0 / self.duration_s if self.duration_s > 0 else 0.0
 
     @property
     def worker_hours_ratio(self) -> float:
@@ -98,19 +109,16 @@ def _overlap(a: tuple[tuple[float, float], ...], b: tuple[tuple[float, float], .
 def _flaps(scenario: Scenario, record: WorldRecord) -> int:
     flaps = 0
     for pool in scenario.pools:
-        window = pool.stabilization_s
-        previous: tuple[float, int] | None = None
+        previous: int | None = None
         for scale in record.scales:
             if scale.pool != pool.name or scale.source != DecisionSource.POLICY:
                 continue
+            if scale.target == scale.previous:
+                continue
             direction = 1 if scale.target > scale.previous else -1
-            if (
-                previous is not None
-                and direction == -previous[1]
-                and scale.t - previous[0] < window
-            ):
+            if previous is not None and direction == -previous:
                 flaps += 1
-            previous = (scale.t, direction)
+            previous = direction
     return flaps
 
 
@@ -156,4 +164,7 @@ def measure(scenario: Scenario, record: WorldRecord, oracle: OracleResult) -> Me
         steps=record.steps,
         peak_workers=max((p.workers for p in record.series), default=0),
         groups_lost=record.groups_lost,
+        groups_discarded=record.groups_discarded,
+        discarded_generation_s=record.discarded_generation_s,
+        duration_s=end,
     )

@@ -156,7 +156,7 @@ def test_bench_appends_its_section_and_keeps_the_rest(
     # Only the scenario without phases is jitter-only, so only it has the flaps target.
     assert "### steady (jitter-only)" in section
     assert "### speedup\n" in section
-    assert section.count("| no flaps (jitter-only) |") == 1
+    assert section.count("| <= 2 reversals per hour (jitter-only) |") == 1
     assert "![speedup: workers and trainer waiting](bench/speedup.png)" in section
 
 
@@ -367,7 +367,7 @@ def test_check_targets_all_met() -> None:
         # 10.36 > 1.15 x 9.0 = 10.35
         (metrics(worker_hours=10.36), metrics(worker_hours=99.0), True, 1),
         (metrics(mean_lag_steps=1.51), metrics(worker_hours=99.0), True, 2),
-        (metrics(flaps=1), metrics(worker_hours=99.0), True, 3),
+        (metrics(flaps=3, reversals_per_hour=3.0), metrics(worker_hours=99.0), True, 3),
         # equal on both: better on neither
         (metrics(), metrics(), True, 4),
         # dominated
@@ -383,10 +383,12 @@ def test_check_targets_each_miss(
 
 def test_flaps_are_a_target_only_on_jitter_only_scenarios() -> None:
     checks = check_targets(
-        make_report(metrics(flaps=4), metrics(worker_hours=99.0), jitter_only=False)
+        make_report(
+            metrics(flaps=4, reversals_per_hour=4.0), metrics(worker_hours=99.0), jitter_only=False
+        )
     )
     assert all(c.ok for c in checks)
-    assert not any("flaps" in c.target for c in checks)
+    assert not any("reversals" in c.target for c in checks)
 
 
 def test_render_section_links_plots_relative_to_the_document(tmp_path: Path) -> None:

@@ -88,21 +88,24 @@ def test_lag_mean_and_p95_per_sequence() -> None:
     assert math.isnan(metrics().mean_lag_steps)  # nothing consumed
 
 
-def test_flaps_are_reversals_within_the_scenario_stabilization_window() -> None:
+def test_flaps_are_reversals_over_any_span_and_counted_per_hour() -> None:
     scales = (
         scale(0.0, 0, 1, source="config"),  # not the policy's
         scale(10.0, 1, 5),
-        scale(70.0, 5, 4),  # down 60 s after up: flap 1
+        scale(70.0, 5, 4),  # down after up: reversal 1
         scale(100.0, 4, 3),  # same direction
-        scale(300.0, 3, 6),  # up 200 s after the last down: no flap
-        scale(419.0, 6, 5),  # 119 s: flap 2
+        scale(300.0, 3, 6),  # up 200 s after the last down: reversal 2, however long after
+        scale(419.0, 6, 5),  # reversal 3
         scale(420.0, 5, 4, source="operator"),
         scale(420.0, 1, 2, pool="other"),  # another pool's history
-        scale(539.0, 5, 6),  # 120 s after the last down: not within the window
+        scale(539.0, 5, 6),  # reversal 4
+        scale(900.0, 6, 6),  # no change: no direction
+        scale(1200.0, 6, 7),  # same direction as the last change
     )
     m = metrics(scales=scales)
-    assert m.flaps == 2
-    assert m.scale_actions == 7  # the 6 policy decisions of envs and the other pool's one
+    assert m.flaps == 4
+    assert m.scale_actions == 9  # the 8 policy decisions of envs and the other pool's one
+    assert m.reversals_per_hour == pytest.approx(4 * 3600 / m.duration_s)
 
 
 def test_peak_workers_and_counts() -> None:
