@@ -34,7 +34,8 @@ from bench.harness import (
 )
 from core import PolicySpec
 
-POLICIES = ("deo", "deo-proposal", "ray-serve", "verl", "k8s-hpa", "static", "oracle")
+POLICIES = ("deo", "deo-proposal", "ray-serve", "verl", "k8s-hpa", "static")
+REFERENCES = ("oracle (reactive)", "lower bound (clairvoyant)")
 
 STEADY = """\
 description = "Steady demand, random latencies only."
@@ -123,7 +124,7 @@ def test_bench_succeeds_and_prints_a_line_per_scenario_and_policy(
     _, done = bench_run
     assert done.returncode == 0, done.stderr
     for scenario in ("steady", "speedup"):
-        for policy in POLICIES:
+        for policy in (*POLICIES, "oracle"):
             pattern = rf"^{scenario}  {re.escape(policy)} +\d+\.\ds  starvation \d+\.\d\d%"
             lines = [line for line in done.stdout.splitlines() if re.match(pattern, line)]
             assert len(lines) == 1, (scenario, policy, done.stdout)
@@ -146,7 +147,7 @@ def test_bench_appends_its_section_and_keeps_the_rest(
     for scenario in ("speedup", "steady"):
         block = section[section.index(f"### {scenario}") :]
         block = block[: block.index("![")]
-        for policy in POLICIES:
+        for policy in POLICIES + REFERENCES:
             name = f"**{policy}**" if policy == DEO else policy
             assert re.search(rf"^\| {re.escape(name)} \| \d+\.\d\d% \| ", block, re.M), (
                 scenario,
@@ -401,6 +402,6 @@ def test_render_section_links_plots_relative_to_the_document(tmp_path: Path) -> 
     )
     assert text.startswith(START_MARK + "\n") and text.endswith(END_MARK + "\n")
     assert "![s: workers and trainer waiting](bench/s.png)" in text
-    assert "| oracle | 4.50% | 9.00 | 1.00 | - | - | - | - |" in text
+    assert "| oracle (reactive) | 4.50% | 9.00 | 1.00 | - | - | - | - |" in text
     assert "| **deo** | 5.00% | 10.00 | 1.11 | 1.00 | 2.00 | 3 | 0 |" in text
     assert "deo met every target on 1 of them" in text

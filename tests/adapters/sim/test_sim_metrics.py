@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from adapters.sim.metrics import Metrics, measure
-from adapters.sim.oracle import OracleResult
+from adapters.sim.oracle import GRID_S, LowerBound, OracleResult
 from adapters.sim.scenario import EnvPool, Pause, Scenario, TrainerSpec
 from adapters.sim.world import ScaleRecord, SeriesPoint, WorkerSpan, WorldRecord
 
@@ -36,13 +36,32 @@ def make_record(**changes: Any) -> WorldRecord:
     return WorldRecord(**fields)
 
 
-def make_oracle(unavoidable: tuple[tuple[float, float], ...] = ()) -> OracleResult:
+def make_oracle(
+    unavoidable: tuple[tuple[float, float], ...] = (), partial: dict[int, float] | None = None
+) -> OracleResult:
+    """An oracle starving whole cells in ``unavoidable`` and ``partial`` seconds in others."""
+    cells = [0.0] * round(SCENARIO.duration_s / GRID_S)
+    for start, end in unavoidable:
+        for i in range(round(start / GRID_S), round(end / GRID_S)):
+            cells[i] = GRID_S
+    for i, seconds in (partial or {}).items():
+        cells[i] = seconds
+    bound = LowerBound(
+        worker_hours=1.0,
+        starvation_share=0.0,
+        starved=(),
+        starved_cells=tuple(cells),
+        steps=10,
+        first_batch_t=0.0,
+    )
     return OracleResult(
         worker_hours=2.0,
         unavoidable_starvation_share=0.05,
         unavoidable=unavoidable,
+        unavoidable_cells=tuple(cells),
         first_batch_t=0.0,
         series=(),
+        bound=bound,
     )
 
 
@@ -64,6 +83,19 @@ def test_starvation_excludes_pauses_and_unavoidable_intervals() -> None:
     assert m.starvation_share == pytest.approx(130 / 900)
     assert m.avoidable_starvation_share == pytest.approx(100 / 870)
     assert m.unavoidable_starvation_share == 0.05
+
+
+def test_a_partial_shortfall_excuses_only_its_part_within_a_minute() -> None:
+    # The oracle starves 0.25 s of every second in [120, 180): 15 s in that minute. The trainer
+    # waits 20 s there, in one stretch (a batch at a time): 5 s avoidable. Elsewhere a wait of
+    # 10 s in [300, 310) is all avoidable, the oracle starving nothing in that minute.
+    partial = {i: 0.25 for i in range(120, 180)}
+    m = metrics(starved=((130.0, 150.0), (300.0, 310.0)), oracle=make_oracle(partial=partial))
+    assert m.starvation_share == pytest.approx(30 / 900)
+    assert m.avoidable_starvation_share == pytest.approx(15 / (900 - 15))
+    # The same waits at the same places, the oracle starving nothing: all 30 s avoidable.
+    m = metrics(starved=((130.0, 150.0), (300.0, 310.0)))
+    assert m.avoidable_starvation_share == pytest.approx(30 / 900)
 
 
 def test_worker_hours_count_gpus_from_spawn_to_exit_or_the_end() -> None:
