@@ -183,5 +183,7 @@ def measure(scenario: Scenario, record: WorldRecord, oracle: OracleResult) -> Me
         discarded_generation_s=record.discarded_generation_s,
         duration_s=end,
         bound_starvation_share=oracle.bound.starvation_share,
-        bound_worker_hours=worker_hours_bound(scenario, record.steps),
+        bound_worker_hours=worker_hours_bound(
+            scenario, record.steps, groups_started=record.groups_started or None
+        ),
     )

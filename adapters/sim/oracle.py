@@ -349,9 +349,15 @@ def _steps_taken(scenario: Scenario, paused: list[bool], starved_cells: tuple[fl
     return steps + 1 + len(trainer.pauses)
 
 
-def worker_hours_bound(scenario: Scenario, steps: int) -> float:
-    """The fewest worker-hours (GPU-hours) in which any controller feeds ``steps`` trainer steps
-    on ``scenario``'s realized world (see the module docstring)."""
+def worker_hours_bound(scenario: Scenario, steps: int, groups_started: int | None = None) -> float:
+    """The fewest worker-hours (GPU-hours) in which a controller feeds ``steps`` trainer steps on
+    ``scenario``'s realized world (see the module docstring).
+
+    The groups trained on are among the first ``groups_started`` drawn (per pool; None: exactly
+    the first ones needed); each occupies a slot for its whole latency, so the bound takes the
+    fastest of them. A run that started more groups than it trained on (discarded at the
+    off-policy limit, lost to faults) may have kept only fast ones: pass its count to bound it.
+    """
     draws = Draws(scenario)
     duration = scenario.duration_s
     needed_seqs = steps * scenario.trainer.batch_size_seqs
@@ -363,7 +369,7 @@ def worker_hours_bound(scenario: Scenario, steps: int) -> float:
         fastest_mean = min(
             pool.latency_mean_at(0.0, duration), pool.latency_mean_at(duration, duration)
         )
-        count = math.ceil(needed_seqs / pool.group_size)
+        count = max(math.ceil(needed_seqs / pool.group_size), groups_started or 0)
         for factor in draws.latency_factors(pool.name, count):
             slot_s = fastest_mean * factor / pool.groups_in_flight
             offers.append((cost * slot_s / pool.group_size, pool.group_size))

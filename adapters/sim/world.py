@@ -132,6 +132,8 @@ class WorldRecord:
     #: Groups cancelled by the off-policy stop and the generation seconds they had spent.
     groups_discarded: int = 0
     discarded_generation_s: float = 0.0
+    #: Groups started, all pools: the first this many latencies drawn are the ones the run met.
+    groups_started: int = 0
 
 
 @attrs.define(slots=True, eq=False)
@@ -680,4 +682,5 @@ class World:
             groups_lost=self.groups_lost,
             groups_discarded=self.groups_discarded,
             discarded_generation_s=self.discarded_generation_s,
+            groups_started=sum(self._groups_started.values()),
         )
