@@ -91,6 +91,8 @@ class SimResult:
     #: The world at every sample time.
     series: tuple[SeriesPoint, ...]
     oracle: OracleResult
+    #: Everything the world recorded (starvation intervals, worker spans, scaling decisions).
+    record: WorldRecord | None = None
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
