@@ -176,6 +176,9 @@ class World:
         self._order = 0
         self._outbox: deque[Event] = deque()
         self.draws = Draws(scenario)
+        self._lowest_limit_seqs = self.batch_seqs * min(
+            pool.max_batches_offpolicy for pool in scenario.pools
+        )
         self._groups_started = {pool.name: 0 for pool in scenario.pools}
         self._workers_spawned = {pool.name: 0 for pool in scenario.pools}
         # Groups in generation, on a virtual clock that runs at the inference speed.
@@ -410,6 +413,8 @@ class World:
 
     def _stop_at_offpolicy_limit(self) -> None:
         """At the off-policy limit every producing worker cancels its groups in generation."""
+        if self.queued_seqs < self._lowest_limit_seqs:
+            return
         for worker in self.workers.values():
             pool = worker.pool
             if (
