@@ -188,28 +188,35 @@ def render(
         f"({share(waited_s)} of the time)"
         + (f"; first batch after {first_batch_s:.1f}s" if first_batch_s is not None else "")
     )
-    static_s = 0.0
     if estimate is not None:
         static_s = estimate.static_workers * facts.span_s
-        out(
-            f"  a static pool of {estimate.static_workers} workers (this pool's maximum), "
-            f"simulated on this trainer and start-up {estimate.startup_s:.1f}s: waits "
-            f"{estimate.static_wait_s:.1f}s ({share(estimate.static_wait_s)}); the same "
-            f"simulation with {policy} waits {estimate.policy_wait_s:.1f}s, against "
-            f"{waited_s:.1f}s measured here"
-        )
         saved = static_s - facts.worker_s
+        more_wait = waited_s - estimate.static_wait_s
         out(
-            f"  worker-seconds: {facts.worker_s:.0f} here, {static_s:.0f} for the static pool "
-            f"over the same {facts.span_s:.0f}s: "
+            f"  against a static pool of {estimate.static_workers} workers (this pool's maximum): "
+            f"it would have waited about {estimate.static_wait_s:.1f}s "
+            f"({share(estimate.static_wait_s)}, simulated*) and used {static_s:.0f} "
+            f"worker-seconds; deo used {facts.worker_s:.0f}: "
             + (
                 f"{saved:.0f} saved ({100 * saved / static_s:.0f}%)"
-                if saved >= 0
+                if saved >= 0 and static_s > 0
                 else f"{-saved:.0f} more"
             )
+            + (
+                f", for {more_wait:.1f}s more waiting"
+                if more_wait > 0.05
+                else f", for {-more_wait:.1f}s less waiting"
+                if more_wait < -0.05
+                else ", for the same waiting"
+            )
+        )
+        out(
+            f"    * deo's simulator on this trainer, these env groups and the start-up measured "
+            f"here ({estimate.startup_s:.1f}s), mean of {len(SEEDS)} seeds; simulated the same "
+            f"way, {policy} waits {estimate.policy_wait_s:.1f}s (measured here: {waited_s:.1f}s)"
         )
     else:
-        out(f"  worker-seconds: {facts.worker_s:.0f}")
+        out(f"  worker-seconds: {facts.worker_s:.0f} (no start-up measured: no static comparison)")
     out(f"  decisions: {len(facts.decisions)} scaling decisions by the {policy} policy:")
     for d in facts.decisions:
         verb = "up" if d.target > d.previous else "down"

@@ -73,14 +73,13 @@ def test_demo_runs_scales_and_reports(
     shown = re.findall(r"^ +\d+\.\ds  (?:up|down) \d+ -> \d+ workers: \S", out, re.M)
     assert len(shown) == int(decisions.group(1))
     assert re.search(
-        r"^  a static pool of 8 workers \(this pool's maximum\), simulated on this trainer and "
-        r"start-up \d+\.\ds: waits \d+\.\ds \(\d+%\); the same simulation with buffer waits "
-        r"\d+\.\ds, against \d+\.\ds measured here$",
+        r"^  against a static pool of 8 workers \(this pool's maximum\): it would have waited "
+        r"about \d+\.\ds \(\d+%, simulated\*\) and used \d+ worker-seconds; deo used \d+: ",
         out,
         re.M,
     )
     assert re.search(
-        r"^  worker-seconds: \d+ here, \d+ for the static pool over the same", out, re.M
+        r"^    \* deo's simulator on this trainer, .* \(measured here: \d+\.\ds\)$", out, re.M
     )
     assert "unknown pool" not in proc.stdout + proc.stderr
     assert re.search(r"^  trainer: \d+ steps; waited \d+\.\ds", out, re.M)

@@ -93,9 +93,10 @@ def test_the_summary_says_what_a_static_pool_would_have_done_and_shows_every_dec
     )
     text = "\n".join(lines)
     assert "waited 2.0s for data after its first batch (10% of the time)" in text
-    assert "a static pool of 8 workers (this pool's maximum)" in text
+    assert "against a static pool of 8 workers (this pool's maximum): it would have waited" in text
     # 8 workers x 20 s = 160 worker-seconds against 49 here.
-    assert "worker-seconds: 49 here, 160 for the static pool over the same 20s: 111 saved" in text
+    assert "and used 160 worker-seconds; deo used 49: 111 saved (69%), for" in text
+    assert "simulated the same way, buffer waits" in text
     assert "decisions: 2 scaling decisions by the buffer policy:" in text
     assert "      1.0s  up 1 -> 3 workers: to 3" in lines
     assert "     10.0s  down 3 -> 2 workers: to 2" in lines
