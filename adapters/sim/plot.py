@@ -32,7 +32,7 @@ def plot(result: SimResult, scenario: Scenario, path: Path) -> None:
     m = result.metrics
     fig.suptitle(
         f"{result.scenario} — {result.policy}: starvation {m.starvation_share:.1%} "
-        f"(avoidable {m.avoidable_starvation_share:.1%}), {m.worker_hours:.1f} GPU-h "
+        f"(avoidable {m.avoidable_starvation_share:.1%}), {m.worker_hours:.1f} GPU-h\n"
         f"({m.worker_hours_ratio:.2f}x oracle), lag {m.mean_lag_steps:.2f} steps, "
         f"{m.flaps} reversals ({m.reversals_per_hour:.1f}/h), "
         f"{m.groups_discarded} groups discarded",
@@ -60,7 +60,7 @@ def plot(result: SimResult, scenario: Scenario, path: Path) -> None:
         linewidth=0.8,
     )
     workers.set_ylabel("workers")
-    workers.legend(loc="upper left", fontsize=8, ncols=4)
+    workers.legend(loc="lower right", fontsize=8, ncols=2, framealpha=0.8)
 
     queue.plot(minutes, [p.queued_batches for p in series], linewidth=0.8, label="queued")
     limit = max(pool.max_batches_offpolicy for pool in scenario.pools)
@@ -93,12 +93,12 @@ def plot(result: SimResult, scenario: Scenario, path: Path) -> None:
         label = fault.kind if fault.gpu is None else f"{fault.kind} {fault.gpu}"
         workers.annotate(
             label,
-            (at, 1.0),
+            (at, 0.02),
             xycoords=("data", "axes fraction"),
             rotation=90,
             fontsize=7,
             color="red",
-            va="top",
+            va="bottom",
             ha="right",
         )
     fig.tight_layout()
