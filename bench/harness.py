@@ -432,6 +432,8 @@ _POLICY_NOTES: dict[str, str] = {
     "deo-proposal": "the Atropos DEO proposal (PR #438): pressure = queued groups / batch "
     "sequences, target 1.0, dead band 0.2, 60 s cooldown, at most 4 workers a step, scaling up "
     "on a deep queue (as published)",
+    "deo-corrected": "the same rule with its units and direction corrected: pressure = queued "
+    "batches, target 1.0, more workers on a short queue (same dead band, cooldown, step cap)",
     "ray-serve": "Ray Serve's default policy: ceil(mean in flight over 30 s / target), target "
     "= 2/5 of a worker's groups in flight (default target 2 of max_ongoing_requests 5), 30 s "
     "upscale / 600 s downscale delay",

@@ -34,7 +34,7 @@ from bench.harness import (
 )
 from core import PolicySpec
 
-POLICIES = ("deo", "deo-proposal", "ray-serve", "verl", "k8s-hpa", "static")
+POLICIES = ("deo", "deo-proposal", "deo-corrected", "ray-serve", "verl", "k8s-hpa", "static")
 REFERENCES = ("oracle (reactive)", "lower bound (clairvoyant)")
 
 STEADY = """\
@@ -301,7 +301,15 @@ def test_lineup_is_deo_then_every_baseline_from_the_first_pool(tmp_path: Path) -
         "[pools.b]\nmax_workers = 9\n",
     )
     specs, source = lineup(scenario)
-    assert list(specs) == [DEO, "deo-proposal", "ray-serve", "verl", "k8s-hpa", "static"]
+    assert list(specs) == [
+        DEO,
+        "deo-proposal",
+        "deo-corrected",
+        "ray-serve",
+        "verl",
+        "k8s-hpa",
+        "static",
+    ]
     assert specs[DEO] == (PolicySpec(name="buffer"), {})
     assert specs["deo-proposal"][0].params == {"group_size": 16}
     assert specs["verl"][0].params["capacity_per_worker"] == 5.0
