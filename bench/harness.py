@@ -168,6 +168,9 @@ class ScenarioReport:
     oracle: OracleRun
     #: deo first, then the baselines in line-up order.
     runs: tuple[PolicyRun, ...]
+    #: The trainer's pauses [start, end) and the faults (time, what), for the plots.
+    pauses: tuple[tuple[float, float], ...] = ()
+    faults: tuple[tuple[float, str], ...] = ()
 
     @property
     def deo(self) -> PolicyRun:
@@ -279,7 +282,7 @@ def _run_policy(
     points = result.series
     series = Series(
         t_s=tuple(p.t for p in points),
-        workers=tuple(p.workers for p in points),
+        workers=tuple(p.active_workers for p in points),
         waited_s=_waited([(p.t, p.trainer_waiting) for p in points], scenario.duration_s),
     )
     return PolicyRun(
@@ -345,6 +348,10 @@ def run_scenario(
         baseline_source=source,
         oracle=oracle_run,
         runs=tuple(runs),
+        pauses=tuple((p.at_s, p.end_s) for p in scenario.trainer.pauses),
+        faults=tuple(
+            (f.at_s, f.kind if f.gpu is None else f"{f.kind} {f.gpu}") for f in scenario.faults
+        ),
     )
 
 
@@ -591,8 +598,10 @@ def _waiting_scale_min(report: ScenarioReport) -> float:
 
 
 def plot_scenario(report: ScenarioReport, path: Path) -> None:
-    """Worker counts (top) and cumulative trainer waiting (bottom) over time, every policy
-    against the oracle. A policy whose waiting runs off the bottom axis says so in the legend."""
+    """Producing workers (top: started, not draining, so start-ups show) and cumulative trainer
+    waiting (bottom) over time, every policy against the reactive oracle (its workers held on
+    top, its unavoidable waiting below); pauses shaded, faults marked. A policy whose waiting runs
+    off the bottom axis says so in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -612,22 +621,47 @@ def plot_scenario(report: ScenarioReport, path: Path) -> None:
             bottom.plot(minutes, waited_min, linewidth=width)
         oracle_series = report.oracle.series
         oracle_minutes = [t / 60 for t in oracle_series.t_s]
-        style: dict[str, Any] = {"color": "black", "linestyle": "--", "linewidth": 1.2}
         top.step(
             oracle_minutes,
             oracle_series.workers,
             where="post",
-            label=f"{ORACLE} (waiting: unavoidable)",
-            **style,
+            label="reactive oracle: workers held",
+            color="black",
+            linestyle="--",
+            linewidth=1.2,
         )
-        bottom.plot(oracle_minutes, [w / 60 for w in oracle_series.waited_s], **style)
-        top.set_ylabel("workers")
+        bottom.plot(
+            oracle_minutes,
+            [w / 60 for w in oracle_series.waited_s],
+            label="reactive oracle: unavoidable waiting",
+            color="black",
+            linestyle=":",
+            linewidth=1.4,
+        )
+        bottom.legend(loc="upper left", fontsize="small")
+        for start, end in report.pauses:
+            for axes in (top, bottom):
+                axes.axvspan(start / 60, end / 60, color="orange", alpha=0.15, linewidth=0)
+        for at, what in report.faults:
+            for axes in (top, bottom):
+                axes.axvline(at / 60, color="red", linewidth=0.8, alpha=0.7)
+            top.annotate(
+                what,
+                (at / 60, 0.02),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                fontsize=7,
+                color="red",
+                va="bottom",
+                ha="right",
+            )
+        top.set_ylabel("producing workers")
         top.set_title(f"{report.name}: workers and trainer waiting")
         # One legend beside the plots, for both: the lines stay visible where policies overlap.
         top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
         bottom.set_ylim(0, scale_min)
         bottom.set_ylabel("trainer waited (min, cumulative)")
-        bottom.set_xlabel("time (min)")
+        bottom.set_xlabel("time (min; orange: trainer paused, red: faults)")
         for axes in (top, bottom):
             axes.grid(True, alpha=0.3)
         fig.tight_layout()
