@@ -430,9 +430,9 @@ def check_targets(report: ScenarioReport) -> tuple[Check, ...]:
 
 _HEADER = (
     "| policy | starvation % | worker-hours | x oracle | mean lag (steps) | p95 lag | "
-    "scale actions | flaps |"
+    "scale actions | reversals (per hour) | groups discarded |"
 )
-_RULE = "|---|---:|---:|---:|---:|---:|---:|---:|"
+_RULE = "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 
 _POLICY_NOTES: dict[str, str] = {
     DEO: "deo's default policy (`buffer`), default parameters",
@@ -471,7 +471,7 @@ def _run_row(run: PolicyRun, oracle_hours: float) -> str:
     return (
         f"| {name} | {_pct(m.starvation_share)} | {m.worker_hours:.2f} | {ratio} | "
         f"{_steps(m.mean_lag_steps)} | {_steps(m.p95_lag_steps)} | {m.scale_actions} | "
-        f"{m.flaps} |"
+        f"{m.flaps} ({m.reversals_per_hour:.1f}) | {m.groups_discarded} |"
     )
 
 
@@ -526,7 +526,7 @@ def render_section(
         oracle_run = report.oracle
         lines.append(
             f"| oracle (reactive) | {_pct(oracle_run.unavoidable_starvation_share)} | "
-            f"{oracle_run.worker_hours:.2f} | 1.00 | - | - | - | - |"
+            f"{oracle_run.worker_hours:.2f} | 1.00 | - | - | - | - | - |"
         )
         bound_ratio = (
             f"{oracle_run.bound_worker_hours / oracle_run.worker_hours:.2f}"
@@ -535,7 +535,7 @@ def render_section(
         )
         lines.append(
             f"| lower bound (clairvoyant) | {_pct(oracle_run.bound_starvation_share)} | "
-            f"{oracle_run.bound_worker_hours:.2f} | {bound_ratio} | - | - | - | - |"
+            f"{oracle_run.bound_worker_hours:.2f} | {bound_ratio} | - | - | - | - | - |"
         )
         lines += [_run_row(run, oracle_run.worker_hours) for run in report.runs]
         lines += ["", "| deo target | value | result |", "|---|---|---|"]

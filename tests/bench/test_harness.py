@@ -410,6 +410,6 @@ def test_render_section_links_plots_relative_to_the_document(tmp_path: Path) -> 
     )
     assert text.startswith(START_MARK + "\n") and text.endswith(END_MARK + "\n")
     assert "![s: workers and trainer waiting](bench/s.png)" in text
-    assert "| oracle (reactive) | 4.50% | 9.00 | 1.00 | - | - | - | - |" in text
-    assert "| **deo** | 5.00% | 10.00 | 1.11 | 1.00 | 2.00 | 3 | 0 |" in text
+    assert "| oracle (reactive) | 4.50% | 9.00 | 1.00 | - | - | - | - | - |" in text
+    assert "| **deo** | 5.00% | 10.00 | 1.11 | 1.00 | 2.00 | 3 | 0 (0.0) | 0 |" in text
     assert "deo met every target on 1 of them" in text
