@@ -36,7 +36,7 @@ import anyio
 import attrs
 
 from adapters.log import EventLog, LogWriteFailed
-from adapters.runtime.config_file import RunSettings, check_loggable
+from adapters.runtime.config_file import RunSettings, Source, check_loggable
 from adapters.runtime.live import live_view
 from adapters.runtime.processes import (
     DEFAULT_STOP_TIMEOUT_S,
@@ -351,16 +351,13 @@ async def run(
                 tg.start_soon(
                     heartbeat_files, settings.worker_logs, lambda: runner.state, runner.saw
                 )
-                for source in settings.sources:
-                    if isinstance(source, AtroposSource):
-                        tg.start_soon(poll_atropos, source, runner.emit, clock)
-                    else:
-                        tg.start_soon(poll_json, source, runner.emit, clock)
+                sampling = anyio.CancelScope()
+                tg.start_soon(_sample_pressure, sampling, settings.sources, runner.emit, clock)
                 if config.gpus:
                     tg.start_soon(poll_gpus, settings.nvml, devices, runner.emit, clock, out)
                 if live:
                     tg.start_soon(live_view, runner, _write)
-                tg.start_soon(_stop_on_request, runner, tg.cancel_scope, out)
+                tg.start_soon(_stop_on_request, runner, tg.cancel_scope, sampling, out)
         except* LogWriteFailed as group:
             failed.append(_first_leaf(group))
         finally:
@@ -422,12 +419,33 @@ def _stop_timeout_s(pool: str | None, state: State, config: Config) -> float:
     return next((s.stop_timeout_s for s in specs if s.name == pool), DEFAULT_STOP_TIMEOUT_S)
 
 
+async def _sample_pressure(
+    scope: anyio.CancelScope,
+    sources: Sequence[Source],
+    emit: Callable[[Event], None],
+    clock: Callable[[], float],
+) -> None:
+    """Poll every pool's pressure source until ``scope`` is cancelled."""
+    with scope:
+        async with anyio.create_task_group() as tg:
+            for source in sources:
+                if isinstance(source, AtroposSource):
+                    tg.start_soon(poll_atropos, source, emit, clock)
+                else:
+                    tg.start_soon(poll_json, source, emit, clock)
+
+
 async def _stop_on_request(
-    runner: Runner, scope: anyio.CancelScope, out: Callable[[str], None]
+    runner: Runner,
+    scope: anyio.CancelScope,
+    sampling: anyio.CancelScope,
+    out: Callable[[str], None],
 ) -> None:
     await runner.stop_requested.wait()
     if runner.drain_on_stop:
-        # Removing every pool makes the core drain (and escalate) every worker.
+        # Removing every pool makes the core drain (and escalate) every worker. Sampling stops
+        # first: a sample for a pool being removed would only be refused.
+        sampling.cancel()
         out("deo: stop requested: draining every worker first")
         drained = attrs.evolve(runner.state.config, pools=())
         await runner.submit(Configured(t=runner.clock(), config=drained))

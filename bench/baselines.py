@@ -36,6 +36,7 @@ __all__ = [
     "CATALOG",
     "HPA_TARGET_OF_CAPACITY",
     "RAY_TARGET_OF_MAX_ONGOING",
+    "DeoCorrectedPolicy",
     "DeoProposalMemory",
     "DeoProposalPolicy",
     "RayServeMemory",
@@ -153,6 +154,84 @@ class DeoProposalPolicy:
                 memory=mem,
             )
         raw = _ceil(max(connected, 1) * (pressure / self.target_pressure))
+        if raw > connected and current >= raw:
+            return Decision(
+                target=current,
+                reason=f"{figures}; wants {raw}, already {current} with pending: hold",
+                memory=mem,
+            )
+        step = max(-self.max_step_change, min(self.max_step_change, raw - connected))
+        final = _clamp(connected + step, context)
+        if final == connected:
+            return Decision(target=current, reason=f"{figures}; wants {raw}: hold", memory=mem)
+        direction = "up" if final > connected else "down"
+        return Decision(
+            target=final,
+            reason=f"{figures}; wants {raw}, scale {direction} {connected} -> {final}",
+            memory=DeoProposalMemory(last_action_t=t),
+        )
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class DeoCorrectedPolicy:
+    """The DEO proposal's rule with its units and direction corrected: the baseline that matters.
+
+    Everything of :class:`DeoProposalPolicy` (cooldown, strict dead band, launch-storm guard, step
+    cap, clamping, "no action" when the target is the connected count) except two things:
+
+    1. pressure = queued **batches** = ``queued_sequences / batch_size_seqs`` (sequences over
+       sequences), so ``target_pressure`` is the queue depth in batches it aims at;
+    2. raw = ceil(max(connected, 1) x target_pressure / pressure): more workers on a **short**
+       queue, fewer on a deep one; an empty queue asks for the pool's maximum (the step cap
+       still applies).
+    """
+
+    reacts_to: ClassVar[type[QueueSampled]] = QueueSampled
+    target_pressure: float = 1.0
+    scaling_threshold: float = 0.2
+    cooldown_s: float = 60.0
+    max_step_change: int = 4
+
+    def __attrs_post_init__(self) -> None:
+        if not self.target_pressure > 0:
+            raise ConfigError(f"policy.target_pressure must be > 0, got {self.target_pressure}")
+        if self.scaling_threshold < 0:
+            raise ConfigError(
+                f"policy.scaling_threshold must be >= 0, got {self.scaling_threshold}"
+            )
+        if self.cooldown_s < 0:
+            raise ConfigError(f"policy.cooldown_s must be >= 0, got {self.cooldown_s}")
+        if self.max_step_change < 1:
+            raise ConfigError(f"policy.max_step_change must be >= 1, got {self.max_step_change}")
+
+    def initial_target(self, min_workers: int, max_workers: int) -> int:
+        return min_workers
+
+    def decide(self, context: PolicyContext, memory: DeoProposalMemory | None) -> Decision:
+        mem = memory or DeoProposalMemory()
+        sample = context.queue
+        assert sample is not None  # the reducer asks only with a queue sample
+        t, current, connected = context.t, context.current, context.active
+        pressure = sample.queued_sequences / sample.batch_size_seqs
+        figures = (
+            f"queue {pressure:.2f} batches (target {self.target_pressure:g}), "
+            f"{connected} connected of {current}"
+        )
+        if mem.last_action_t is not None and t - mem.last_action_t < self.cooldown_s:
+            left = self.cooldown_s - (t - mem.last_action_t)
+            return Decision(
+                target=current, reason=f"{figures}; cooldown {left:.0f}s: hold", memory=mem
+            )
+        if abs(pressure - self.target_pressure) < self.scaling_threshold:
+            return Decision(
+                target=current,
+                reason=f"{figures}; within +-{self.scaling_threshold:g}: hold",
+                memory=mem,
+            )
+        if pressure > 0:
+            raw = _ceil(max(connected, 1) * (self.target_pressure / pressure))
+        else:
+            raw = context.max_workers
         if raw > connected and current >= raw:
             return Decision(
                 target=current,
@@ -309,6 +388,7 @@ class RayServePolicy:
 BASELINE_POLICIES: Mapping[str, type] = MappingProxyType(
     {
         "deo-proposal": DeoProposalPolicy,
+        "deo-corrected": DeoCorrectedPolicy,
         "ray-serve": RayServePolicy,
     }
 )
@@ -364,6 +444,7 @@ def baseline_specs(
             PolicySpec(name="deo-proposal", params={"group_size": group_size}),
             dict(own_delays),
         ),
+        "deo-corrected": (PolicySpec(name="deo-corrected"), dict(own_delays)),
         "ray-serve": (
             PolicySpec(
                 name="ray-serve",

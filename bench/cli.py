@@ -1,10 +1,10 @@
 """``deo bench``: every shipped scenario under deo and every published baseline, side by side.
 
 Runs each scenario of ``--scenarios`` (default ``bench/scenarios``) under deo's default policy,
-the baselines (the Atropos DEO proposal, Ray Serve, verl, the Kubernetes HPA, a static pool) and
-the clairvoyant oracle; prints one line per scenario and policy; writes its section of
-``--out`` (between ``<!-- deo_bench:start -->`` and ``<!-- deo_bench:end -->``, the rest of the
-file untouched) and one PNG per scenario into ``--plots``.
+the baselines (the Atropos DEO proposal, Ray Serve, verl, the Kubernetes HPA, a static pool),
+the reactive oracle and the lower bound; prints one line per scenario and policy; writes its
+section of ``--out`` (between ``<!-- deo_bench:start -->`` and ``<!-- deo_bench:end -->``, the
+rest of the file untouched) and one PNG per scenario into ``--plots``.
 
 Exit status: 0 when the report was written, whether or not deo met its targets (the report says
 which it missed); 2 on bad input (a missing scenarios directory, an unknown ``--only`` name, an

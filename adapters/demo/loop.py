@@ -10,8 +10,10 @@ It starts, all on loopback:
   (:mod:`deo_worker.demo_env`: groups of 8 sequences, heavy-tailed latency, atroposlib's own
   backpressure, drain on SIGUSR1), its default ``buffer`` policy and the Atropos source.
 
-It prints progress every few seconds, then drains every worker, stops, and prints a summary (trainer
-waiting time, workers over time, decisions) and the command that replays its log.
+It prints progress every few seconds, then drains every worker, stops, and prints a summary
+(:mod:`adapters.demo.summary`: the trainer's wait against a static pool of the same maximum,
+worker-seconds saved, workers over time, every decision and why) and the command that replays
+its log.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import os
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -35,13 +38,14 @@ import httpx
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from adapters.demo.summary import RunFacts, StaticEstimate, facts_of, render, simulate_static
 from adapters.log import snapshot_path
 from adapters.postmortem.engine import replay
 from adapters.runtime.config_file import ApiSettings, RunSettings
 from adapters.sources.atropos import AtroposSource
 from adapters.sources.nvml import NvmlSettings
-from core import Config, DeoError, PolicySpec, PoolSpec, ScalePool
-from core.vocabulary import DecisionSource
+from core import Config, DeoError, PolicySpec, PoolSpec
+from deo_worker.demo_env import DemoEnvSettings
 
 __all__ = ["DemoSettings", "run_demo"]
 
@@ -230,20 +234,16 @@ def _sparkline(samples: list[tuple[float, int]], width: int = 30) -> str:
     return " ".join(str(n) for _, n in samples[::step])
 
 
-def _verify(log: Path) -> tuple[int, int, list[ScalePool]]:
-    """(events, mismatches or unreadable lines, the policy's scaling decisions) of ``log``."""
+def _verify(log: Path) -> tuple[int, int, RunFacts]:
+    """(events, mismatches or unreadable lines, what the log says about the run) of ``log``."""
     problems: list[Any] = []
     events = mismatches = 0
-    decisions = []
+    steps: list[tuple[float, object, list[object]]] = []
     for step in replay(log, problems=problems):
         events += 1
         mismatches += not step.matches
-        decisions += [
-            c
-            for c in step.produced
-            if isinstance(c, ScalePool) and c.source == DecisionSource.POLICY
-        ]
-    return events, mismatches + len(problems), decisions
+        steps.append((step.event.t, step.event, list(step.produced)))
+    return events, mismatches + len(problems), facts_of(steps)
 
 
 def run_demo(
@@ -321,8 +321,9 @@ def run_demo(
     if status != 0:
         out(f"deo demo: deo exited with status {status}; see {log}")
         return status
-    events, wrong, decisions = _verify(log)
-    _summary(demo, progress, decisions, time.monotonic() - started, out)
+    events, wrong, facts = _verify(log)
+    _summary(demo, progress, facts, _estimate(demo, facts, log, api_url, deo_port), out)
+    out(f"deo demo: done in {time.monotonic() - started:.0f}s")
     verdict = "replays exactly" if not wrong else f"DOES NOT replay exactly ({wrong} problems)"
     out(f"deo demo: log {_shown(log)} ({events} events) {verdict}")
     out(f"deo demo: replay it with `deo replay {_shown(log)}`")
@@ -355,31 +356,50 @@ def _shown(path: Path) -> str:
     return str(path)
 
 
+def _estimate(
+    demo: DemoSettings, facts: RunFacts, log: Path, api_url: str, deo_port: int
+) -> StaticEstimate | None:
+    """The static pool of the same maximum, simulated on this run (None: no start-up measured)."""
+    if not facts.startups_s:
+        return None
+    env = DemoEnvSettings(api_url=api_url)
+    return simulate_static(
+        duration_s=demo.duration_s,
+        batch_size_seqs=demo.batch_size_seqs,
+        step_s=demo.step_s,
+        group_size=demo.group_size,
+        groups_in_flight=demo.groups_in_flight,
+        latency_s=demo.group_latency_s,
+        latency_sigma=env.latency_sigma,
+        max_batches_offpolicy=env.max_batches_offpolicy,
+        startup_s=statistics.median(facts.startups_s),
+        pool=_settings(demo, log, api_url, deo_port).config.pools[0],
+    )
+
+
 def _summary(
     demo: DemoSettings,
     progress: _Progress,
-    decisions: list[ScalePool],
-    elapsed_s: float,
+    facts: RunFacts,
+    estimate: StaticEstimate | None,
     out: Callable[[str], None],
 ) -> None:
     trainer = progress.trainer
-    steps = trainer.get("steps", trainer.get("step", 0))
-    waited = float(trainer.get("waited_s", 0.0))
     first = trainer.get("first_batch_s")
-    busy_span = max(float(trainer.get("elapsed_s", elapsed_s)) - float(first or 0.0), 1e-9)
     counts = [n for _, n in progress.workers]
     out("")
-    out(f"deo demo: done in {elapsed_s:.0f}s")
-    out(
-        f"  trainer: {steps} steps; waited {waited:.1f}s for data after its first batch "
-        f"({100 * waited / busy_span:.0f}% of the time)"
-        + (f"; first batch after {first:.1f}s" if first is not None else "")
+    render(
+        steps=trainer.get("steps", trainer.get("step", 0)),
+        waited_s=float(trainer.get("waited_s", 0.0)),
+        busy_span_s=max(float(trainer.get("elapsed_s", facts.span_s)) - float(first or 0.0), 0.0),
+        first_batch_s=first,
+        facts=facts,
+        estimate=estimate,
+        policy="buffer",
+        out=out,
     )
     if counts:
         out(
             f"  env workers: {min(counts)} to {max(counts)} active; over time: "
             + _sparkline(progress.workers)
         )
-    out(f"  decisions: {len(decisions)} scaling decisions by the buffer policy")
-    for decision in decisions[:3] + (decisions[-2:] if len(decisions) > 5 else []):
-        out(f"    {decision.previous} -> {decision.target}: {decision.reason}")

@@ -65,8 +65,10 @@ def format_result(result: SimResult, duration_s: float) -> str:
         ("trainer steps", str(m.steps), ""),
         ("scale actions", str(m.scale_actions), ""),
         ("flaps", str(m.flaps), ""),
+        ("  reversals per hour", f"{m.reversals_per_hour:.1f}", ""),
         ("peak workers", str(m.peak_workers), ""),
         ("groups lost", str(m.groups_lost), ""),
+        ("groups discarded (off-policy)", str(m.groups_discarded), ""),
     ]
     head = f"scenario {result.scenario}, policy {result.policy}, {duration_s:g}s simulated"
     width = max(len(r[0]) for r in rows)

@@ -79,4 +79,5 @@ def simulate(
         metrics=measure(scenario, record, reference),
         series=record.series,
         oracle=reference,
+        record=record,
     )

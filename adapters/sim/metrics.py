@@ -2,8 +2,12 @@
 
 * ``starvation_share``: time the trainer waited for a batch (free, not paused, fewer than
   ``batch_size_seqs`` sequences queued) over the run's non-paused time.
-* ``avoidable_starvation_share``: the same outside the oracle's unavoidable intervals, over the
-  non-paused time outside them.
+* ``avoidable_starvation_share``: starvation beyond the reactive oracle's
+  (:mod:`adapters.sim.oracle`), window by window of ``AVOIDABLE_WINDOW_S``: in each window, the
+  seconds the trainer waited less the seconds the reactive oracle's trainer waited (never below
+  0), over the non-paused time less the oracle's starvation. A partial shortfall excuses only its
+  part; the window is long enough that a real trainer's waits, which come a batch at a time,
+  compare with the oracle's fluid ones spread evenly.
 * ``worker_hours``: GPU-hours, each worker's GPUs from its SpawnWorker until it exits (or the
   run ends); a worker of a pool with ``gpus_per_worker = 0`` counts one worker-hour per hour.
 * ``mean_lag_steps`` / ``p95_lag_steps``: per consumed sequence, the trainer steps taken between
@@ -13,9 +17,12 @@
   are not counted.
 * ``scale_actions``: ScalePool commands whose source is the policy (configuration and operator
   changes are not the controller's).
-* ``flaps``: per pool, a policy ScalePool whose direction (up or down) reverses the previous
-  policy ScalePool's and comes less than the pool's ``stabilization_s`` *as the scenario declares
-  it* after it (so baselines run with the window off are judged by the same window).
+* ``flaps``: reversals, per pool, over any span: a policy ScalePool whose direction (up or down)
+  reverses the previous policy ScalePool's, however long after it (a 10-minute cycle between 70
+  and 128 workers counts as much as a jittery one); ``reversals_per_hour`` divides them by the
+  run's hours.
+* ``groups_discarded``: groups cancelled at the off-policy limit (generation wasted), and
+  ``discarded_generation_s`` the generation seconds they had spent.
 """
 
 from __future__ import annotations
@@ -24,12 +31,15 @@ import math
 
 import attrs
 
-from adapters.sim.oracle import OracleResult
+from adapters.sim.oracle import GRID_S, OracleResult, worker_hours_bound
 from adapters.sim.scenario import Scenario
 from adapters.sim.world import SeriesPoint, WorldRecord
 from core.vocabulary import DecisionSource
 
-__all__ = ["Metrics", "SimResult", "measure"]
+__all__ = ["AVOIDABLE_WINDOW_S", "Metrics", "SimResult", "measure"]
+
+#: Starvation is compared with the reactive oracle's over windows this long.
+AVOIDABLE_WINDOW_S = 60.0
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -38,9 +48,10 @@ class Metrics:
 
     starvation_share: float
     avoidable_starvation_share: float
-    #: The oracle's unavoidable starvation, for reference.
+    #: The reactive oracle's starvation, for reference.
     unavoidable_starvation_share: float
     worker_hours: float
+    #: The reactive oracle's worker-hours.
     oracle_worker_hours: float
     mean_lag_steps: float
     p95_lag_steps: float
@@ -50,6 +61,17 @@ class Metrics:
     peak_workers: int
     #: Groups whose generation was lost to a crash, a kill or a lost GPU.
     groups_lost: int
+    groups_discarded: int = 0
+    discarded_generation_s: float = 0.0
+    duration_s: float = 3600.0
+    #: The clairvoyant lower bound: its starvation, and its worker-hours for this run's steps.
+    bound_starvation_share: float = 0.0
+    bound_worker_hours: float = 0.0
+
+    @property
+    def reversals_per_hour(self) -> float:
+        """Reversals of scaling direction (``flaps``) per hour of the run."""
+        return self.flaps * 3600.0 / self.duration_s if self.duration_s > 0 else 0.0
 
     @property
     def worker_hours_ratio(self) -> float:
@@ -69,6 +91,8 @@ class SimResult:
     #: The world at every sample time.
     series: tuple[SeriesPoint, ...]
     oracle: OracleResult
+    #: Everything the world recorded (starvation intervals, worker spans, scaling decisions).
+    record: WorldRecord | None = None
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -81,36 +105,31 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _overlap(a: tuple[tuple[float, float], ...], b: tuple[tuple[float, float], ...]) -> float:
-    """Total length of the intersection of two sorted lists of disjoint intervals."""
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if end > start:
-            total += end - start
-        if a[i][1] < b[j][1]:
+def _per_cell(intervals: tuple[tuple[float, float], ...], cells: int) -> list[float]:
+    """Seconds of ``intervals`` in each grid cell of the oracle."""
+    seconds = [0.0] * cells
+    for start, end in intervals:
+        i = int(start // GRID_S)
+        while i < cells and i * GRID_S < end:
+            cell_start = i * GRID_S
+            seconds[i] += min(end, cell_start + GRID_S) - max(start, cell_start)
             i += 1
-        else:
-            j += 1
-    return total
+    return seconds
 
 
 def _flaps(scenario: Scenario, record: WorldRecord) -> int:
     flaps = 0
     for pool in scenario.pools:
-        window = pool.stabilization_s
-        previous: tuple[float, int] | None = None
+        previous: int | None = None
         for scale in record.scales:
             if scale.pool != pool.name or scale.source != DecisionSource.POLICY:
                 continue
+            if scale.target == scale.previous:
+                continue
             direction = 1 if scale.target > scale.previous else -1
-            if (
-                previous is not None
-                and direction == -previous[1]
-                and scale.t - previous[0] < window
-            ):
+            if previous is not None and direction == -previous:
                 flaps += 1
-            previous = (scale.t, direction)
+            previous = direction
     return flaps
 
 
@@ -135,8 +154,14 @@ def measure(scenario: Scenario, record: WorldRecord, oracle: OracleResult) -> Me
     )
     running_s = end - paused_s
     starved_s = sum(stop - start for start, stop in record.starved)
-    unavoidable_s = sum(stop - start for start, stop in oracle.unavoidable)
-    avoidable_s = starved_s - _overlap(record.starved, oracle.unavoidable)
+    cells = oracle.unavoidable_cells
+    unavoidable_s = sum(cells)
+    waited = _per_cell(record.starved, len(cells))
+    per = max(round(AVOIDABLE_WINDOW_S / GRID_S), 1)
+    avoidable_s = sum(
+        max(sum(waited[i : i + per]) - sum(cells[i : i + per]), 0.0)
+        for i in range(0, len(cells), per)
+    )
     outside_s = running_s - unavoidable_s
     worker_s = sum(
         span.cost * (min(end if span.exited_t is None else span.exited_t, end) - span.spawned_t)
@@ -156,4 +181,11 @@ def measure(scenario: Scenario, record: WorldRecord, oracle: OracleResult) -> Me
         steps=record.steps,
         peak_workers=max((p.workers for p in record.series), default=0),
         groups_lost=record.groups_lost,
+        groups_discarded=record.groups_discarded,
+        discarded_generation_s=record.discarded_generation_s,
+        duration_s=end,
+        bound_starvation_share=oracle.bound.starvation_share,
+        bound_worker_hours=worker_hours_bound(
+            scenario, record.steps, groups_started=record.groups_started or None
+        ),
     )

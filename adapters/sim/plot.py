@@ -1,8 +1,10 @@
 """``deo simulate --plot``: one run drawn over time with matplotlib (Agg, no display needed).
 
-Three panels sharing the time axis: workers (counted, producing, the policy's target and the
-oracle's workers), the queue in batches (with the off-policy limit), and when the trainer waited
-(with the oracle's unavoidable intervals). Trainer pauses are shaded in every panel.
+Three panels sharing the time axis: workers (producing workers, those still starting up or
+draining shaded above them, the policy's target dotted, the reactive oracle's workers in black),
+the queue in batches (with the off-policy limit), and when the trainer waited (grey: where even
+the reactive oracle's trainer waited). Trainer pauses are shaded orange in every panel; faults
+are marked by red vertical lines (with their window shaded when they have one) and named.
 """
 
 from __future__ import annotations
@@ -30,24 +32,35 @@ def plot(result: SimResult, scenario: Scenario, path: Path) -> None:
     m = result.metrics
     fig.suptitle(
         f"{result.scenario} — {result.policy}: starvation {m.starvation_share:.1%} "
-        f"(avoidable {m.avoidable_starvation_share:.1%}), {m.worker_hours:.1f} GPU-h "
+        f"(avoidable {m.avoidable_starvation_share:.1%}), {m.worker_hours:.1f} GPU-h\n"
         f"({m.worker_hours_ratio:.2f}x oracle), lag {m.mean_lag_steps:.2f} steps, "
-        f"{m.flaps} flaps",
+        f"{m.flaps} reversals ({m.reversals_per_hour:.1f}/h), "
+        f"{m.groups_discarded} groups discarded",
         fontsize=10,
     )
-    workers.step(minutes, [p.workers for p in series], where="post", label="workers")
-    workers.step(minutes, [p.active_workers for p in series], where="post", label="producing")
+    active = [p.active_workers for p in series]
+    workers.fill_between(
+        minutes,
+        active,
+        [max(p.workers, p.active_workers) for p in series],
+        step="post",
+        color="tab:orange",
+        alpha=0.35,
+        linewidth=0,
+        label="starting up / draining",
+    )
+    workers.step(minutes, active, where="post", label="producing", color="tab:blue")
     workers.step(minutes, [p.target for p in series], where="post", label="target", linestyle=":")
     workers.step(
         [p.t / 60 for p in result.oracle.series],
         [p.workers for p in result.oracle.series],
         where="post",
-        label="oracle",
+        label="reactive oracle (workers held)",
         color="black",
         linewidth=0.8,
     )
     workers.set_ylabel("workers")
-    workers.legend(loc="upper left", fontsize=8, ncols=4)
+    workers.legend(loc="lower right", fontsize=8, ncols=2, framealpha=0.8)
 
     queue.plot(minutes, [p.queued_batches for p in series], linewidth=0.8, label="queued")
     limit = max(pool.max_batches_offpolicy for pool in scenario.pools)
@@ -63,11 +76,31 @@ def plot(result: SimResult, scenario: Scenario, path: Path) -> None:
         waiting.axvspan(start / 60, end / 60, color="gray", alpha=0.3, linewidth=0)
     waiting.set_yticks([])
     waiting.set_ylabel("trainer\nwaits")
-    waiting.set_xlabel("minutes (grey: unavoidable starvation)")
+    waiting.set_xlabel(
+        "minutes (orange: trainer paused; red: faults; grey: the reactive oracle's trainer waits)"
+    )
 
     for pause in scenario.trainer.pauses:
         for axis in (workers, queue, waiting):
             axis.axvspan(pause.at_s / 60, pause.end_s / 60, color="orange", alpha=0.15)
+    end_min = scenario.duration_s / 60
+    for fault in scenario.faults:
+        at = fault.at_s / 60
+        for axis in (workers, queue, waiting):
+            axis.axvline(at, color="red", linewidth=0.8, alpha=0.7)
+            if fault.duration_s is not None:
+                axis.axvspan(at, min(fault.end_s / 60, end_min), color="red", alpha=0.08)
+        label = fault.kind if fault.gpu is None else f"{fault.kind} {fault.gpu}"
+        workers.annotate(
+            label,
+            (at, 0.02),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            fontsize=7,
+            color="red",
+            va="bottom",
+            ha="right",
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -117,6 +117,9 @@ class TrainerSpec:
     batch_size_seqs: int = 64
     #: Seconds per step before the first phase.
     step_s: float = 4.0
+    #: Step times vary: each step takes the phase's ``step_s`` times a lognormal factor of mean 1
+    #: and this log-standard deviation (0: every step takes exactly ``step_s``).
+    step_sigma: float = 0.0
     phases: tuple[Phase, ...] = attrs.field(default=(), converter=_tuple)
     pauses: tuple[Pause, ...] = attrs.field(default=(), converter=_tuple)
 
@@ -126,6 +129,10 @@ class TrainerSpec:
         )
         _require(
             _finite(self.step_s) and self.step_s > 0, f"step_s: must be > 0, got {self.step_s!r}"
+        )
+        _require(
+            _finite(self.step_sigma) and self.step_sigma >= 0,
+            f"step_sigma: must be >= 0, got {self.step_sigma!r}",
         )
         for i in range(1, len(self.phases)):
             _require(
@@ -169,6 +176,9 @@ class EnvPool:
     latency_growth: float = 1.0
     #: From SpawnWorker until the worker produces (process start, model load, registration).
     startup_s: float = 30.0
+    #: Start-up times vary: each worker's is ``startup_s`` times a lognormal factor of mean 1 and
+    #: this log-standard deviation (0: every worker takes exactly ``startup_s``).
+    startup_sigma: float = 0.0
     #: The worker reports readiness (WorkerReady) when it produces; its process starts after
     #: min(1 s, startup_s). Without it, WorkerStarted comes when it produces.
     require_ready: bool = False
@@ -203,6 +213,10 @@ class EnvPool:
         _require(
             _finite(self.startup_s) and self.startup_s >= 0,
             f"startup_s: must be >= 0, got {self.startup_s!r}",
+        )
+        _require(
+            _finite(self.startup_sigma) and self.startup_sigma >= 0,
+            f"startup_sigma: must be >= 0, got {self.startup_sigma!r}",
         )
 
     @property

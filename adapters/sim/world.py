@@ -12,16 +12,23 @@ completion, whichever comes first.
 
 * Trainer: takes one batch of ``batch_size_seqs`` sequences per step, FIFO, when at least a batch
   is queued and it is neither busy nor paused; otherwise it waits (starves). A step takes the
-  phase's ``step_s``. Pauses stop it taking batches (a step in progress finishes).
+  phase's ``step_s`` times the step's drawn factor. Pauses stop it taking batches (a step in
+  progress finishes).
 * Workers: ``SpawnWorker`` holds the GPUs from then until the worker exits. The worker produces
-  ``startup_s`` later. A producing worker keeps up to ``groups_in_flight`` groups in generation,
-  limited as atroposlib's ``BaseEnv`` limits its concurrency (``atroposlib/envs/base.py``,
-  0.4.0): at most ``max_batches_offpolicy * batch_size / group_size - queued groups`` groups, so
-  none starts while ``max_batches_offpolicy`` batches are queued. Groups already in generation
-  complete (atroposlib instead returns them to its backlog at the limit).
-* Groups: latency drawn per group (lognormal or Pareto, mean drifting over the run), rounded to
-  the millisecond so that a last-bit difference in a platform's ``math`` library cannot change a
-  run. With shared inference capacity every group progresses at speed
+  its drawn start-up time later (``startup_s`` times a factor). A producing worker keeps up to
+  ``groups_in_flight`` groups in generation, limited as atroposlib's ``BaseEnv`` limits its
+  concurrency (``atroposlib/envs/base.py``, 0.4.0): at most ``max_batches_offpolicy *
+  batch_size / group_size - queued groups`` groups, so none starts while
+  ``max_batches_offpolicy`` batches are queued.
+* Off-policy stop and discard, as ``BaseEnv.env_manager`` does it: once the queue holds
+  ``max_batches_offpolicy`` batches, every worker cancels all its groups in generation (their
+  prompts go back to its backlog; the generation done is wasted). A worker below its full
+  concurrency (one of its groups just completed) also cancels its oldest groups beyond the room
+  left (``add_train_workers``). Discarded groups and their wasted generation seconds are counted.
+* Groups: latency = the pool's mean at the group's start times the group's drawn factor
+  (:mod:`adapters.sim.draws`: the k-th group started gets the k-th factor under any controller),
+  rounded to the millisecond so that a last-bit difference in a platform's ``math`` library cannot
+  change a run. With shared inference capacity every group progresses at speed
   ``min(1, capacity / groups in generation)`` (processor sharing), tracked on a virtual clock.
 * Commands: DrainWorker stops a worker starting groups; it exits (code 0) when its last group
   completes. TerminateWorker / KillWorker end it at once (signal 15 / 9), losing its groups.
@@ -29,20 +36,19 @@ completion, whichever comes first.
   repeats drains and stops then); a stop of a worker that never started cancels its start.
 * Faults: see :data:`adapters.sim.scenario.FAULT_KINDS`.
 
-Randomness comes from ``random.Random`` streams seeded by the scenario's seed and the pool's
-name (string seeds are hashed with SHA-512, independent of ``PYTHONHASHSEED``).
+Randomness comes only from :class:`adapters.sim.draws.Draws`: the same seed, the same world.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-import random
 from collections import deque
 from typing import Any, ClassVar
 
 import attrs
 
+from adapters.sim.draws import Draws
 from adapters.sim.scenario import EnvPool, Fault, Scenario
 from core import (
     Command,
@@ -123,6 +129,11 @@ class WorldRecord:
     series: tuple[SeriesPoint, ...]
     groups_completed: int
     groups_lost: int
+    #: Groups cancelled by the off-policy stop and the generation seconds they had spent.
+    groups_discarded: int = 0
+    discarded_generation_s: float = 0.0
+    #: Groups started, all pools: the first this many latencies drawn are the ones the run met.
+    groups_started: int = 0
 
 
 @attrs.define(slots=True, eq=False)
@@ -130,6 +141,7 @@ class _Group:
     worker: _Worker
     finish_v: float
     seqs: int
+    started_t: float
     cancelled: bool = False
 
 
@@ -163,10 +175,12 @@ class World:
         self._heap: list[tuple[float, int, str, Any]] = []
         self._order = 0
         self._outbox: deque[Event] = deque()
-        self._rng = {
-            pool.name: random.Random(f"deo-sim:{scenario.seed}:{pool.name}:latency")
-            for pool in scenario.pools
-        }
+        self.draws = Draws(scenario)
+        self._lowest_limit_seqs = self.batch_seqs * min(
+            pool.max_batches_offpolicy for pool in scenario.pools
+        )
+        self._groups_started = {pool.name: 0 for pool in scenario.pools}
+        self._workers_spawned = {pool.name: 0 for pool in scenario.pools}
         # Groups in generation, on a virtual clock that runs at the inference speed.
         self._capacity = scenario.inference.max_concurrent_groups if scenario.inference else None
         self._virtual = 0.0
@@ -192,6 +206,8 @@ class World:
         self._series: list[SeriesPoint] = []
         self.groups_completed = 0
         self.groups_lost = 0
+        self.groups_discarded = 0
+        self.discarded_generation_s = 0.0
         self._done = False
 
         self._at(0.0, "trainer", None)
@@ -318,9 +334,10 @@ class World:
             if not head[0]:
                 self._queue.popleft()
         self.queued_seqs -= self.batch_seqs
+        step_s = self.trainer.step_s_at(t) * self.draws.step_factor(self.steps)
         self.steps += 1
         self._busy = True
-        self._at(t + self.trainer.step_s_at(t), "trainer", None)
+        self._at(t + max(round(step_s, 3), 0.001), "trainer", None)
         self._fill_all()  # the queue shrank: workers held back by the off-policy limit resume
 
     def _stop_waiting(self) -> None:
@@ -363,16 +380,17 @@ class World:
     def _start_group(self, worker: _Worker) -> None:
         pool = worker.pool
         mean = pool.latency_mean_at(self.now, self.duration_s)
-        rng = self._rng[pool.name]
-        if pool.latency_dist == "pareto":
-            alpha = pool.latency_alpha
-            latency = mean * (alpha - 1) / alpha * rng.paretovariate(alpha)
-        else:
-            sigma = pool.latency_sigma
-            latency = rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)
+        k = self._groups_started[pool.name]
+        self._groups_started[pool.name] = k + 1
+        latency = mean * self.draws.latency_factor(pool.name, k)
         factor = max((self._throttle.get(g, 1.0) for g in worker.gpus), default=1.0)
         work = max(round(latency * factor, 3), 0.001)
-        group = _Group(worker=worker, finish_v=self._virtual + work, seqs=pool.group_size)
+        group = _Group(
+            worker=worker,
+            finish_v=self._virtual + work,
+            seqs=pool.group_size,
+            started_t=self.now,
+        )
         worker.groups.append(group)
         self._in_flight += 1
         self._order += 1
@@ -386,10 +404,39 @@ class World:
         self._queue.append([group.seqs, self.steps])
         self.queued_seqs += group.seqs
         self._try_step()
+        self._stop_at_offpolicy_limit()
         if worker.draining and not worker.groups and worker.started:
             self._exit(worker, exit_code=0)
         elif worker.producing:
+            self._trim(worker)
             self._fill(worker)
+
+    def _stop_at_offpolicy_limit(self) -> None:
+        """At the off-policy limit every producing worker cancels its groups in generation."""
+        if self.queued_seqs < self._lowest_limit_seqs:
+            return
+        for worker in self.workers.values():
+            pool = worker.pool
+            if (
+                worker.producing
+                and worker.groups
+                and self.queued_seqs >= pool.max_batches_offpolicy * self.batch_seqs
+            ):
+                self._discard(worker, len(worker.groups))
+
+    def _trim(self, worker: _Worker) -> None:
+        """A worker below full concurrency cancels its oldest groups beyond the room left."""
+        excess = len(worker.groups) - max(self._limit(worker.pool), 0)
+        if excess > 0:
+            self._discard(worker, excess)
+
+    def _discard(self, worker: _Worker, count: int) -> None:
+        for group in worker.groups[:count]:
+            group.cancelled = True
+            self.discarded_generation_s += self.now - group.started_t
+        del worker.groups[:count]
+        self._in_flight -= count
+        self.groups_discarded += count
 
     def _cancel_groups(self, worker: _Worker) -> None:
         for group in worker.groups:
@@ -434,11 +481,14 @@ class World:
         self.workers[worker.worker_id] = worker
         for gpu in worker.gpus:
             self._holder[gpu] = worker
+        k = self._workers_spawned[pool.name]
+        self._workers_spawned[pool.name] = k + 1
+        startup_s = round(pool.startup_s * self.draws.startup_factor(pool.name, k), 3)
         if pool.require_ready:
-            self._at(self.now + min(1.0, pool.startup_s), "started", worker)
-            self._at(self.now + pool.startup_s, "ready", worker)
+            self._at(self.now + min(1.0, startup_s), "started", worker)
+            self._at(self.now + startup_s, "ready", worker)
         else:
-            self._at(self.now + pool.startup_s, "started", worker)
+            self._at(self.now + startup_s, "started", worker)
 
     def _on_started(self, worker: _Worker) -> None:
         if worker.exited_t is not None:
@@ -635,4 +685,7 @@ class World:
             series=tuple(self._series),
             groups_completed=self.groups_completed,
             groups_lost=self.groups_lost,
+            groups_discarded=self.groups_discarded,
+            discarded_generation_s=self.discarded_generation_s,
+            groups_started=sum(self._groups_started.values()),
         )

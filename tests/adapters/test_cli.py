@@ -65,8 +65,23 @@ def test_demo_runs_scales_and_reports(
     assert steps[-1] > steps[0], "the trainer never took a step"
     found = re.search(r"^  env workers: (\d+) to (\d+) active", out, re.M)
     assert found is not None and int(found.group(2)) > 1, "deo never scaled the env pool up"
-    decisions = re.search(r"^  decisions: (\d+) scaling decisions", out, re.M)
+    decisions = re.search(
+        r"^  decisions: (\d+) scaling decisions by the buffer policy:$", out, re.M
+    )
     assert decisions is not None and int(decisions.group(1)) >= 1
+    # Every decision is shown, with its time, direction and reason.
+    shown = re.findall(r"^ +\d+\.\ds  (?:up|down) \d+ -> \d+ workers: \S", out, re.M)
+    assert len(shown) == int(decisions.group(1))
+    assert re.search(
+        r"^  against a static pool of 8 workers \(this pool's maximum\): it would have waited "
+        r"about \d+\.\ds \(\d+%, simulated\*\) and used \d+ worker-seconds; deo used \d+: ",
+        out,
+        re.M,
+    )
+    assert re.search(
+        r"^    \* deo's simulator on this trainer, .* \(measured here: \d+\.\ds\)$", out, re.M
+    )
+    assert "unknown pool" not in proc.stdout + proc.stderr
     assert re.search(r"^  trainer: \d+ steps; waited \d+\.\ds", out, re.M)
     assert re.search(r"^deo demo: log tmp/x\.jsonl \(\d+ events\) replays exactly$", out, re.M)
     assert out.rstrip("\n").splitlines()[-1] == (

@@ -221,7 +221,7 @@ def test_bad_parameters_name_the_key(name: str, params: dict[str, Any], key: str
 
 
 def test_baseline_specs_build_and_carry_the_published_parameters() -> None:
-    assert set(SPECS) == {"deo-proposal", "ray-serve", "verl", "k8s-hpa", "static"}
+    assert set(SPECS) == {"deo-proposal", "deo-corrected", "ray-serve", "verl", "k8s-hpa", "static"}
     for name, (spec, overrides) in SPECS.items():
         CATALOG.build(spec)  # every spec is valid
         PoolSpec(name="envs", argv=["x"], max_workers=10, **overrides)  # so are the overrides
@@ -294,7 +294,7 @@ def test_published_defaults() -> None:
         ray.downscaling_factor,
         ray.look_back_period_s,
     ) == (2.0, 30.0, 600.0, 1.0, 1.0, 30.0)
-    assert set(BASELINE_POLICIES) == {"deo-proposal", "ray-serve"}
+    assert set(BASELINE_POLICIES) == {"deo-proposal", "deo-corrected", "ray-serve"}
 
 
 # --- the Atropos DEO proposal ---------------------------------------------------------------------
@@ -323,6 +323,27 @@ def test_deo_proposal_trace() -> None:
     targets, memory = run_trace(policy_of("deo-proposal"), [ctx for ctx, _ in rows])
     assert targets == [want for _, want in rows]
     assert memory == DeoProposalMemory(last_action_t=250)
+
+
+def test_deo_corrected_trace() -> None:
+    # pressure = queued batches (sequences / 64); more workers on a short queue.
+    rows = [
+        # empty queue: the pool's maximum (10), step capped at 4 from 1 connected -> 5
+        (queue_ctx(0, 0, current=1), 5),
+        # 0.25 batches, but within the 60 s cooldown: hold
+        (queue_ctx(30, 16, current=5), 5),
+        # 0.25 batches: ceil(5 x 1 / 0.25) = 20, step capped at 4 -> 9
+        (queue_ctx(60, 16, current=5), 9),
+        # 1.1 batches: inside the dead band -> hold
+        (queue_ctx(130, 70, current=9), 9),
+        # 3 batches (deep: the envs are ahead): ceil(9 x 1 / 3) = 3, step -4 -> DOWN to 5
+        (queue_ctx(200, 192, current=9), 5),
+        # 0.5 batches with 2 pending of 7: wants ceil(5 x 2) = 10 > 7, step 4 -> 9
+        (queue_ctx(300, 32, current=7, active=5), 9),
+    ]
+    targets, memory = run_trace(policy_of("deo-corrected"), [ctx for ctx, _ in rows])
+    assert targets == [want for _, want in rows]
+    assert memory == DeoProposalMemory(last_action_t=300)
 
 
 def test_deo_proposal_pending_bounds_and_steps_from_the_connected_count() -> None:

@@ -34,7 +34,8 @@ from bench.harness import (
 )
 from core import PolicySpec
 
-POLICIES = ("deo", "deo-proposal", "ray-serve", "verl", "k8s-hpa", "static", "oracle")
+POLICIES = ("deo", "deo-proposal", "deo-corrected", "ray-serve", "verl", "k8s-hpa", "static")
+REFERENCES = ("oracle (reactive)", "lower bound (clairvoyant)")
 
 STEADY = """\
 description = "Steady demand, random latencies only."
@@ -123,7 +124,7 @@ def test_bench_succeeds_and_prints_a_line_per_scenario_and_policy(
     _, done = bench_run
     assert done.returncode == 0, done.stderr
     for scenario in ("steady", "speedup"):
-        for policy in POLICIES:
+        for policy in (*POLICIES, "oracle"):
             pattern = rf"^{scenario}  {re.escape(policy)} +\d+\.\ds  starvation \d+\.\d\d%"
             lines = [line for line in done.stdout.splitlines() if re.match(pattern, line)]
             assert len(lines) == 1, (scenario, policy, done.stdout)
@@ -146,7 +147,7 @@ def test_bench_appends_its_section_and_keeps_the_rest(
     for scenario in ("speedup", "steady"):
         block = section[section.index(f"### {scenario}") :]
         block = block[: block.index("![")]
-        for policy in POLICIES:
+        for policy in POLICIES + REFERENCES:
             name = f"**{policy}**" if policy == DEO else policy
             assert re.search(rf"^\| {re.escape(name)} \| \d+\.\d\d% \| ", block, re.M), (
                 scenario,
@@ -156,7 +157,7 @@ def test_bench_appends_its_section_and_keeps_the_rest(
     # Only the scenario without phases is jitter-only, so only it has the flaps target.
     assert "### steady (jitter-only)" in section
     assert "### speedup\n" in section
-    assert section.count("| no flaps (jitter-only) |") == 1
+    assert section.count("| <= 2 reversals per hour (jitter-only) |") == 1
     assert "![speedup: workers and trainer waiting](bench/speedup.png)" in section
 
 
@@ -300,7 +301,15 @@ def test_lineup_is_deo_then_every_baseline_from_the_first_pool(tmp_path: Path) -
         "[pools.b]\nmax_workers = 9\n",
     )
     specs, source = lineup(scenario)
-    assert list(specs) == [DEO, "deo-proposal", "ray-serve", "verl", "k8s-hpa", "static"]
+    assert list(specs) == [
+        DEO,
+        "deo-proposal",
+        "deo-corrected",
+        "ray-serve",
+        "verl",
+        "k8s-hpa",
+        "static",
+    ]
     assert specs[DEO] == (PolicySpec(name="buffer"), {})
     assert specs["deo-proposal"][0].params == {"group_size": 16}
     assert specs["verl"][0].params["capacity_per_worker"] == 5.0
@@ -367,7 +376,7 @@ def test_check_targets_all_met() -> None:
         # 10.36 > 1.15 x 9.0 = 10.35
         (metrics(worker_hours=10.36), metrics(worker_hours=99.0), True, 1),
         (metrics(mean_lag_steps=1.51), metrics(worker_hours=99.0), True, 2),
-        (metrics(flaps=1), metrics(worker_hours=99.0), True, 3),
+        (metrics(flaps=3, reversals_per_hour=3.0), metrics(worker_hours=99.0), True, 3),
         # equal on both: better on neither
         (metrics(), metrics(), True, 4),
         # dominated
@@ -383,10 +392,12 @@ def test_check_targets_each_miss(
 
 def test_flaps_are_a_target_only_on_jitter_only_scenarios() -> None:
     checks = check_targets(
-        make_report(metrics(flaps=4), metrics(worker_hours=99.0), jitter_only=False)
+        make_report(
+            metrics(flaps=4, reversals_per_hour=4.0), metrics(worker_hours=99.0), jitter_only=False
+        )
     )
     assert all(c.ok for c in checks)
-    assert not any("flaps" in c.target for c in checks)
+    assert not any("reversals" in c.target for c in checks)
 
 
 def test_render_section_links_plots_relative_to_the_document(tmp_path: Path) -> None:
@@ -399,6 +410,6 @@ def test_render_section_links_plots_relative_to_the_document(tmp_path: Path) -> 
     )
     assert text.startswith(START_MARK + "\n") and text.endswith(END_MARK + "\n")
     assert "![s: workers and trainer waiting](bench/s.png)" in text
-    assert "| oracle | 4.50% | 9.00 | 1.00 | - | - | - | - |" in text
-    assert "| **deo** | 5.00% | 10.00 | 1.11 | 1.00 | 2.00 | 3 | 0 |" in text
+    assert "| oracle (reactive) | 4.50% | 9.00 | 1.00 | - | - | - | - | - |" in text
+    assert "| **deo** | 5.00% | 10.00 | 1.11 | 1.00 | 2.00 | 3 | 0 (0.0) | 0 |" in text
     assert "deo met every target on 1 of them" in text

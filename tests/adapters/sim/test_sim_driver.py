@@ -94,12 +94,14 @@ def test_invalid_policy_or_overrides_are_config_errors() -> None:
 
 def test_a_fed_trainer_is_measured_as_such() -> None:
     # 24 workers at a steady 2.67 seq/s each (64 seq/s) easily feed 51.2 seq/s: once the first
-    # batch is there the trainer never waits, and the queue sits at the off-policy limit.
+    # batch is there the trainer never waits, and the queue sits near the off-policy limit, where
+    # every worker's groups in generation are discarded each time the queue reaches it.
     result = simulate(short("steady", 900.0), PolicySpec(name="static", params={"count": 24}))
     m = result.metrics
     assert m.avoidable_starvation_share < 0.01
     assert m.steps == pytest.approx((900 - result.oracle.first_batch_t) / 5.0, abs=10)
-    assert m.mean_lag_steps > 2.0  # three batches ahead: stale data
+    assert m.mean_lag_steps > 1.5  # two to three batches ahead: stale data
+    assert m.groups_discarded > 0 and m.discarded_generation_s > 0
     assert m.worker_hours == pytest.approx(24 * 900 / 3600, rel=0.01)
     # The oracle holds ceil(51.2 / 2.67) = 20 workers throughout: 24 / 20.
     assert m.oracle_worker_hours == pytest.approx(20 * 900 / 3600)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from adapters.sim.metrics import Metrics, measure
-from adapters.sim.oracle import OracleResult
+from adapters.sim.oracle import GRID_S, LowerBound, OracleResult
 from adapters.sim.scenario import EnvPool, Pause, Scenario, TrainerSpec
 from adapters.sim.world import ScaleRecord, SeriesPoint, WorkerSpan, WorldRecord
 
@@ -36,13 +36,32 @@ def make_record(**changes: Any) -> WorldRecord:
     return WorldRecord(**fields)
 
 
-def make_oracle(unavoidable: tuple[tuple[float, float], ...] = ()) -> OracleResult:
+def make_oracle(
+    unavoidable: tuple[tuple[float, float], ...] = (), partial: dict[int, float] | None = None
+) -> OracleResult:
+    """An oracle starving whole cells in ``unavoidable`` and ``partial`` seconds in others."""
+    cells = [0.0] * round(SCENARIO.duration_s / GRID_S)
+    for start, end in unavoidable:
+        for i in range(round(start / GRID_S), round(end / GRID_S)):
+            cells[i] = GRID_S
+    for i, seconds in (partial or {}).items():
+        cells[i] = seconds
+    bound = LowerBound(
+        worker_hours=1.0,
+        starvation_share=0.0,
+        starved=(),
+        starved_cells=tuple(cells),
+        steps=10,
+        first_batch_t=0.0,
+    )
     return OracleResult(
         worker_hours=2.0,
         unavoidable_starvation_share=0.05,
         unavoidable=unavoidable,
+        unavoidable_cells=tuple(cells),
         first_batch_t=0.0,
         series=(),
+        bound=bound,
     )
 
 
@@ -64,6 +83,19 @@ def test_starvation_excludes_pauses_and_unavoidable_intervals() -> None:
     assert m.starvation_share == pytest.approx(130 / 900)
     assert m.avoidable_starvation_share == pytest.approx(100 / 870)
     assert m.unavoidable_starvation_share == 0.05
+
+
+def test_a_partial_shortfall_excuses_only_its_part_within_a_minute() -> None:
+    # The oracle starves 0.25 s of every second in [120, 180): 15 s in that minute. The trainer
+    # waits 20 s there, in one stretch (a batch at a time): 5 s avoidable. Elsewhere a wait of
+    # 10 s in [300, 310) is all avoidable, the oracle starving nothing in that minute.
+    partial = {i: 0.25 for i in range(120, 180)}
+    m = metrics(starved=((130.0, 150.0), (300.0, 310.0)), oracle=make_oracle(partial=partial))
+    assert m.starvation_share == pytest.approx(30 / 900)
+    assert m.avoidable_starvation_share == pytest.approx(15 / (900 - 15))
+    # The same waits at the same places, the oracle starving nothing: all 30 s avoidable.
+    m = metrics(starved=((130.0, 150.0), (300.0, 310.0)))
+    assert m.avoidable_starvation_share == pytest.approx(30 / 900)
 
 
 def test_worker_hours_count_gpus_from_spawn_to_exit_or_the_end() -> None:
@@ -88,21 +120,24 @@ def test_lag_mean_and_p95_per_sequence() -> None:
     assert math.isnan(metrics().mean_lag_steps)  # nothing consumed
 
 
-def test_flaps_are_reversals_within_the_scenario_stabilization_window() -> None:
+def test_flaps_are_reversals_over_any_span_and_counted_per_hour() -> None:
     scales = (
         scale(0.0, 0, 1, source="config"),  # not the policy's
         scale(10.0, 1, 5),
-        scale(70.0, 5, 4),  # down 60 s after up: flap 1
+        scale(70.0, 5, 4),  # down after up: reversal 1
         scale(100.0, 4, 3),  # same direction
-        scale(300.0, 3, 6),  # up 200 s after the last down: no flap
-        scale(419.0, 6, 5),  # 119 s: flap 2
+        scale(300.0, 3, 6),  # up 200 s after the last down: reversal 2, however long after
+        scale(419.0, 6, 5),  # reversal 3
         scale(420.0, 5, 4, source="operator"),
         scale(420.0, 1, 2, pool="other"),  # another pool's history
-        scale(539.0, 5, 6),  # 120 s after the last down: not within the window
+        scale(539.0, 5, 6),  # reversal 4
+        scale(900.0, 6, 6),  # no change: no direction
+        scale(1200.0, 6, 7),  # same direction as the last change
     )
     m = metrics(scales=scales)
-    assert m.flaps == 2
-    assert m.scale_actions == 7  # the 6 policy decisions of envs and the other pool's one
+    assert m.flaps == 4
+    assert m.scale_actions == 9  # the 8 policy decisions of envs and the other pool's one
+    assert m.reversals_per_hour == pytest.approx(4 * 3600 / m.duration_s)
 
 
 def test_peak_workers_and_counts() -> None:

@@ -275,6 +275,7 @@ def test_every_shipped_scenario_loads(path: Path) -> None:
     scenario = load_scenario(path)
     assert scenario.name == path.stem
     assert scenario.description
-    assert 3600 <= scenario.duration_s <= 7200  # keeps the benchmark fast
-    assert all(pool.max_workers <= 32 for pool in scenario.pools)
+    # Hours, as real runs are; at most 4 and 128 workers, which keeps the benchmark in minutes.
+    assert 3600 <= scenario.duration_s <= 4 * 3600
+    assert all(pool.max_workers <= 128 for pool in scenario.pools)
     assert isinstance(scenario, Scenario)

@@ -106,13 +106,49 @@ def test_backpressure_stops_new_groups_at_the_offpolicy_limit() -> None:
     assert world.in_flight == 0
 
 
-def test_groups_in_generation_complete_past_the_limit() -> None:
-    # Three workers start 2 groups each before any is queued: all 6 complete (48 > 16 seqs).
+def test_groups_in_generation_are_discarded_at_the_offpolicy_limit() -> None:
+    # Three workers start 2 groups each before any is queued; all would finish at t = 10. The
+    # first worker's two fill the 1-batch limit, so the other four are cancelled, as a BaseEnv
+    # cancels its running groups at the limit: 10 s of generation each, wasted.
     world = World(make_scenario(trainer=PAUSED, groups_in_flight=4, max_batches_offpolicy=1))
     spawn(world, 0, 1, 2)
     world.run_until(500.0)
-    assert world.queued_seqs == 48
+    assert world.queued_seqs == 16
     assert world.in_flight == 0
+    record = world.finish()
+    assert (record.groups_completed, record.groups_discarded) == (2, 4)
+    assert record.discarded_generation_s == 40.0
+    assert record.groups_lost == 0
+
+
+def test_groups_started_just_before_the_limit_are_discarded_with_the_rest() -> None:
+    # Limit 2 batches = 4 groups; two workers of 2 groups each, all done at t = 10. Worker 0's
+    # completions leave room, so it starts 2 new groups; worker 1's fill the queue to the limit,
+    # which cancels worker 0's new groups (no generation time spent yet).
+    world = World(make_scenario(trainer=PAUSED, groups_in_flight=2, max_batches_offpolicy=2))
+    spawn(world, 0, 1)
+    world.run_until(30.0)
+    assert world.queued_seqs == 32 and world.in_flight == 0
+    record = world.finish()
+    assert (record.groups_completed, record.groups_discarded) == (4, 2)
+    assert record.discarded_generation_s == 0.0
+
+
+def test_the_same_seed_draws_the_same_start_ups_and_step_times() -> None:
+    def run(seed: int) -> tuple[list[float], int]:
+        scenario = attrs.evolve(
+            make_scenario(startup_s=30.0, startup_sigma=0.5, trainer={"step_sigma": 0.5}),
+            seed=seed,
+        )
+        world = World(scenario)
+        spawn(world, 0, 1, 2)
+        events = world.run_until(400.0)
+        return [e.t for e in of(events, WorkerStarted)], world.steps
+
+    first, again, other = run(1), run(1), run(2)
+    assert first == again
+    assert first != other
+    assert len(set(first[0])) == 3 and all(t > 0 for t in first[0])
 
 
 def test_consumption_lets_held_back_workers_resume() -> None:
