@@ -19,6 +19,7 @@ its log.
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib.util
 import json
 import os
@@ -39,7 +40,7 @@ from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from adapters.demo.summary import RunFacts, StaticEstimate, facts_of, render, simulate_static
-from adapters.log import snapshot_path
+from adapters.log import segments, snapshot_path
 from adapters.postmortem.engine import replay
 from adapters.runtime.config_file import ApiSettings, RunSettings
 from adapters.sources.atropos import AtroposSource
@@ -261,8 +262,15 @@ def run_demo(
         return 2
     log = log.absolute()
     log.parent.mkdir(parents=True, exist_ok=True)
-    # A fresh run each time: this log, its snapshot and its workers' secret are the demo's own.
-    for old in (log, snapshot_path(log), log.with_name(log.name + ".worker-secret")):
+    # A fresh run each time: this log and everything deo keeps beside it are the demo's own.
+    beside = (
+        snapshot_path(log),
+        *segments(log),
+        *log.parent.glob(f"{glob.escape(log.name)}.torn-*"),
+        log.with_name(log.name + ".worker-secret"),
+        log.with_name(log.name + ".token"),
+    )
+    for old in (log, *beside):
         old.unlink(missing_ok=True)
     files = _worker_logs(log)
     files.mkdir(exist_ok=True)
@@ -306,7 +314,8 @@ def run_demo(
 
     # `run` leaves deo's signals ignored when it returns (a `deo run` process is then exiting);
     # the demo goes on to its summary, which Ctrl-C must still interrupt.
-    handlers = {signum: signal.getsignal(signum) for signum in (*STOP_SIGNALS, *IGNORED_SIGNALS)}
+    handled = (*STOP_SIGNALS, *IGNORED_SIGNALS, signal.SIGXFSZ)
+    handlers = {signum: signal.getsignal(signum) for signum in handled}
     try:
         status = anyio.run(main)
     except Exception as exc:

@@ -22,7 +22,16 @@ import attrs
 
 from adapters.sim.driver import simulate
 from adapters.sim.scenario import EnvPool, Phase, Scenario, TrainerSpec
-from core import PolicySpec, PoolSpec, ScalePool, SpawnWorker, WorkerExited, WorkerHeartbeat
+from core import (
+    PolicySpec,
+    PoolSpec,
+    ScalePool,
+    SpawnWorker,
+    WorkerExited,
+    WorkerHeartbeat,
+    WorkerReady,
+    WorkersSeen,
+)
 from core.vocabulary import DecisionSource
 
 __all__ = ["Decision", "RunFacts", "StaticEstimate", "facts_of", "render", "simulate_static"]
@@ -50,8 +59,8 @@ class RunFacts:
     decisions: tuple[Decision, ...]
     #: Worker-seconds (each worker from its spawn to its exit, or the end of the log).
     worker_s: float
-    #: Seconds from a worker's spawn to its first heartbeat (its program is up and talking to
-    #: deo), per worker that got that far.
+    #: Seconds from a worker's spawn to its first sign of life (its program is up and talking
+    #: to deo), per worker that got that far.
     startups_s: tuple[float, ...]
 
 
@@ -68,11 +77,17 @@ def facts_of(steps: Iterable[tuple[float, object, list[object]]]) -> RunFacts:
         if first_t is None:
             first_t = t
         last_t = t
-        if isinstance(event, WorkerHeartbeat) and event.worker_id in spawned:
-            if event.worker_id not in heard:
-                heard.add(event.worker_id)
-                startups.append(t - spawned[event.worker_id])
-        elif isinstance(event, WorkerExited):
+        # A worker's first sign of life: its readiness report, or the first record of it seen
+        # (sightings are recorded at the tick after them, so this errs a tick late).
+        alive: frozenset[str] = frozenset()
+        if isinstance(event, WorkerHeartbeat | WorkerReady):
+            alive = frozenset({event.worker_id})
+        elif isinstance(event, WorkersSeen):
+            alive = event.worker_ids
+        for worker_id in sorted(alive & spawned.keys() - heard):
+            heard.add(worker_id)
+            startups.append(t - spawned[worker_id])
+        if isinstance(event, WorkerExited):
             exited.setdefault(event.worker_id, t)
         for command in commands:
             if isinstance(command, SpawnWorker):

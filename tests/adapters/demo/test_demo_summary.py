@@ -13,6 +13,8 @@ from core import (
     Tick,
     WorkerExited,
     WorkerHeartbeat,
+    WorkerReady,
+    WorkersSeen,
 )
 from core.config import Config
 
@@ -53,6 +55,18 @@ def test_facts_are_every_policy_decision_worker_seconds_and_start_ups() -> None:
     # envs-0: 100 -> 120 (still running), envs-1: 101 -> 120, envs-2: 101 -> 111.
     assert facts.worker_s == 20.0 + 19.0 + 10.0
     assert facts.startups_s == (1.5, 3.0)
+
+
+def test_a_start_up_ends_at_the_first_sighting_or_readiness_report() -> None:
+    # deo run records heartbeats as one WorkersSeen per tick; a ready worker reports itself.
+    steps = [
+        STEPS[0],
+        STEPS[1],
+        (102.5, WorkersSeen(t=102.5, worker_ids={"envs-1"}), []),
+        (103.0, WorkerReady(t=103.0, worker_id="envs-2"), []),
+        (104.0, WorkersSeen(t=104.0, worker_ids={"envs-1", "envs-2"}), []),  # neither counts
+    ]
+    assert facts_of(steps).startups_s == (1.5, 2.0)
 
 
 def test_the_summary_says_what_a_static_pool_would_have_done_and_shows_every_decision() -> None:
