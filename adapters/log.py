@@ -925,8 +925,8 @@ def _recover(
 def _segment_state(path: Path, types: Mapping[str, type]) -> tuple[State, int, int, int] | None:
     """(state, seq, offset, lines) from the state record a later segment starts with, or None
     for a first segment. Raises :class:`LogDamaged` when ``path`` is a later segment (its second
-    line is a state record, or earlier segments lie beside it) whose state cannot be used: the
-    events of that segment alone lack the configuration and the workers it started."""
+    line is a state record, or segments of the same log lie beside it) whose state cannot be
+    used: the events of that segment alone lack the configuration and the workers it started."""
     begins = segment_start(path)
     why = "it is not a state record with a seq"
     if begins is not None:
@@ -939,7 +939,7 @@ def _segment_state(path: Path, types: Mapping[str, type]) -> tuple[State, int, i
             if isinstance(state, State):
                 return state, seq, offset, lines
             why = f"it holds a {type(state).__name__}, not a state"
-    elif not _names_a_state(path) and not segments(path):
+    elif not _names_a_state(path) and not _has_earlier_segments(path):
         return None  # the first segment: it starts from nothing
     raise LogDamaged(
         f"{path}: line 2, the state this segment of the log starts from, cannot be used "
@@ -947,6 +947,13 @@ def _segment_state(path: Path, types: Mapping[str, type]) -> tuple[State, int, i
         f"still running). Restore that line (or the snapshot) from a backup, or stop this log's "
         f"workers and move the log and its segments aside to start a new one"
     )
+
+
+def _has_earlier_segments(path: Path) -> bool:
+    """Whether segments of this same log (the same header) lie beside ``path``: then it is a
+    later segment, whatever its second line has become."""
+    header = _first_line(path)
+    return any(_first_line(segment) == header for segment in segments(path))
 
 
 def _names_a_state(path: Path) -> bool:

@@ -1165,3 +1165,17 @@ def test_a_segment_whose_only_line_after_the_header_is_garbage_stops_recovery(
     with pytest.raises(LogDamaged, match=r"line 2, the state this segment .* cannot be used"):
         EventLog.open(path)
     assert path.read_bytes() == damaged
+
+
+def test_segments_of_another_log_beside_a_first_segment_do_not_stop_recovery(
+    tmp_path: Path, demo_events: list[Event]
+) -> None:
+    path = tmp_path / "run.jsonl"
+    write_log(path, demo_events, fsync=False, snapshot_every=50, segment_bytes=20_000)
+    path.unlink()  # moved aside without its segments; a new log starts under the same name
+    snapshot_path(path).unlink()
+    reducer = write_log(path, [configured(), Tick(t=1.0)])
+    snapshot_path(path).unlink(missing_ok=True)
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.state == reducer.state
