@@ -19,8 +19,9 @@ header and a state record, ``{"kind": "state", "seq": 812, "state": {...}}``: th
 the last seq of the earlier segments, from which the new one goes on. Every file deo writes here
 is created mode 0600 (the pools' environments are in it).
 
-Opening refuses a file that is not a deo log (:class:`NotALog`) and a log whose unreadable
-lines may have held the configuration (:class:`LogDamaged`), leaving either as it is; a log
+Opening refuses a file that is not a deo log (:class:`NotALog`), a log whose unreadable
+lines may have held the configuration and a later segment whose state record cannot be used
+without a snapshot to stand in for it (:class:`LogDamaged`), leaving either as it is; a log
 that ends with an event whose commands record was cut gets that record written again.
 
 Recovery here and replay (:mod:`adapters.postmortem.engine`) read a log the same way: each line
@@ -91,7 +92,7 @@ class NotALog(DeoError):
 
 class LogDamaged(DeoError):
     """A line that cannot be read may have carried state deo must not start without (the
-    configuration); the log is left untouched."""
+    configuration, or the state a later segment starts from); the log is left untouched."""
 
 
 class LogWriteFailed(DeoError):
@@ -437,8 +438,9 @@ class EventLog:
         (all when None). See :func:`segments`.
 
         Raises :class:`NotALog` for a file that is not a deo log, :class:`LogDamaged` for a log
-        whose unreadable lines may have held its configuration (both leave the file as it
-        was), :class:`LogInUse` and :class:`LogWriteFailed`.
+        whose unreadable lines may have held its configuration or a later segment whose state
+        record cannot be used (both leave the file as it was), :class:`LogInUse` and
+        :class:`LogWriteFailed`.
         """
         path = Path(path)
         try:
@@ -827,15 +829,8 @@ def _recover(
     types = types_with(policies.records)
     snapshot, ignored = _load_snapshot(path, types)
     notes = [ignored] if ignored is not None else []
-    if snapshot is None and (begins := segment_start(path)) is not None:
-        # A later segment: it starts from the state its earlier segments led to.
-        try:
-            encoded, seq, offset, lines = begins
-            state = decode(encoded, types)
-            if isinstance(state, State):
-                snapshot = state, seq, offset, lines
-        except Exception as exc:  # then the events of this segment alone are all there is
-            notes.append(f"line 2: the state this segment starts from is unreadable ({exc!r})")
+    if snapshot is None:
+        snapshot = _segment_state(path, types)
     if snapshot is None:
         reader = LogReader(path, keep_bad_lines=True)
         state = State()
@@ -925,6 +920,52 @@ def _recover(
     ordered = tuple(sorted(problems, key=lambda problem: problem.line))
     recovery = Recovery(reducer.state, replayed, ordered, set_aside, tuple(notes))
     return recovery, reader.seq, lines, repair
+
+
+def _segment_state(path: Path, types: Mapping[str, type]) -> tuple[State, int, int, int] | None:
+    """(state, seq, offset, lines) from the state record a later segment starts with, or None
+    for a first segment. Raises :class:`LogDamaged` when ``path`` is a later segment (its second
+    line is a state record, or segments of the same log lie beside it) whose state cannot be
+    used: the events of that segment alone lack the configuration and the workers it started."""
+    begins = segment_start(path)
+    why = "it is not a state record with a seq"
+    if begins is not None:
+        encoded, seq, offset, lines = begins
+        try:
+            state = decode(encoded, types)
+        except Exception as exc:  # any failure to decode it leaves the segment without a start
+            why = f"its state cannot be decoded: {exc}"
+        else:
+            if isinstance(state, State):
+                return state, seq, offset, lines
+            why = f"it holds a {type(state).__name__}, not a state"
+    elif not _names_a_state(path) and not _has_earlier_segments(path):
+        return None  # the first segment: it starts from nothing
+    raise LogDamaged(
+        f"{path}: line 2, the state this segment of the log starts from, cannot be used "
+        f"({why}); deo does not start without it (it would start workers again beside those "
+        f"still running). Restore that line (or the snapshot) from a backup, or stop this log's "
+        f"workers and move the log and its segments aside to start a new one"
+    )
+
+
+def _has_earlier_segments(path: Path) -> bool:
+    """Whether segments of this same log (the same header) lie beside ``path``: then it is a
+    later segment, whatever its second line has become."""
+    header = _first_line(path)
+    return any(_first_line(segment) == header for segment in segments(path))
+
+
+def _names_a_state(path: Path) -> bool:
+    """Whether the second line of ``path`` is a record of kind ``state``, however damaged."""
+    with path.open("rb") as f:
+        f.readline()
+        line = f.readline()
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return b'"kind":"state"' in line
+    return type(record) is dict and record.get("kind") == "state"
 
 
 def _may_hold_configuration(raw: bytes, line: int, configured_from: int | None) -> bool:

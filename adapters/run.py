@@ -14,10 +14,15 @@ for it. Once deo is stopping, further SIGINT/SIGTERM are ignored, so the log is 
 cleanly. SIGHUP, SIGUSR1 and SIGUSR2 are noted and ignored: deo reloads nothing on a signal.
 
 Exit status: 0 after a stop; 2 when start-up is refused (the configuration, the API address, or
-the log: in use, not a deo log, unreadable where it held the configuration), before any worker
-is touched; 3 when the log or its snapshot cannot be opened or written (disk full, file too
-big, read-only), at start-up or later: deo stops at once, carries out nothing more and leaves
-the workers running (a restart adopts them).
+the log: in use, not a deo log, unreadable where it held the configuration or the state a
+segment starts from), before any worker is touched; 3 when the log, its snapshot or the files
+deo keeps beside it (``LOG.token``, ``LOG.worker-secret``) cannot be opened or written (disk
+full, file too big, read-only), at start-up or later: deo stops at once, carries out nothing
+more and leaves the workers running (a restart adopts them).
+
+Beside the log, ``LOG.worker-secret`` holds the secret the workers' API tokens are derived from
+and ``LOG.token`` the operator token deo generated when ``$DEO_TOKEN`` (``api.token_env``) is
+unset; with it set, a ``LOG.token`` left from an earlier run is removed.
 """
 
 from __future__ import annotations
@@ -63,7 +68,15 @@ from core import (
     WorkerStarted,
 )
 
-__all__ = ["find_spawned", "reconcile", "run"]
+__all__ = [
+    "find_spawned",
+    "reconcile",
+    "run",
+    "worker_secret_for",
+    "worker_secret_path",
+    "write_operator_token",
+    "write_private",
+]
 
 log = logging.getLogger("deo.run")
 
@@ -88,28 +101,68 @@ def run_id_of(log_path: Path) -> str:
         return hashlib.sha256(f.readline()).hexdigest()[:16]
 
 
+#: Characters in a worker secret deo generates; a shorter one was cut short while written.
+WORKER_SECRET_CHARS = len(secrets.token_urlsafe(32))
+
+
+def worker_secret_path(log_path: Path) -> Path:
+    """Where the worker secret of the log at ``log_path`` is kept: ``LOG.worker-secret``."""
+    return log_path.with_name(log_path.name + ".worker-secret")
+
+
 def worker_secret_for(log_path: Path) -> str:
     """The secret each worker's API token is derived from (:func:`adapters.api.app.worker_token`),
-    kept beside the log (mode 0600) so that adopted workers' tokens stay valid."""
-    path = log_path.with_name(log_path.name + ".worker-secret")
+    kept beside the log (mode 0600) so that adopted workers' tokens stay valid.
+
+    A file that is missing, empty, shorter than a generated secret or not text is replaced by a
+    new secret: deo never hands out a token before the whole secret is in place (it is written
+    to a temporary file, synced and renamed), so no worker holds a token derived from it.
+    Raises :class:`OSError` when the file cannot be read or written.
+    """
+    path = worker_secret_path(log_path)
     try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        secret = secrets.token_urlsafe(32)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secret)
+        secret = path.read_text(encoding="utf-8").strip()
+    except (FileNotFoundError, UnicodeDecodeError):
+        secret = ""
+    if len(secret) >= WORKER_SECRET_CHARS:
         return secret
+    if path.exists():
+        log.warning(
+            "%s: damaged (%d characters); a new worker secret replaces it", path, len(secret)
+        )
+    secret = secrets.token_urlsafe(32)
+    write_private(path, secret + "\n")
+    return secret
 
 
 def write_operator_token(path: Path, token: str) -> None:
-    """Write ``token`` to ``path``, readable by this user alone (mode 0600), replacing it whole."""
+    """Write ``token`` to ``path``, readable by this user alone (mode 0600), replacing it whole.
+    Raises :class:`OSError` when it cannot be written."""
+    write_private(path, token + "\n")
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace ``path`` whole with ``text``, readable by this user alone (mode 0600): written to
+    ``PATH.partial``, synced, then renamed over ``path``, so a crash or a full disk leaves either
+    the old file or the new one, never a part of it. Raises :class:`OSError` (the partial file
+    is removed)."""
     partial = path.with_name(path.name + ".partial")
     partial.unlink(missing_ok=True)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    partial.replace(path)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        partial.replace(path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def worker_environ(token_env: str, runtime: dict[str, str]) -> dict[str, str]:
@@ -262,7 +315,11 @@ async def run(
     run_id = run_id_of(settings.log)
     token = os.environ.get(api.token_env)
     try:
-        if not token:
+        if token:
+            # A token file from an earlier run would hold a token this run does not accept:
+            # `deo stop --log LOG` would send it rather than report that $DEO_TOKEN is needed.
+            operator_token_path(settings.log).unlink(missing_ok=True)
+        else:
             # Generated for this run and written for the operator's eyes only, never to stdout
             # (which often ends up in a shared log); `deo stop --log LOG` reads it.
             token = secrets.token_urlsafe(24)
@@ -273,8 +330,11 @@ async def run(
     except OSError as exc:
         event_log.close()
         sock.close()
-        out(f"deo: cannot write beside {settings.log}: {exc.filename}: {exc.strerror}")
-        return 2
+        out(
+            f"deo: cannot write beside {settings.log}: {exc.filename}: {exc.strerror}; its "
+            f"directory must be writable by deo"
+        )
+        return 3
     # Past a file size limit, write() should fail with EFBIG (reported, exit 3) rather than
     # the kernel killing deo; workers get the default back (Popen restores SIGXFSZ).
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

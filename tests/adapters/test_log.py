@@ -10,6 +10,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -1118,3 +1119,63 @@ def test_a_rotation_cut_short_by_a_crash_is_undone_on_open(
     assert not interrupted.exists() and segments(path) == earlier
     assert recovery.state == reducer.state
     assert replays_cleanly(path) == len(demo_events)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda record: record["state"].update({"@": "NoSuchState"}),
+        lambda record: record.update({"state": {"@": "Tick", "t": 1.0}}),
+        lambda record: record.update({"state": [1, 2]}),
+        lambda record: record.pop("seq"),
+    ],
+    ids=["unknown-type", "not-a-state", "not-a-record", "no-seq"],
+)
+@pytest.mark.parametrize("events_after", [True, False], ids=["events-after", "just-rotated"])
+def test_a_segment_whose_state_record_cannot_be_used_stops_recovery(
+    tmp_path: Path,
+    demo_events: list[Event],
+    damage: Callable[[dict[str, Any]], object],
+    events_after: bool,
+) -> None:
+    path = tmp_path / "run.jsonl"
+    write_log(path, demo_events, fsync=False, snapshot_every=50, segment_bytes=20_000)
+    snapshot_path(path).unlink()
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert len(lines) > 2 and json.loads(lines[1])["kind"] == "state"
+    record = json.loads(lines[1])
+    damage(record)
+    rest = b"".join(lines[2:]) if events_after else b""
+    damaged = lines[0] + orjson.dumps(record) + b"\n" + rest
+    path.write_bytes(damaged)
+    with pytest.raises(LogDamaged, match=r"line 2, the state this segment .* cannot be used"):
+        EventLog.open(path)
+    assert path.read_bytes() == damaged
+    assert not list(tmp_path.glob("*.torn-*"))
+
+
+def test_a_segment_whose_only_line_after_the_header_is_garbage_stops_recovery(
+    tmp_path: Path, demo_events: list[Event]
+) -> None:
+    path = tmp_path / "run.jsonl"
+    write_log(path, demo_events, fsync=False, snapshot_every=50, segment_bytes=20_000)
+    snapshot_path(path).unlink()
+    damaged = path.read_bytes().splitlines(keepends=True)[0] + b"#" * 20 + b"\n"
+    path.write_bytes(damaged)
+    with pytest.raises(LogDamaged, match=r"line 2, the state this segment .* cannot be used"):
+        EventLog.open(path)
+    assert path.read_bytes() == damaged
+
+
+def test_segments_of_another_log_beside_a_first_segment_do_not_stop_recovery(
+    tmp_path: Path, demo_events: list[Event]
+) -> None:
+    path = tmp_path / "run.jsonl"
+    write_log(path, demo_events, fsync=False, snapshot_every=50, segment_bytes=20_000)
+    path.unlink()  # moved aside without its segments; a new log starts under the same name
+    snapshot_path(path).unlink()
+    reducer = write_log(path, [configured(), Tick(t=1.0)])
+    snapshot_path(path).unlink(missing_ok=True)
+    log, recovery = EventLog.open(path)
+    log.close()
+    assert recovery.state == reducer.state

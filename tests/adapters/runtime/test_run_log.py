@@ -19,6 +19,12 @@ from typing import Any
 import pytest
 
 from adapters.log import segments, snapshot_path
+from adapters.run import (
+    WORKER_SECRET_CHARS,
+    worker_secret_for,
+    worker_secret_path,
+    write_operator_token,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -252,3 +258,117 @@ def test_a_rotating_log_keeps_its_run_id_and_replays_with_tools_replay(
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verified:" in proc.stdout
+
+
+def test_a_segment_whose_state_record_cannot_be_used_stops_start_up_and_spawns_nothing(
+    deo: Callable[..., Deo],
+) -> None:
+    d = deo(extra='snapshot_every = 5\nsegment_bytes = 2000\nkeep_segments = "all"\n')
+    process = d.start()
+    try:
+        wait_for(
+            "two workers started and the log rotated",
+            lambda: (
+                len(d.workers()) == 2
+                and b"".join(p.read_bytes() for p in [*segments(d.log), d.log]).count(
+                    b'"@":"WorkerStarted"'
+                )
+                == 2
+                and segments(d.log)
+            ),
+        )
+    finally:
+        process.send_signal(signal.SIGTERM)
+        status, output = finished(process)
+    assert status == 0, output
+    workers = d.workers()
+    lines = d.log.read_bytes().splitlines(keepends=True)
+    assert b'"kind":"state"' in lines[1]
+    # Valid JSON that decodes to no state: the segment's events alone lack the workers.
+    lines[1] = b'{"kind":"state","seq":1,"state":{"@":"NoSuchState"}}\n'
+    d.log.write_bytes(b"".join(lines))
+    snapshot_path(d.log).unlink(missing_ok=True)
+    damaged = d.log.read_bytes()
+
+    status, output = finished(d.start())
+    assert status == 2, output
+    assert f"{d.log}: line 2, the state this segment of the log starts from" in output
+    assert "Traceback" not in output
+    assert d.workers() == workers  # none spawned, none stopped
+    assert d.log.read_bytes() == damaged
+
+
+def test_an_empty_worker_secret_and_a_stale_operator_token_are_replaced_at_start(
+    deo: Callable[..., Deo],
+) -> None:
+    d = deo()
+    d.log.with_name("run.jsonl.worker-secret").write_bytes(b"")  # cut short before it was written
+    stale = d.log.with_name("run.jsonl.token")
+    stale.write_text("token-of-an-earlier-run\n")
+    process = d.start()  # with $DEO_TOKEN set
+    try:
+        wait_for("two workers", lambda: len(d.workers()) == 2)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        status, output = finished(process)
+    assert status == 0, output
+    assert "Traceback" not in output
+    secret = d.log.with_name("run.jsonl.worker-secret")
+    assert len(secret.read_text().strip()) >= WORKER_SECRET_CHARS
+    assert secret.stat().st_mode & 0o777 == 0o600
+    assert not stale.exists()  # `deo stop --log` must not send a token this run refuses
+    assert not list(d.dir.glob("*.partial"))
+
+
+def test_a_worker_secret_that_cannot_be_read_stops_deo_with_status_3(
+    deo: Callable[..., Deo],
+) -> None:
+    d = deo()
+    d.log.with_name("run.jsonl.worker-secret").mkdir()
+    status, output = finished(d.start())
+    assert status == 3, output
+    assert "Traceback" not in output
+    last = output.strip().splitlines()[-1]
+    assert f"cannot write beside {d.log}" in last and "run.jsonl.worker-secret" in last
+    assert d.workers() == []
+
+
+@pytest.mark.parametrize("damaged", [b"", b"abc\n", b"\xff\xfe" * 30])
+def test_a_damaged_worker_secret_file_is_replaced_whole(tmp_path: Path, damaged: bytes) -> None:
+    log = tmp_path / "run.jsonl"
+    path = worker_secret_path(log)
+    path.write_bytes(damaged)
+    secret = worker_secret_for(log)
+    assert len(secret) >= WORKER_SECRET_CHARS
+    assert path.read_text().strip() == secret and path.stat().st_mode & 0o777 == 0o600
+    assert worker_secret_for(log) == secret  # kept from then on
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_a_missing_worker_secret_is_written_private_and_kept(tmp_path: Path) -> None:
+    log = tmp_path / "run.jsonl"
+    old = os.umask(0o022)
+    try:
+        secret = worker_secret_for(log)
+    finally:
+        os.umask(old)
+    assert worker_secret_path(log).stat().st_mode & 0o777 == 0o600
+    assert worker_secret_for(log) == secret
+
+
+def test_the_operator_token_replaces_the_file_whole_and_private(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl.token"
+    path.write_text("old\n")
+    path.chmod(0o644)
+    path.with_name(path.name + ".partial").write_text("left by a crash")
+    write_operator_token(path, "new-token")
+    assert path.read_text() == "new-token\n" and path.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_a_token_file_that_cannot_be_written_leaves_no_partial_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl.token"
+    path.mkdir()  # renaming a file over a directory fails
+    with pytest.raises(OSError):
+        write_operator_token(path, "new-token")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
