@@ -383,7 +383,8 @@ def _ready(step: Step, event: e.WorkerReady) -> None:
 
 
 def heartbeat_only(state: State, event: e.WorkerHeartbeat) -> State:
-    """The most frequent event, reduced without a full step: it only refreshes one worker."""
+    """One worker's sign of life (older logs; code embedding the core), reduced without a full
+    step: it only refreshes that worker."""
     t = max(state.now, event.t)
     worker = state.workers.get(event.worker_id)
     if worker is None:
