@@ -399,6 +399,10 @@ async def run(
                 # The state may miss live workers (a log that lost records): nothing is spawned
                 # until every process of this run that no adopted worker accounts for is gone.
                 await processes.stop_strays()
+                # A sweep cut short by the last stop left its alert raised: resolved if nothing
+                # of that worker is left now.
+                for event in processes.leftovers_gone(recovery.state):
+                    runner.emit(event)
                 tg.start_soon(runner.run)
                 if recovery.state.config != config:
                     try:

@@ -35,7 +35,10 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PARAM_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 _SIGNALS = frozenset({"SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"})
 #: Variables deo sets itself; a pool may not override them.
-RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DEO_WORKER_ID", "DEO_POOL"})
+RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
+#: Every variable named with this prefix is deo's (a worker's id, run, token, API, heartbeat
+#: file, ...): a pool may set none, so a worker always reports as the worker deo made.
+RESERVED_ENV_PREFIX = "DEO_"
 
 
 def _finite(key: str, value: object) -> None:
@@ -198,6 +201,11 @@ class PoolSpec:
                 raise ConfigError(f"{where}.env.{key}: names are identifiers, values strings")
             if key in RESERVED_ENV:
                 raise ConfigError(f"{where}.env.{key}: deo sets this variable itself")
+            if key.startswith(RESERVED_ENV_PREFIX):
+                raise ConfigError(
+                    f"{where}.env.{key}: variables named {RESERVED_ENV_PREFIX}* are deo's own "
+                    "(it sets those a worker needs); rename it"
+                )
         if self.drain_signal not in _SIGNALS:
             raise ConfigError(
                 f"{where}.drain_signal: {self.drain_signal!r} is not one of {sorted(_SIGNALS)}"

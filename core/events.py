@@ -62,9 +62,9 @@ class Tick(Event):
 
     ``interval_s`` is how far apart the ticker means its ticks to be. With it, a tick that comes
     much later than the previous one (more than :data:`~core.step.STALL_FACTOR` intervals) tells
-    the core that deo itself was not observing in between (stopped, a VM pause, a long fsync):
-    that time is not counted against any worker's heartbeat, and the tick judges no worker, so
-    that the reports queued during the stall arrive first. None (older logs) disables this.
+    the core that deo itself was not observing in between (stopped, a VM pause): that time is not
+    counted against any worker's heartbeat, and the tick judges no worker, so that the reports
+    queued during the stall arrive first. None (older logs) disables this.
     """
 
     interval_s: Seconds | None = None
@@ -189,7 +189,11 @@ class WorkerReady(Event):
 
 @attrs.frozen(slots=True, kw_only=True)
 class WorkerHeartbeat(Event):
-    """A worker is alive."""
+    """A worker is alive: one sign of life, one record.
+
+    ``deo run`` does not emit it (it records sightings in batches: :class:`WorkersSeen`); it is
+    kept so that older logs replay and for code embedding the core that reports each heartbeat.
+    """
 
     worker_id: Name
 
@@ -198,7 +202,8 @@ class WorkerHeartbeat(Event):
 class WorkersSeen(Event):
     """Workers that showed a sign of life since the last record of them, batched (one record per
     tick rather than one per heartbeat). Each is taken as seen at ``t``; ids of workers that
-    already exited are ignored, ids deo never made are refused."""
+    already exited are ignored, and so are ids this core never made (a replay under another
+    configuration meets recorded batches naming workers it never spawned)."""
 
     worker_ids: frozenset[str] = attrs.field(converter=str_set)
 

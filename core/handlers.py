@@ -383,7 +383,8 @@ def _ready(step: Step, event: e.WorkerReady) -> None:
 
 
 def heartbeat_only(state: State, event: e.WorkerHeartbeat) -> State:
-    """The most frequent event, reduced without a full step: it only refreshes one worker."""
+    """One worker's sign of life (older logs; code embedding the core), reduced without a full
+    step: it only refreshes that worker."""
     t = max(state.now, event.t)
     worker = state.workers.get(event.worker_id)
     if worker is None:
@@ -412,15 +413,14 @@ def seen_only(state: State, event: e.WorkersSeen) -> State:
     """A batch of signs of life, reduced without a full step: it only refreshes live workers.
 
     Workers that exited since they were seen are skipped, and so are those of a pool removed
-    since; an id deo never made is refused (:class:`~core.errors.UnknownSubject`) and nothing is
-    changed."""
+    since and ids this core never made: a replay under another configuration (``deo replay
+    --set``) meets recorded batches naming workers it never spawned, and the rest of the batch
+    must still refresh its workers. Unknown ids are refused earlier, where a sighting enters deo
+    (:func:`check_seen`), so a live run never logs one."""
     t = max(state.now, event.t)
     last_seen = state.last_seen.copy()
-    for worker_id in sorted(event.worker_ids):  # sorted: the same refusal whatever the order
-        parsed = split_worker_id(worker_id)
-        if parsed is not None and parsed[0] not in state.pools and worker_id not in state.workers:
-            continue  # its pool was removed (and forgotten) after the sighting
-        if check_seen(state, worker_id, "WorkersSeen"):
+    for worker_id in event.worker_ids:
+        if worker_id in state.workers:
             last_seen[worker_id] = t
     return replace(state, now=t, last_seen=MappingProxyType(last_seen))
 

@@ -19,14 +19,18 @@ event log, while a refusal by the reducer (an unknown pool, a pin outside the bo
 input and is logged as rejected. Worker requests are checked further before they reach the log:
 a worker id that is too long or not one of the live workers is refused (404) and only counted
 (``deo_api_requests_refused_total``). A heartbeat is not logged by itself: the runner records
-the workers it saw once per tick (:meth:`Runner.saw`). Readiness reports closer together than
-``min_worker_interval_s`` are answered without being logged (counted as coalesced), so workers
-add at most one record per worker and interval to the log, whatever they send.
+the workers it saw once per tick (:meth:`Runner.saw`). A readiness report is logged only while
+it changes the worker's state (the worker is starting), at most once per
+``min_worker_interval_s`` (the others are counted as coalesced); from a worker already past
+starting it is a sighting like a heartbeat, and from one whose start is not handled yet it is
+answered 429 with ``Retry-After``. So workers add at most one record per worker and interval to
+the log, whatever they send.
 
 Errors are JSON ``{"error": "..."}`` naming what was wrong, with the status every
 :class:`~core.errors.DeoError` carries (``http_status``): 400/413/422 for a malformed request, 401
 and 403 for a missing or wrong token, 404 for an unknown pool, worker or GPU, 409 for a request
-the subject's current state refuses, 429 for a worker reporting too often, 503 while deo stops.
+the subject's current state refuses, 429 for a readiness report from a worker whose start is not
+handled yet, 503 while deo stops.
 """
 
 from __future__ import annotations
@@ -95,9 +99,11 @@ _QUEUE_FIELDS = ("queued_sequences", "batch_size_seqs", "trainer_step")
 
 #: Longest worker id the API takes; deo's own ids (``pool-index``) are far shorter.
 MAX_WORKER_ID_CHARS = 128
-#: A worker's heartbeats (and repeated readiness reports) closer together than this are answered
-#: without being logged: the worker was seen that recently anyway.
+#: A starting worker's readiness reports closer together than this are logged once: the others
+#: are answered as sightings (coalesced). Heartbeats are always sightings, never logged alone.
 DEFAULT_MIN_WORKER_INTERVAL_S = 1.0
+#: The Retry-After (seconds) of a readiness report from a worker whose start is not handled yet.
+REQUESTED_RETRY_S = 1
 
 
 def worker_token(worker_secret: str, worker_id: str) -> str:
@@ -112,7 +118,7 @@ def worker_token(worker_secret: str, worker_id: str) -> str:
 class _RequestCounters:
     """Worker requests answered without reaching the log, for /metrics."""
 
-    #: By reason: "token", "worker_id" (too long), "unknown_worker", "state", "rate".
+    #: By reason: "token", "worker_id" (too long), "unknown_worker", "state" (not started yet).
     refused: dict[str, int] = attrs.field(factory=dict)
     coalesced: int = 0
 
@@ -583,8 +589,10 @@ def build_app(
         return _json({"stopping": True, "drain": drain})
 
     def worker_report(ready: bool) -> Callable[[Request], Awaitable[Response]]:
-        """A heartbeat (a sighting the runner batches) or a readiness report (rate-bounded):
-        checked before anything reaches the log."""
+        """A heartbeat (a sighting the runner batches) or a readiness report: checked before
+        anything reaches the log. Only a starting worker's readiness changes its state, so only
+        that is logged (at most once per ``min_worker_interval_s``); from a live worker past
+        that it is a sighting, and from one whose start is not handled yet a 429."""
 
         async def endpoint(request: Request) -> Response:
             worker_id = path(request, "worker_id")
@@ -611,20 +619,25 @@ def build_app(
                 # Not an event of its own: the runner batches sightings into one record per tick.
                 runner.saw(worker_id)
                 return _json(_commands_json([]))
+            if worker.state is WorkerState.REQUESTED:
+                # Its start is not handled yet: the core would refuse the report. Nothing is
+                # submitted; the worker asks again (deo_worker.ready retries a 429).
+                requests.refuse("state")
+                raise _ApiError(
+                    429,
+                    f"worker {worker_id!r} has not started yet; retry in {REQUESTED_RETRY_S}s",
+                    {"Retry-After": str(REQUESTED_RETRY_S)},
+                )
+            if worker.state is not WorkerState.STARTING:
+                # Active, draining, ...: the core takes a report now as a sign of life only.
+                runner.saw(worker_id)
+                return _json(_commands_json([]))
             now_s = time.monotonic()
             last_s = logged_at.get(worker_id)
-            changes_state = worker.state is WorkerState.STARTING
-            if not changes_state and last_s is not None and now_s - last_s < min_worker_interval_s:
-                if worker.state is WorkerState.REQUESTED:
-                    # Its start is not handled yet: a readiness report now would be refused.
-                    requests.refuse("rate")
-                    retry_s = max(1, round(min_worker_interval_s))
-                    raise _ApiError(
-                        429,
-                        f"worker {worker_id!r} has not started yet; retry in {retry_s}s",
-                        {"Retry-After": str(retry_s)},
-                    )
+            if last_s is not None and now_s - last_s < min_worker_interval_s:
+                # Another report of this starting worker is already on its way to the log.
                 requests.coalesced += 1
+                runner.saw(worker_id)
                 return _json({"commands": [], "coalesced": True})
             logged_at[worker_id] = now_s
             if len(logged_at) > 2 * len(runner.state.workers) + 16:

@@ -1,9 +1,9 @@
 """Liveness batching: heartbeats gathered between ticks and logged as one ``WorkersSeen`` a tick.
 
-A heartbeat is the most frequent input deo has (every worker, every fraction of a second); logged
-one record each, it made the log grow by about 100 bytes per worker per second. The core needs a
-worker's last sign of life only as precisely as its pool's ``heartbeat_grace_s`` asks, so a
-sighting is recorded only once the core's record of that worker is a quarter of the grace old
+A heartbeat is the most frequent input deo has (every worker, every fraction of a second); with
+one record per heartbeat the log would grow by about 100 bytes per worker per second. The core
+needs a worker's last sign of life only as precisely as its pool's ``heartbeat_grace_s`` asks, so
+a sighting is recorded only once the core's record of that worker is a quarter of the grace old
 (:data:`UNJUDGED_REFRESH_S` for pools that judge no heartbeat), and then for every such worker in
 one record, just before the tick that judges them.
 

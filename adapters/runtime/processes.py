@@ -68,10 +68,12 @@ from core import (
     LeftoverProcessesStopped,
     SpawnFailed,
     SpawnWorker,
+    State,
     TerminateWorker,
     WorkerExited,
     WorkerStarted,
 )
+from core.vocabulary import AlertName
 
 __all__ = [
     "WORKER_ID_ENV",
@@ -456,6 +458,23 @@ class LocalProcesses:
             for worker_id, leftovers in by_worker.items():
                 task_group.start_soon(self._stop_leftovers, worker_id, leftovers, None, None)
         return len(found)
+
+    def leftovers_gone(self, state: State) -> list[LeftoverProcessesStopped]:
+        """A :class:`~core.events.LeftoverProcessesStopped` for each ``leftover_processes`` alert
+        raised in ``state`` with no process of this run left for its worker.
+
+        A sweep cut short (deo stopped while it waited) never reports its processes gone, and
+        they may end while no deo watches: call it after :meth:`stop_strays`, which reports
+        those still there, so no alert stays raised with nothing behind it. Without
+        ``run_marks`` nothing tells this run's processes apart: none is resolved."""
+        if not self._run_marks:
+            return []
+        left = {leftover.worker_id or "unknown" for leftover in self._leftovers(None)}
+        return [
+            LeftoverProcessesStopped(t=self._clock(), worker_id=subject)
+            for alert, subject in sorted(state.alerts)
+            if alert is AlertName.LEFTOVER_PROCESSES and subject not in left
+        ]
 
     # --- internals -------------------------------------------------------------------------------
 

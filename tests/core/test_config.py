@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -71,6 +72,18 @@ INVALID: list[tuple[str, Callable[[], object], str]] = [
         "pools.envs.env.DEO_WORKER_ID",
     ),
     ("env-reserved-pool", lambda: pool(env={"DEO_POOL": "x"}), "pools.envs.env.DEO_POOL"),
+    # every DEO_ name is deo's: a worker's run id, token, API and heartbeat file among them
+    *(
+        (f"env-reserved-{key.lower()}", functools.partial(pool, env={key: "x"}), f"env.{key}")
+        for key in (
+            "DEO_RUN_ID",
+            "DEO_HEARTBEAT_FILE",
+            "DEO_API_URL",
+            "DEO_WORKER_TOKEN",
+            "DEO_TOKEN",
+            "DEO_ANYTHING_NEW",
+        )
+    ),
     ("env-bad-name", lambda: pool(env={"1ABC": "x"}), "pools.envs.env.1ABC"),
     ("env-bad-name-dash", lambda: pool(env={"MY-VAR": "x"}), "pools.envs.env.MY-VAR"),
     ("env-non-string-value", lambda: pool(env={"SEED": 3}), "pools.envs.env.SEED"),
@@ -450,3 +463,12 @@ def test_backoff_is_bounded_and_monotonic(base: float, extra: float, failures: i
     assert after >= delay
     if failures >= 1:
         assert delay >= rules.backoff_base_s
+
+
+def test_a_pool_env_may_use_names_that_only_resemble_deo_s() -> None:
+    assert pool(env={"DEOX": "1", "MY_DEO_RUN_ID": "2", "deo_run_id": "3"}).env["DEOX"] == "1"
+
+
+def test_a_reserved_deo_name_is_refused_with_its_key_and_why() -> None:
+    with pytest.raises(ConfigError, match=r"pools\.envs\.env\.DEO_API_URL: variables named DEO_\*"):
+        pool(env={"PYTHONUNBUFFERED": "1", "DEO_API_URL": "http://elsewhere:1"})

@@ -290,11 +290,11 @@ class ReducerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def seen(self, data: st.DataObject) -> None:
         ids = data.draw(st.sets(st.sampled_from([*self.workers(), *self.ended, "judges-0"])))
-        before = self.state
         assert self.feed(WorkersSeen(t=self.t, worker_ids=ids)) == []
-        if self.state is not before:  # accepted (judges-0 may be a worker deo never made)
-            for worker_id in ids & set(self.state.workers):
-                assert self.state.last_seen[worker_id] == self.state.now
+        # Always accepted: ids deo never made (judges-0, maybe) are skipped, the rest refreshed.
+        for worker_id in ids & set(self.state.workers):
+            assert self.state.last_seen[worker_id] == self.state.now
+        assert set(self.state.last_seen) <= set(self.state.workers)
 
     @rule(data=st.data(), kind=st.sampled_from(["ready", "heartbeat", "adopted"]))
     def report(self, data: st.DataObject, kind: str) -> None:

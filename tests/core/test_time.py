@@ -34,6 +34,7 @@ from core import (
     decode,
     encode,
 )
+from core.handlers import check_seen
 
 T0 = 1_795_350_000.0  # wall-clock seconds, as deo run logs them
 
@@ -161,12 +162,21 @@ def test_workers_seen_refreshes_live_workers_and_skips_exited_ones() -> None:
     assert "envs-0" not in reducer.state.last_seen
 
 
-def test_workers_seen_naming_a_worker_deo_never_made_changes_nothing() -> None:
+def test_workers_seen_skips_ids_deo_never_made_and_refreshes_the_rest() -> None:
+    # A replay with fewer workers (deo replay --set ...max_workers=...) meets recorded batches
+    # naming workers it never spawned: the rest of the batch is still refreshed.
+    reducer = running(spec(heartbeat_grace_s=5.0, max_workers=2, policy=_static(2)))
+    ids = {"envs-1", "envs-99", "judges-0", "nonsense"}
+    assert reducer.step(WorkersSeen(t=T0 + 1, worker_ids=ids)) == []
+    assert reducer.state.last_seen["envs-1"] == T0 + 1
+    assert set(reducer.state.last_seen) <= set(reducer.state.workers)
+
+
+def test_a_single_sighting_of_a_worker_deo_never_made_is_refused_where_it_enters() -> None:
     reducer = running(spec(max_workers=2, policy=_static(2)))
-    before = reducer.state
     with pytest.raises(UnknownSubject, match="unknown worker 'envs-99'"):
-        reducer.step(WorkersSeen(t=T0 + 1, worker_ids={"envs-1", "envs-99"}))
-    assert reducer.state is before
+        check_seen(reducer.state, "envs-99")
+    assert check_seen(reducer.state, "envs-1") is True
 
 
 def test_old_heartbeat_records_still_reduce_and_round_trip() -> None:

@@ -34,6 +34,7 @@ from core import (
     WorkersSeen,
     WorkerStarted,
 )
+from deo_worker.ready import report_ready_async
 
 TOKEN = "operator-secret"
 WORKER_SECRET = "worker-secret"
@@ -494,30 +495,45 @@ async def test_heartbeats_are_sightings_never_logged_one_by_one(tmp_path: Path) 
         assert b"WorkerHeartbeat" not in h.log_bytes()[len(before) :]
 
 
+def require_ready(h: Harness) -> Configured:
+    """The harness's configuration again, with pool envs requiring readiness."""
+    pools = [attrs.evolve(p, require_ready=True) if p.name == "envs" else p for p in POOLS]
+    return Configured(t=0.5, config=attrs.evolve(h.runner.state.config, pools=pools))
+
+
 @pytest.mark.anyio
 async def test_repeated_ready_reports_are_logged_at_most_once_per_interval(
     tmp_path: Path,
 ) -> None:
     async with running(tmp_path, min_worker_interval_s=3600.0) as h:
+        await h.runner.submit(require_ready(h))
         await start_worker(h, "envs-0", 4242)
         before = h.log_bytes()
-        answers = [
-            await h.client.post("/v1/workers/envs-0/ready", headers=WORKER) for _ in range(40)
-        ]
+
+        # All at once, while the worker is starting: the first is logged; the others arrive
+        # while it is on its way (coalesced) or after it (the worker is active): sightings.
+        answers: list[httpx.Response] = []
+
+        async def report() -> None:
+            answers.append(await h.client.post("/v1/workers/envs-0/ready", headers=WORKER))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(40):
+                tg.start_soon(report)
 
         assert [a.status_code for a in answers] == [200] * 40
-        assert answers[1].json() == {"commands": [], "coalesced": True}
+        assert h.runner.state.workers["envs-0"].state.value == "active"
         assert h.log_bytes()[len(before) :].count(b"WorkerReady") == 1
+        coalesced = sum(a.json().get("coalesced", False) for a in answers)
         metrics = (await h.client.get("/metrics")).text
-        assert "deo_api_ready_reports_coalesced_total 39.0" in metrics
+        assert f"deo_api_ready_reports_coalesced_total {coalesced:.1f}" in metrics
+        assert h.runner.liveness.pending == {"envs-0"}  # every other report was a sighting
 
 
 @pytest.mark.anyio
 async def test_a_worker_reports_ready_and_becomes_active(tmp_path: Path) -> None:
     async with running(tmp_path, min_worker_interval_s=3600.0) as h:
-        config = h.runner.state.config
-        pools = [attrs.evolve(p, require_ready=True) if p.name == "envs" else p for p in POOLS]
-        await h.runner.submit(Configured(t=0.5, config=attrs.evolve(config, pools=pools)))
+        await h.runner.submit(require_ready(h))
         await start_worker(h, "envs-0", 4242)
         assert h.runner.state.workers["envs-0"].state.value == "starting"
         # A heartbeat first: readiness is still taken right after it.
@@ -528,12 +544,54 @@ async def test_a_worker_reports_ready_and_becomes_active(tmp_path: Path) -> None
         assert response.status_code == 200, response.text
         assert h.runner.state.workers["envs-0"].state.value == "active"
         assert h.log_bytes().count(b"WorkerReady") == 1
-        # Reported again: a sign of life, coalesced like a heartbeat.
+        # A tick late enough to record the heartbeat's sighting, which leaves none pending.
+        assert h.runner.liveness.due(h.runner.state, h.clock() + 3600.0) is not None
+        assert h.runner.liveness.pending == frozenset()
+        # Reported again by an active worker: a sighting for the next tick, never logged.
         again = await h.client.post("/v1/workers/envs-0/ready", headers=WORKER)
-        assert again.json() == {"commands": [], "coalesced": True}
+        assert again.json() == {"commands": []}
         assert h.log_bytes().count(b"WorkerReady") == 1
+        assert h.runner.liveness.pending == {"envs-0"}
         wrong = await h.client.post("/v1/workers/envs-1/ready", headers=WORKER)
         assert wrong.status_code == 403
+
+
+@pytest.mark.anyio
+async def test_a_ready_report_before_the_start_is_handled_is_asked_again(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        await h.runner.submit(require_ready(h))
+        assert h.runner.state.workers["envs-1"].state.value == "requested"
+        before = h.log_bytes()
+        envs_1 = {"Authorization": f"Bearer {worker_token(WORKER_SECRET, 'envs-1')}"}
+        for attempt in range(3):  # every time, not only within an interval
+            early = await h.client.post("/v1/workers/envs-1/ready", headers=envs_1)
+            assert early.status_code == 429, (attempt, early.text)
+            assert early.headers["retry-after"] == "1", attempt
+            assert "envs-1" in early.json()["error"] and "not started" in early.json()["error"]
+        assert h.log_bytes() == before  # nothing submitted, so nothing refused by the core
+        assert refused_counts(await h.client.get("/metrics")) == {"state": 3}
+
+        # The worker's own client retries a 429 until deo has handled its start.
+        environ = {
+            "DEO_API_URL": f"http://127.0.0.1:{h.port}",
+            "DEO_WORKER_ID": "envs-1",
+            "DEO_WORKER_TOKEN": worker_token(WORKER_SECRET, "envs-1"),
+        }
+        taken: list[bool] = []
+
+        async def report() -> None:
+            taken.append(await report_ready_async(environ, timeout_s=60.0))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(report)
+            with anyio.fail_after(30):
+                while refused_counts(await h.client.get("/metrics")) == {"state": 3}:
+                    await anyio.sleep(0.05)  # until it was answered 429 at least once more
+            await start_worker(h, "envs-1", 4343)
+        assert taken == [True]
+        assert h.runner.state.workers["envs-1"].state.value == "active"
+        assert h.log_bytes()[len(before) :].count(b"WorkerReady") == 1
+        assert b'"kind":"rejected"' not in h.log_bytes()[len(before) :]
 
 
 @pytest.mark.anyio

@@ -86,7 +86,7 @@ def workdir(tmp_path: Path) -> Iterator[tuple[Path, str]]:
             environ = Path(entry.path, "environ").read_bytes()
         except OSError:
             continue
-        if f"DEO_TEST_MARKER={marker}".encode() in environ.split(b"\0"):
+        if f"TEST_DEO_MARKER={marker}".encode() in environ.split(b"\0"):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(int(entry.name), signal.SIGKILL)
 
@@ -115,7 +115,7 @@ def test_slow_clients_leave_the_operator_and_spawns_served(workdir: tuple[Path, 
         '[deo]\nlog = "run.jsonl"\ntick_interval_s = 0.2\n[api]\nport = 0\n'
         "[pools.envs]\n"
         f'argv = ["{sys.executable}", "{WORKER}", "0.2"]\n'
-        f'env = {{ DEO_TEST_MARKER = "{marker}" }}\n'
+        f'env = {{ TEST_DEO_MARKER = "{marker}" }}\n'
         "min_workers = 2\nmax_workers = 2\n"
         '[pools.envs.policy]\nname = "static"\ncount = 2\n'
     )
@@ -123,7 +123,7 @@ def test_slow_clients_leave_the_operator_and_spawns_served(workdir: tuple[Path, 
     deo = subprocess.Popen(
         [sys.executable, "-m", "adapters.cli", "run", "--config", str(config)],
         cwd=tmp_path,
-        env={**os.environ, "DEO_TOKEN": TOKEN, "DEO_TEST_MARKER": marker},
+        env={**os.environ, "DEO_TOKEN": TOKEN, "TEST_DEO_MARKER": marker},
         stdout=out.open("wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -208,7 +208,7 @@ def test_the_operator_token_is_never_printed_and_is_kept_in_a_private_file(
     deo = subprocess.Popen(
         [sys.executable, "-m", "adapters.cli", "run", "--config", str(config)],
         cwd=tmp_path,
-        env={**env, "DEO_TEST_MARKER": marker},
+        env={**env, "TEST_DEO_MARKER": marker},
         stdout=out.open("wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -251,7 +251,7 @@ def test_listening_beyond_loopback_warns_and_closes_reads(workdir: tuple[Path, s
     deo = subprocess.Popen(
         [sys.executable, "-m", "adapters.cli", "run", "--config", str(config)],
         cwd=tmp_path,
-        env={**os.environ, "DEO_TOKEN": TOKEN, "DEO_TEST_MARKER": marker},
+        env={**os.environ, "DEO_TOKEN": TOKEN, "TEST_DEO_MARKER": marker},
         stdout=out.open("wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -298,7 +298,7 @@ def test_workers_of_a_pool_that_requires_readiness_report_it_and_stay(
         '[deo]\nlog = "run.jsonl"\ntick_interval_s = 0.2\n[api]\nport = 0\n'
         "[pools.envs]\n"
         f'argv = ["{sys.executable}", "{worker}"]\n'
-        f'env = {{ DEO_TEST_MARKER = "{marker}", PYTHONPATH = "{ROOT}" }}\n'
+        f'env = {{ TEST_DEO_MARKER = "{marker}", PYTHONPATH = "{ROOT}" }}\n'
         "min_workers = 2\nmax_workers = 2\nrequire_ready = true\nstart_timeout_s = 30.0\n"
         '[pools.envs.policy]\nname = "static"\ncount = 2\n'
     )
@@ -306,7 +306,7 @@ def test_workers_of_a_pool_that_requires_readiness_report_it_and_stay(
     deo = subprocess.Popen(
         [sys.executable, "-m", "adapters.cli", "run", "--config", str(config)],
         cwd=tmp_path,
-        env={**os.environ, "DEO_TOKEN": TOKEN, "DEO_TEST_MARKER": marker},
+        env={**os.environ, "DEO_TOKEN": TOKEN, "TEST_DEO_MARKER": marker},
         stdout=out.open("wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -25,6 +25,8 @@ from core import (
     QueueSampled,
     Reducer,
     Tick,
+    WorkersSeen,
+    WorkerStarted,
 )
 
 REPO = Path(__file__).resolve().parents[3]
@@ -541,3 +543,40 @@ def test_other_modes_report_unreadable_lines(
     proc = run_tool(demo_log, *args)
     assert f"{demo_log}: line {bad_line}: malformed JSON" in proc.stdout
     assert proc.returncode == 2
+
+
+def test_set_with_fewer_workers_still_takes_the_sightings_of_those_it_made(
+    tmp_path: Path,
+) -> None:
+    # Recorded: three workers seen every second, none hung. Under max_workers=1 only envs-0
+    # exists; the recorded batches also name envs-1 and envs-2, which must not cost envs-0 its
+    # sightings (it would be found hung 5 s in).
+    path = tmp_path / "seen.jsonl"
+    spec = PoolSpec(
+        name="envs",
+        argv=["python", "env.py"],
+        min_workers=0,
+        max_workers=4,
+        heartbeat_grace_s=5.0,
+        policy=PolicySpec(name="static", params={"count": 3}),
+    )
+    ids = ["envs-0", "envs-1", "envs-2"]
+    log, _ = EventLog.open(path)
+    reducer = Reducer()
+    log.record(reducer, Configured(t=0.0, config=Config(pools=[spec])))
+    for pid, worker_id in enumerate(ids, start=100):
+        log.record(reducer, WorkerStarted(t=1.0, worker_id=worker_id, pid=pid, start_time=pid))
+    for second in range(2, 40):
+        log.record(reducer, WorkersSeen(t=float(second), worker_ids=set(ids)))
+        log.record(reducer, Tick(t=second + 0.5, interval_s=1.0))
+    log.close()
+
+    proc = run_tool(path, "--set", "pools.envs.max_workers=1")
+
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # The one difference: how many it starts. envs-0 is never found hung.
+    assert re.search(r"^1 of \d+ events would have led", proc.stdout, re.M), proc.stdout
+    assert "silent for" not in proc.stdout, proc.stdout
+    # Only the starts of the two workers it never made did not apply.
+    skipped = re.search(r"; (\d+) recorded inputs did not apply", proc.stdout)
+    assert skipped is not None and int(skipped.group(1)) == 2, proc.stdout

@@ -87,7 +87,7 @@ interval_s = 0.2
 uncordon_after_s = {UNCORDON_AFTER_S}
 [pools.envs]
 argv = {argv}
-env = {{ DEO_TEST_MARKER = "{self.marker}" }}
+env = {{ TEST_DEO_MARKER = "{self.marker}" }}
 min_workers = 0
 max_workers = 2
 gpus_per_worker = 1
@@ -210,7 +210,7 @@ count = 2
                 environ = Path(entry.path, "environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if f"DEO_TEST_MARKER={self.marker}".encode() in environ:
+            if f"TEST_DEO_MARKER={self.marker}".encode() in environ:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(int(entry.name), signal.SIGKILL)
 

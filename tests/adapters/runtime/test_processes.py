@@ -18,17 +18,21 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from adapters.runtime.processes import LocalProcesses, process_start_time
 from core import (
+    Config,
+    Configured,
     DrainWorker,
     Event,
     KillWorker,
     LeftoverProcesses,
     LeftoverProcessesStopped,
+    Reducer,
     SpawnFailed,
     SpawnWorker,
     TerminateWorker,
     WorkerExited,
     WorkerStarted,
 )
+from core.vocabulary import AlertName
 
 POLL_S = 0.05
 
@@ -517,3 +521,41 @@ async def test_children_of_the_host_program_are_neither_stopped_nor_reaped(
         assert own.poll() is None  # not stopped
         assert done.wait(timeout=30) == 5  # its exit status is still ours to collect
         tg.cancel_scope.cancel()
+
+
+def test_leftover_alerts_are_resolved_once_nothing_of_their_worker_is_left(
+    tmp_path: Path, track: Track
+) -> None:
+    run_marks = {"DEO_RUN_ID": uuid.uuid4().hex}
+    # A process of this run that envs-3 left behind, still running; envs-4 left nothing.
+    left = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env={**os.environ, **run_marks, "DEO_WORKER_ID": "envs-3"},
+    )
+    track(left.pid)
+    reducer = Reducer()
+    reducer.step(Configured(t=0.0, config=Config()))
+    for worker_id in ("envs-3", "envs-4"):
+        reducer.step(LeftoverProcesses(t=1.0, worker_id=worker_id, count=1, detail="pid 1"))
+    executor = LocalProcesses(
+        lambda event: None,
+        clock=lambda: 2.0,
+        log_dir=tmp_path,
+        environ={**os.environ, **run_marks},
+        run_marks=run_marks,
+    )
+
+    gone = executor.leftovers_gone(reducer.state)
+
+    assert gone == [LeftoverProcessesStopped(t=2.0, worker_id="envs-4")]
+    for event in gone:
+        reducer.step(event)
+    assert reducer.state.alerts == {(AlertName.LEFTOVER_PROCESSES, "envs-3")}
+    # Without marks to tell this run's processes apart, nothing is resolved.
+    unmarked = LocalProcesses(lambda event: None, clock=lambda: 2.0, log_dir=tmp_path)
+    assert unmarked.leftovers_gone(reducer.state) == []
+    left.kill()
+    left.wait(timeout=30)
+    assert executor.leftovers_gone(reducer.state) == [
+        LeftoverProcessesStopped(t=2.0, worker_id="envs-3")
+    ]

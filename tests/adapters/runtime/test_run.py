@@ -64,7 +64,7 @@ def marked_processes(marker: str) -> list[int]:
                 environ = Path(entry.path, "environ").read_bytes()
             except OSError:
                 continue
-            if f"DEO_TEST_MARKER={marker}".encode() in environ.split(b"\0"):
+            if f"TEST_DEO_MARKER={marker}".encode() in environ.split(b"\0"):
                 found.append(int(entry.name))
     return found
 
@@ -226,7 +226,7 @@ def pool(name: str, argv: list[str], **fields: Any) -> str:
     lines = [
         f"[pools.{name}]",
         f"argv = {argv!r}".replace("'", '"'),
-        'env = { DEO_TEST_MARKER = "@MARK@" }',
+        'env = { TEST_DEO_MARKER = "@MARK@" }',
     ]
     policy = fields.pop("policy", 'name = "static"\ncount = 1')
     lines += [f"{k} = {v!r}".replace("'", '"') for k, v in fields.items()]

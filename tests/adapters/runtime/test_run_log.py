@@ -37,7 +37,7 @@ def marked(marker: str) -> list[int]:
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
                 environ = Path(entry.path, "environ").read_bytes().split(b"\0")
-                if f"DEO_TEST_MARKER={marker}".encode() in environ:
+                if f"TEST_DEO_MARKER={marker}".encode() in environ:
                     found.append(int(entry.name))
     return found
 
@@ -63,7 +63,7 @@ class Deo:
         self.config.write_text(
             f'[deo]\nlog = "run.jsonl"\ntick_interval_s = 0.2\n{extra}[api]\nport = 0\n'
             f'[pools.envs]\nargv = ["{sys.executable}", "-c", "{SILENT}"]\n'
-            f'env = {{ DEO_TEST_MARKER = "{self.marker}" }}\nmax_workers = 4\n'
+            f'env = {{ TEST_DEO_MARKER = "{self.marker}" }}\nmax_workers = 4\n'
             f'[pools.envs.policy]\nname = "static"\ncount = 2\n'
         )
         self.runs = 0

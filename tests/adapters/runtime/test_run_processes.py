@@ -230,6 +230,52 @@ def test_processes_of_the_run_the_log_does_not_name_are_stopped_before_any_spawn
     verified(d)
 
 
+#: Leaves one child behind that leads its own session and ignores SIGTERM, so the sweep after the
+#: worker's exit waits the whole stop timeout before its SIGKILL.
+LEAVES_A_DEAF_CHILD = """
+import os, signal, subprocess, sys, time
+DEAF = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+child = subprocess.Popen([sys.executable, "-c", DEAF], start_new_session=True)
+print("left", child.pid, flush=True)
+signal.signal(signal.SIGUSR1, lambda *_: os._exit(3))
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_leftover_alert_raised_when_deo_died_is_resolved_when_nothing_is_left(
+    deo: Callable[[str], Deo], tmp_path: Path
+) -> None:
+    leaver = script(tmp_path, "deaf_child.py", LEAVES_A_DEAF_CHILD)
+    d = deo(
+        pool(
+            "envs",
+            [sys.executable, leaver],
+            min_workers=0,
+            max_workers=1,
+            drain_timeout_s=5.0,
+            stop_timeout_s=600.0,  # the sweep is still waiting when deo dies
+        )
+    )
+    d.start()
+    [worker] = wait_for("the worker", lambda: d.workers("active"))
+    log = d.dir / "deo-workers" / f"{worker['id']}.log"
+    [child] = wait_for("its child", lambda: left_pids(log))
+    assert d.post("/v1/pools/envs/pin", {"count": 0}).status_code == 200
+    wait_for("the alert", lambda: raised_alerts(d, "leftover_processes"))
+    d.kill9()  # mid-sweep: no LeftoverProcessesStopped
+    os.kill(child, signal.SIGKILL)  # it ends while no deo watches
+    wait_for("the child gone", lambda: not alive(child))
+    assert d.events("LeftoverProcessesStopped") == []
+
+    d.start()
+
+    wait_for("the alert resolved", lambda: d.status()["alerts"] == [])
+    stopped = d.events("LeftoverProcessesStopped")
+    assert [e["worker_id"] for e in stopped] == [worker["id"]]
+    verified(d)
+
+
 @pytest.mark.parametrize("drain", [False, True], ids=["stop", "drain-stop"])
 def test_sigterms_during_a_stop_never_end_deo_uncleanly(
     deo: Callable[[str], Deo], tmp_path: Path, drain: bool
