@@ -665,7 +665,7 @@ unreadable_lines = st.one_of(
     st.fixed_dictionaries(
         {
             "kind": st.sampled_from(["event", "commands", "rejected"]),
-            "seq": st.none() | st.text(max_size=3) | st.integers(max_value=0) | st.floats(1, 9),
+            "seq": st.none() | st.text(max_size=3) | st.integers(-(2**63), 0) | st.floats(1, 9),
             "cause": st.integers(1, 10),
             "event": st.just({"@": "Tick", "t": 1.0}),
             "commands": st.just([]),
