@@ -533,6 +533,12 @@ def test_leftover_alerts_are_resolved_once_nothing_of_their_worker_is_left(
         env={**os.environ, **run_marks, "DEO_WORKER_ID": "envs-3"},
     )
     track(left.pid)
+    # Until it has executed, the child still has this process's environment, without the marks.
+    marked = b"DEO_WORKER_ID=envs-3"
+    deadline = time.monotonic() + 60
+    while marked not in Path(f"/proc/{left.pid}/environ").read_bytes().split(b"\0"):
+        assert time.monotonic() < deadline, "the left-over process never started"
+        time.sleep(0.01)
     reducer = Reducer()
     reducer.step(Configured(t=0.0, config=Config()))
     for worker_id in ("envs-3", "envs-4"):
