@@ -261,6 +261,9 @@ def file_bytes(path: Path) -> int:
         return 0
 
 
+#: Records between snapshots: about one every four minutes at the soak's churn (the default,
+#: 10,000, would take more than an hour).
+SNAPSHOT_EVERY = 500
 #: The log rotation ``deo run`` does by default, which the soak keeps.
 DEFAULT_SEGMENT_BYTES = cast(int, attrs.fields(RunSettings).segment_bytes.default)
 DEFAULT_KEEP_SEGMENTS = attrs.fields(RunSettings).keep_segments.default
@@ -279,7 +282,7 @@ def config_text(settings: SoakSettings) -> str:
 log = "soak.jsonl"
 worker_logs = "workers"
 # More often than the default, so that a soak of minutes rewrites the snapshot too.
-snapshot_every = 2000
+snapshot_every = {SNAPSHOT_EVERY}
 
 [api]
 host = "127.0.0.1"
@@ -611,6 +614,9 @@ class LogCounts:
     events: dict[str, int]
     #: Bytes (newline included) of those records by event type.
     event_bytes: dict[str, int]
+    #: Bytes of the records that are not events, by kind (``commands``, ``header``, ``state``,
+    #: ``rejected``, ...).
+    other_bytes: dict[str, int]
     #: Worker ids the ``WorkersSeen`` records hold, all together: each is one worker seen
     #: alive during one tick.
     sightings: int
@@ -626,11 +632,21 @@ class LogCounts:
         """The fraction of the log's bytes taken by records of event type ``name``."""
         return self.event_bytes.get(name, 0) / self.log_bytes if self.log_bytes else 0.0
 
+    def largest(self, n: int) -> list[tuple[str, float]]:
+        """The ``n`` event types or other record kinds taking most of the log's bytes, with
+        their fractions of it; record kinds are named in lower case, event types as classes."""
+        if not self.log_bytes:
+            return []
+        both = {**self.other_bytes, **self.event_bytes}
+        ranked = sorted(both.items(), key=lambda item: -item[1])[:n]
+        return [(name, size / self.log_bytes) for name, size in ranked]
+
 
 def count_log(path: Path) -> LogCounts:
     """Count the records of the log at ``path``, across every segment present."""
     events: Counter[str] = Counter()
     event_bytes: Counter[str] = Counter()
+    other_bytes: Counter[str] = Counter()
     files = log_files(path)
     records = size = sightings = unreadable = 0
     for file in files:
@@ -644,6 +660,8 @@ def count_log(path: Path) -> LogCounts:
                     unreadable += 1
                     continue
                 if not isinstance(record, dict) or record.get("kind") != "event":
+                    kind = record.get("kind") if isinstance(record, dict) else None
+                    other_bytes[str(kind)] += len(line)
                     continue
                 event = record.get("event")
                 name = str(event.get("@")) if isinstance(event, dict) else "?"
@@ -657,6 +675,7 @@ def count_log(path: Path) -> LogCounts:
         log_bytes=size,
         events=dict(events),
         event_bytes=dict(event_bytes),
+        other_bytes=dict(other_bytes),
         sightings=sightings,
         heartbeats=events.get("WorkerHeartbeat", 0),
         unreadable=unreadable,
@@ -903,6 +922,11 @@ def log_files_line(counts: LogCounts) -> str:
     return f"{counts.log_bytes / 1e6:.2f} MB in {counts.segments} files (the live segment included)"
 
 
+def composition_line(counts: LogCounts) -> str:
+    """The record kinds and event types taking most of the log's bytes, with their shares."""
+    return ", ".join(f"{name} {share:.0%}" for name, share in counts.largest(5)) or "none"
+
+
 def sightings_line(counts: LogCounts) -> str:
     """The workers' signs of life in the log: batched sightings, or one record per heartbeat."""
     seen = (
@@ -943,11 +967,11 @@ def render(result: Result) -> str:
         f"- Load average (1/5/15 min) at start {result.load[0]}, at end {result.load[1]} "
         "(the machine was shared; CPU time is deo's own, from /proc, and waiting for a core "
         "is not counted in it)",
-        "- deo: `deo run` as a process of its own, its defaults but for a snapshot every 2,000 "
-        "records (1 s ticks, every write fsynced, API on a loopback port, the log cut into a "
-        f"new segment past {DEFAULT_SEGMENT_BYTES / MIB:g} MiB with {DEFAULT_KEEP_SEGMENTS} "
-        "earlier segments kept); workers count as crash-looping only when they die within 1 s "
-        "of starting.",
+        "- deo: `deo run` as a process of its own, its defaults but for a snapshot every "
+        f"{SNAPSHOT_EVERY:,} records (1 s ticks, every write fsynced, API on a loopback port, "
+        f"the log cut into a new segment past {DEFAULT_SEGMENT_BYTES / MIB:g} MiB with "
+        f"{DEFAULT_KEEP_SEGMENTS} earlier segments kept); workers count as crash-looping only "
+        "when they die within 1 s of starting.",
         f"- Churn: one pool of `examples/worker.py` processes (heartbeat files, "
         f"{s.worker_item_s:g} s per item), pinned to a random size 0-{s.max_workers} about every "
         f"{s.pin_interval_s:g} s ({t.pins} pins, {t.unpins} unpins); a random active worker "
@@ -958,7 +982,7 @@ def render(result: Result) -> str:
         f"{counts.events_of('WorkerStarted')} workers started, "
         f"{counts.events_of('WorkerExited')} exits, {counts.events_of('PoolPinned')} pins, "
         f"{counts.events_of('Tick'):,} ticks ({counts.share('Tick'):.0%} of its bytes), "
-        f"{sightings_line(counts)}.",
+        f"{sightings_line(counts)}; its bytes, largest first: {composition_line(counts)}.",
         "",
         f"Samples every {s.sample_interval_s:g} s of deo's process (`/proc/PID/status` VmRSS, "
         "`/proc/PID/fd`, `/proc/PID/stat`) and files (log, snapshot); "

@@ -160,6 +160,8 @@ def test_the_log_is_counted_across_every_segment(tmp_path: Path) -> None:
     files = ["soak.jsonl.000001", "soak.jsonl.000002", "soak.jsonl"]
     assert counts.log_bytes == sum((tmp_path / name).stat().st_size for name in files)
     assert 0 < counts.share("Tick") < counts.share("WorkersSeen") < 1
+    assert [name for name, _ in counts.largest(2)] == ["WorkersSeen", "Tick"]
+    assert sum(share for _, share in counts.largest(10)) == pytest.approx(1 - 4 / counts.log_bytes)
 
 
 def test_a_log_of_one_record_per_heartbeat_is_still_counted(tmp_path: Path) -> None:
