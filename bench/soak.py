@@ -17,8 +17,8 @@ port, the operator token in ``$DEO_TOKEN``. For ``--duration-s`` it then, at the
 - sends ``GET /global-status``, ``/metrics`` and ``/v1/workers`` at ``--requests-per-s``, one
   request in five on a fresh connection so that the server accepts and closes sockets too;
 - samples deo's resident memory (``/proc/PID/status``), open descriptors (``/proc/PID/fd``),
-  threads and CPU time (``/proc/PID/stat``), and the size of its log and snapshot, every
-  ``--sample-interval-s``.
+  threads and CPU time (``/proc/PID/stat``), and the size of its log (every segment on disk)
+  and snapshot, every ``--sample-interval-s``.
 
 Then it stops deo with ``deo stop --drain``, checks that no process carrying the run's
 ``DEO_RUN_ID`` (or the soak's own marker) is left, and that ``deo replay`` verifies the log.
