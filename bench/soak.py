@@ -17,8 +17,8 @@ port, the operator token in ``$DEO_TOKEN``. For ``--duration-s`` it then, at the
 - sends ``GET /global-status``, ``/metrics`` and ``/v1/workers`` at ``--requests-per-s``, one
   request in five on a fresh connection so that the server accepts and closes sockets too;
 - samples deo's resident memory (``/proc/PID/status``), open descriptors (``/proc/PID/fd``),
-  threads and CPU time (``/proc/PID/stat``), and the size of its log and snapshot, every
-  ``--sample-interval-s``.
+  threads and CPU time (``/proc/PID/stat``), and the size of its log (every segment on disk)
+  and snapshot, every ``--sample-interval-s``.
 
 Then it stops deo with ``deo stop --drain``, checks that no process carrying the run's
 ``DEO_RUN_ID`` (or the soak's own marker) is left, and that ``deo replay`` verifies the log.
@@ -61,12 +61,14 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import attrs
 import httpx
 
+from adapters.log import segments
+from adapters.runtime.config_file import RunSettings
 from core import DeoError
 
 __all__ = [
@@ -259,6 +261,13 @@ def file_bytes(path: Path) -> int:
         return 0
 
 
+#: Records between snapshots: about one every four minutes at the soak's churn (the default,
+#: 10,000, would take more than an hour).
+SNAPSHOT_EVERY = 500
+#: The log rotation ``deo run`` does by default, which the soak keeps.
+DEFAULT_SEGMENT_BYTES = cast(int, attrs.fields(RunSettings).segment_bytes.default)
+DEFAULT_KEEP_SEGMENTS = attrs.fields(RunSettings).keep_segments.default
+
 # --- the deo under test --------------------------------------------------------------------------
 
 
@@ -273,7 +282,7 @@ def config_text(settings: SoakSettings) -> str:
 log = "soak.jsonl"
 worker_logs = "workers"
 # More often than the default, so that a soak of minutes rewrites the snapshot too.
-snapshot_every = 2000
+snapshot_every = {SNAPSHOT_EVERY}
 
 [api]
 host = "127.0.0.1"
@@ -375,13 +384,9 @@ class DeoUnderTest:
         )
 
     def log_bytes(self) -> int:
-        """The log's size: every file beside it named after it (segments a rotation may have set
-        aside, torn tails) but its snapshot."""
-        total = 0
-        for path in self.dir.glob(self.log.name + "*"):
-            if not path.name.startswith(self.snapshot.name):
-                total += file_bytes(path)
-        return total
+        """The log's size on disk: its earlier segments (``soak.jsonl.000001``, ...) and the live
+        one, the files ``count_log`` reads."""
+        return sum(file_bytes(path) for path in log_files(self.log))
 
     def ours(self, pid: int) -> bool:
         """Whether ``pid`` is (still) a process this soak's deo started."""
@@ -542,7 +547,7 @@ class Ending:
     orphans: tuple[int, ...]
     replay_status: int
     replay_summary: str
-    log_counts: dict[str, int]
+    log_counts: LogCounts
 
     @property
     def clean(self) -> bool:
@@ -591,20 +596,90 @@ async def finish(deo: DeoUnderTest) -> Ending:
     )
 
 
-def count_log(path: Path) -> dict[str, int]:
-    """Records of the log by event type (and ``records``, all of them)."""
-    counts: Counter[str] = Counter()
-    with path.open("rb") as f:
-        for line in f:
-            counts["records"] += 1
-            try:
-                record = json.loads(line)
-            except ValueError:
-                counts["unreadable"] += 1
-                continue
-            if isinstance(record, dict) and record.get("kind") == "event":
-                counts[str(record.get("event", {}).get("@"))] += 1
-    return dict(counts)
+def log_files(path: Path) -> list[Path]:
+    """The files of the log at ``path``: its earlier segments, oldest first, then the live one."""
+    return [*segments(path), *([path] if path.exists() else [])]
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class LogCounts:
+    """What the log's files hold, every segment present included."""
+
+    #: Files read: the earlier segments still on disk and the live log.
+    segments: int
+    #: Lines of all of them: events, commands, segment headers and state records.
+    records: int
+    log_bytes: int
+    #: Records by event type (``Tick``, ``WorkersSeen``, ...).
+    events: dict[str, int]
+    #: Bytes (newline included) of those records by event type.
+    event_bytes: dict[str, int]
+    #: Bytes of the records that are not events, by kind (``commands``, ``header``, ``state``,
+    #: ``rejected``, ...).
+    other_bytes: dict[str, int]
+    #: Worker ids the ``WorkersSeen`` records hold, all together: each is one worker seen
+    #: alive during one tick.
+    sightings: int
+    #: One record per heartbeat, as logs written by older versions of deo hold them.
+    heartbeats: int
+    unreadable: int
+
+    def events_of(self, name: str) -> int:
+        """How many records of event type ``name`` the log holds."""
+        return self.events.get(name, 0)
+
+    def share(self, name: str) -> float:
+        """The fraction of the log's bytes taken by records of event type ``name``."""
+        return self.event_bytes.get(name, 0) / self.log_bytes if self.log_bytes else 0.0
+
+    def largest(self, n: int) -> list[tuple[str, float]]:
+        """The ``n`` event types or other record kinds taking most of the log's bytes, with
+        their fractions of it; record kinds are named in lower case, event types as classes."""
+        if not self.log_bytes:
+            return []
+        both = {**self.other_bytes, **self.event_bytes}
+        ranked = sorted(both.items(), key=lambda item: -item[1])[:n]
+        return [(name, size / self.log_bytes) for name, size in ranked]
+
+
+def count_log(path: Path) -> LogCounts:
+    """Count the records of the log at ``path``, across every segment present."""
+    events: Counter[str] = Counter()
+    event_bytes: Counter[str] = Counter()
+    other_bytes: Counter[str] = Counter()
+    files = log_files(path)
+    records = size = sightings = unreadable = 0
+    for file in files:
+        with file.open("rb") as f:
+            for line in f:
+                records += 1
+                size += len(line)
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    unreadable += 1
+                    continue
+                if not isinstance(record, dict) or record.get("kind") != "event":
+                    kind = record.get("kind") if isinstance(record, dict) else None
+                    other_bytes[str(kind)] += len(line)
+                    continue
+                event = record.get("event")
+                name = str(event.get("@")) if isinstance(event, dict) else "?"
+                events[name] += 1
+                event_bytes[name] += len(line)
+                if name == "WorkersSeen" and isinstance(event, dict):
+                    sightings += len(event.get("worker_ids") or ())
+    return LogCounts(
+        segments=len(files),
+        records=records,
+        log_bytes=size,
+        events=dict(events),
+        event_bytes=dict(event_bytes),
+        other_bytes=dict(other_bytes),
+        sightings=sightings,
+        heartbeats=events.get("WorkerHeartbeat", 0),
+        unreadable=unreadable,
+    )
 
 
 def cleanup(deo: DeoUnderTest) -> None:
@@ -840,6 +915,32 @@ def _duration(seconds: float) -> str:
     return f"{seconds:g} s"
 
 
+def log_files_line(counts: LogCounts) -> str:
+    """How many files the log took: the live one alone, or segments."""
+    if counts.segments <= 1:
+        return f"{counts.log_bytes / 1e6:.2f} MB in one file (it never reached a segment's size)"
+    return f"{counts.log_bytes / 1e6:.2f} MB in {counts.segments} files (the live segment included)"
+
+
+def composition_line(counts: LogCounts) -> str:
+    """The record kinds and event types taking most of the log's bytes, with their shares."""
+    return ", ".join(f"{name} {share:.0%}" for name, share in counts.largest(5)) or "none"
+
+
+def sightings_line(counts: LogCounts) -> str:
+    """The workers' signs of life in the log: batched sightings, or one record per heartbeat."""
+    seen = (
+        f"{counts.events_of('WorkersSeen'):,} `WorkersSeen` records holding {counts.sightings:,} "
+        f"sightings of a worker ({counts.share('WorkersSeen'):.0%} of its bytes)"
+    )
+    if not counts.heartbeats:
+        return seen
+    return (
+        f"{seen}, {counts.heartbeats:,} `WorkerHeartbeat` records "
+        f"({counts.share('WorkerHeartbeat'):.0%} of its bytes)"
+    )
+
+
 def render(result: Result) -> str:
     """The markdown section for docs/benchmarks.md."""
     s, t, e = result.settings, result.traffic, result.ending
@@ -866,19 +967,22 @@ def render(result: Result) -> str:
         f"- Load average (1/5/15 min) at start {result.load[0]}, at end {result.load[1]} "
         "(the machine was shared; CPU time is deo's own, from /proc, and waiting for a core "
         "is not counted in it)",
-        "- deo: `deo run` as a process of its own, its defaults but for a snapshot every 2,000 "
-        "records (1 s ticks, every write fsynced, API on a loopback port, the log never "
-        "rotated); workers count as crash-looping only when they die within 1 s of starting.",
+        "- deo: `deo run` as a process of its own, its defaults but for a snapshot every "
+        f"{SNAPSHOT_EVERY:,} records (1 s ticks, every write fsynced, API on a loopback port, "
+        f"the log cut into a new segment past {DEFAULT_SEGMENT_BYTES / MIB:g} MiB with "
+        f"{DEFAULT_KEEP_SEGMENTS} earlier segments kept); workers count as crash-looping only "
+        "when they die within 1 s of starting.",
         f"- Churn: one pool of `examples/worker.py` processes (heartbeat files, "
         f"{s.worker_item_s:g} s per item), pinned to a random size 0-{s.max_workers} about every "
         f"{s.pin_interval_s:g} s ({t.pins} pins, {t.unpins} unpins); a random active worker "
         f"SIGKILLed about every {s.kill_interval_s:g} s ({t.kills} kills); "
         f"{t.gets} GETs of /global-status, /metrics and /v1/workers "
         f"({t.fresh_connections} on a fresh connection), {t.failed_requests} failed requests.",
-        f"- The log: {counts.get('records', 0):,} records; {counts.get('WorkerStarted', 0)} "
-        f"workers started, {counts.get('WorkerExited', 0)} exits, "
-        f"{counts.get('PoolPinned', 0)} pins, {counts.get('WorkerHeartbeat', 0):,} heartbeats, "
-        f"{counts.get('Tick', 0):,} ticks.",
+        f"- The log: {log_files_line(counts)}; {counts.records:,} records; "
+        f"{counts.events_of('WorkerStarted')} workers started, "
+        f"{counts.events_of('WorkerExited')} exits, {counts.events_of('PoolPinned')} pins, "
+        f"{counts.events_of('Tick'):,} ticks ({counts.share('Tick'):.0%} of its bytes), "
+        f"{sightings_line(counts)}; its bytes, largest first: {composition_line(counts)}.",
         "",
         f"Samples every {s.sample_interval_s:g} s of deo's process (`/proc/PID/status` VmRSS, "
         "`/proc/PID/fd`, `/proc/PID/stat`) and files (log, snapshot); "

@@ -30,6 +30,7 @@ from bench.soak import (
     SoakSettings,
     alive,
     cleanup,
+    count_log,
     environ_value,
     processes_with,
     verdict,
@@ -93,8 +94,16 @@ def test_the_soak_samples_deo_while_churning(
     assert traffic["gets"] > 0
     assert traffic["failures"] == [] and traffic["failed_requests"] == 0
     counts = result["ending"]["log_counts"]
-    assert counts["WorkerStarted"] > 0 and counts["WorkerExited"] > 0
-    assert counts["PoolPinned"] == traffic["pins"] + traffic["unpins"]
+    events = counts["events"]
+    assert events["WorkerStarted"] > 0 and events["WorkerExited"] > 0
+    assert events["PoolPinned"] == traffic["pins"] + traffic["unpins"]
+    # Heartbeats are not logged one each but as sightings, at most one record a tick (and none
+    # in a run this short if no worker lives a quarter of its 30 s grace).
+    assert events.get("WorkersSeen", 0) <= events["Tick"] + 1
+    assert counts["sightings"] >= events.get("WorkersSeen", 0)
+    assert counts["heartbeats"] == 0 and "WorkerHeartbeat" not in events
+    assert counts["segments"] == 1
+    assert counts["log_bytes"] >= samples[-1]["log_bytes"]
 
 
 def test_the_soak_ends_clean(soaked: tuple[subprocess.CompletedProcess[str], Path]) -> None:
@@ -120,6 +129,52 @@ def test_the_soak_writes_its_section_and_keeps_the_others(
     # Only the command line names the temporary directory the run went to.
     rest = [line for line in section.splitlines() if not line.startswith("- Command:")]
     assert not [line for line in rest if str(tmp) in line]
+
+
+def event_line(seq: int, event: dict[str, Any]) -> str:
+    return json.dumps({"seq": seq, "kind": "event", "event": event}) + "\n"
+
+
+def test_the_log_is_counted_across_every_segment(tmp_path: Path) -> None:
+    log = tmp_path / "soak.jsonl"
+    seen = {"@": "WorkersSeen", "t": 1.0, "worker_ids": ["w1", "w2"]}
+    tick = {"@": "Tick", "t": 1.0}
+    (tmp_path / "soak.jsonl.000001").write_text(
+        '{"kind": "header"}\n' + event_line(1, seen) + event_line(2, tick)
+    )
+    (tmp_path / "soak.jsonl.000002").write_text(
+        '{"kind": "header"}\n{"kind": "state", "seq": 2, "state": {}}\n' + event_line(3, seen)
+    )
+    log.write_text('{"kind": "header"}\n' + event_line(4, tick) + "torn")
+    (tmp_path / "soak.jsonl.snapshot").write_text("x" * 1000)
+    (tmp_path / "soak.jsonl.worker-token").write_text("secret")
+
+    counts = count_log(log)
+
+    assert counts.segments == 3
+    assert counts.records == 9
+    assert counts.unreadable == 1
+    assert counts.events == {"WorkersSeen": 2, "Tick": 2}
+    assert counts.sightings == 4
+    assert counts.heartbeats == 0
+    files = ["soak.jsonl.000001", "soak.jsonl.000002", "soak.jsonl"]
+    assert counts.log_bytes == sum((tmp_path / name).stat().st_size for name in files)
+    assert 0 < counts.share("Tick") < counts.share("WorkersSeen") < 1
+    assert [name for name, _ in counts.largest(2)] == ["WorkersSeen", "Tick"]
+    assert sum(share for _, share in counts.largest(10)) == pytest.approx(1 - 4 / counts.log_bytes)
+
+
+def test_a_log_of_one_record_per_heartbeat_is_still_counted(tmp_path: Path) -> None:
+    log = tmp_path / "old.jsonl"
+    beat = {"@": "WorkerHeartbeat", "t": 1.0, "worker_id": "w1"}
+    log.write_text(event_line(1, beat) + event_line(2, beat) + event_line(3, {"@": "Tick"}))
+
+    counts = count_log(log)
+
+    assert counts.segments == 1
+    assert counts.heartbeats == 2
+    assert counts.sightings == 0
+    assert counts.events_of("WorkersSeen") == 0
 
 
 def sample(t_s: float, rss_mib: float, fds: int) -> Sample:
