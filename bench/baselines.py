@@ -65,7 +65,81 @@ class DeoProposalMemory:
 
 
 @attrs.frozen(slots=True, kw_only=True)
-class DeoProposalPolicy:
+class _DeoRule:
+    """The DEO proposal's controller loop: cooldown, strict dead band, launch-storm guard, step
+    cap, clamping, and "no action" when the target is the connected count. Subclasses say how
+    the queue becomes a pressure (:meth:`_pressure`) and how a pressure becomes a worker count
+    (:meth:`_wanted`)."""
+
+    reacts_to: ClassVar[type[QueueSampled]] = QueueSampled
+    target_pressure: float = 1.0
+    scaling_threshold: float = 0.2
+    cooldown_s: float = 60.0
+    max_step_change: int = 4
+
+    def __attrs_post_init__(self) -> None:
+        if not self.target_pressure > 0:
+            raise ConfigError(f"policy.target_pressure must be > 0, got {self.target_pressure}")
+        if self.scaling_threshold < 0:
+            raise ConfigError(
+                f"policy.scaling_threshold must be >= 0, got {self.scaling_threshold}"
+            )
+        if self.cooldown_s < 0:
+            raise ConfigError(f"policy.cooldown_s must be >= 0, got {self.cooldown_s}")
+        if self.max_step_change < 1:
+            raise ConfigError(f"policy.max_step_change must be >= 1, got {self.max_step_change}")
+
+    def initial_target(self, min_workers: int, max_workers: int) -> int:
+        # ScalingController starts from current_desired = min_actors.
+        return min_workers
+
+    def _pressure(self, sample: QueueSampled) -> tuple[float, str]:
+        """The pressure of ``sample``, and how a reason shows it."""
+        raise NotImplementedError
+
+    def _wanted(self, pressure: float, connected: int, context: PolicyContext) -> int:
+        """The worker count ``pressure`` asks for, before the step cap."""
+        raise NotImplementedError
+
+    def decide(self, context: PolicyContext, memory: DeoProposalMemory | None) -> Decision:
+        mem = memory or DeoProposalMemory()
+        sample = context.queue
+        assert sample is not None  # the reducer asks only with a queue sample
+        t, current, connected = context.t, context.current, context.active
+        pressure, shown = self._pressure(sample)
+        figures = f"{shown} (target {self.target_pressure:g}), {connected} connected of {current}"
+        if mem.last_action_t is not None and t - mem.last_action_t < self.cooldown_s:
+            left = self.cooldown_s - (t - mem.last_action_t)
+            return Decision(
+                target=current, reason=f"{figures}; cooldown {left:.0f}s: hold", memory=mem
+            )
+        if abs(pressure - self.target_pressure) < self.scaling_threshold:
+            return Decision(
+                target=current,
+                reason=f"{figures}; within +-{self.scaling_threshold:g}: hold",
+                memory=mem,
+            )
+        raw = self._wanted(pressure, connected, context)
+        if raw > connected and current >= raw:
+            return Decision(
+                target=current,
+                reason=f"{figures}; wants {raw}, already {current} with pending: hold",
+                memory=mem,
+            )
+        step = max(-self.max_step_change, min(self.max_step_change, raw - connected))
+        final = _clamp(connected + step, context)
+        if final == connected:
+            return Decision(target=current, reason=f"{figures}; wants {raw}: hold", memory=mem)
+        direction = "up" if final > connected else "down"
+        return Decision(
+            target=final,
+            reason=f"{figures}; wants {raw}, scale {direction} {connected} -> {final}",
+            memory=DeoProposalMemory(last_action_t=t),
+        )
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class DeoProposalPolicy(_DeoRule):
     """The Atropos DEO proposal's controller (NousResearch/atropos PR #438), as published.
 
     Source: ``atroposlib/orchestration/controller.py`` (``ScalingController.calculate_desired``)
@@ -105,75 +179,27 @@ class DeoProposalPolicy:
       derivative term exists in the code).
     """
 
-    reacts_to: ClassVar[type[QueueSampled]] = QueueSampled
     #: Sequences per group: Atropos' queue counts groups, the sample counts sequences.
     group_size: int = 1
-    target_pressure: float = 1.0
-    scaling_threshold: float = 0.2
-    cooldown_s: float = 60.0
-    max_step_change: int = 4
 
     def __attrs_post_init__(self) -> None:
         if self.group_size < 1:
             raise ConfigError(f"policy.group_size must be >= 1, got {self.group_size}")
-        if not self.target_pressure > 0:
-            raise ConfigError(f"policy.target_pressure must be > 0, got {self.target_pressure}")
-        if self.scaling_threshold < 0:
-            raise ConfigError(
-                f"policy.scaling_threshold must be >= 0, got {self.scaling_threshold}"
-            )
-        if self.cooldown_s < 0:
-            raise ConfigError(f"policy.cooldown_s must be >= 0, got {self.cooldown_s}")
-        if self.max_step_change < 1:
-            raise ConfigError(f"policy.max_step_change must be >= 1, got {self.max_step_change}")
+        super().__attrs_post_init__()
 
-    def initial_target(self, min_workers: int, max_workers: int) -> int:
-        # ScalingController starts from current_desired = min_actors.
-        return min_workers
-
-    def decide(self, context: PolicyContext, memory: DeoProposalMemory | None) -> Decision:
-        mem = memory or DeoProposalMemory()
-        sample = context.queue
-        assert sample is not None  # the reducer asks only with a queue sample
-        t, current, connected = context.t, context.current, context.active
+    def _pressure(self, sample: QueueSampled) -> tuple[float, str]:
         queue_groups = sample.queued_sequences // self.group_size
         pressure = queue_groups / sample.batch_size_seqs
-        figures = (
-            f"pressure {queue_groups} groups / {sample.batch_size_seqs} seqs = {pressure:.2f} "
-            f"(target {self.target_pressure:g}), {connected} connected of {current}"
+        return pressure, (
+            f"pressure {queue_groups} groups / {sample.batch_size_seqs} seqs = {pressure:.2f}"
         )
-        if mem.last_action_t is not None and t - mem.last_action_t < self.cooldown_s:
-            left = self.cooldown_s - (t - mem.last_action_t)
-            return Decision(
-                target=current, reason=f"{figures}; cooldown {left:.0f}s: hold", memory=mem
-            )
-        if abs(pressure - self.target_pressure) < self.scaling_threshold:
-            return Decision(
-                target=current,
-                reason=f"{figures}; within +-{self.scaling_threshold:g}: hold",
-                memory=mem,
-            )
-        raw = _ceil(max(connected, 1) * (pressure / self.target_pressure))
-        if raw > connected and current >= raw:
-            return Decision(
-                target=current,
-                reason=f"{figures}; wants {raw}, already {current} with pending: hold",
-                memory=mem,
-            )
-        step = max(-self.max_step_change, min(self.max_step_change, raw - connected))
-        final = _clamp(connected + step, context)
-        if final == connected:
-            return Decision(target=current, reason=f"{figures}; wants {raw}: hold", memory=mem)
-        direction = "up" if final > connected else "down"
-        return Decision(
-            target=final,
-            reason=f"{figures}; wants {raw}, scale {direction} {connected} -> {final}",
-            memory=DeoProposalMemory(last_action_t=t),
-        )
+
+    def _wanted(self, pressure: float, connected: int, context: PolicyContext) -> int:
+        return _ceil(max(connected, 1) * (pressure / self.target_pressure))
 
 
 @attrs.frozen(slots=True, kw_only=True)
-class DeoCorrectedPolicy:
+class DeoCorrectedPolicy(_DeoRule):
     """The DEO proposal's rule with its units and direction corrected: the baseline that matters.
 
     Everything of :class:`DeoProposalPolicy` (cooldown, strict dead band, launch-storm guard, step
@@ -186,68 +212,14 @@ class DeoCorrectedPolicy:
        still applies).
     """
 
-    reacts_to: ClassVar[type[QueueSampled]] = QueueSampled
-    target_pressure: float = 1.0
-    scaling_threshold: float = 0.2
-    cooldown_s: float = 60.0
-    max_step_change: int = 4
-
-    def __attrs_post_init__(self) -> None:
-        if not self.target_pressure > 0:
-            raise ConfigError(f"policy.target_pressure must be > 0, got {self.target_pressure}")
-        if self.scaling_threshold < 0:
-            raise ConfigError(
-                f"policy.scaling_threshold must be >= 0, got {self.scaling_threshold}"
-            )
-        if self.cooldown_s < 0:
-            raise ConfigError(f"policy.cooldown_s must be >= 0, got {self.cooldown_s}")
-        if self.max_step_change < 1:
-            raise ConfigError(f"policy.max_step_change must be >= 1, got {self.max_step_change}")
-
-    def initial_target(self, min_workers: int, max_workers: int) -> int:
-        return min_workers
-
-    def decide(self, context: PolicyContext, memory: DeoProposalMemory | None) -> Decision:
-        mem = memory or DeoProposalMemory()
-        sample = context.queue
-        assert sample is not None  # the reducer asks only with a queue sample
-        t, current, connected = context.t, context.current, context.active
+    def _pressure(self, sample: QueueSampled) -> tuple[float, str]:
         pressure = sample.queued_sequences / sample.batch_size_seqs
-        figures = (
-            f"queue {pressure:.2f} batches (target {self.target_pressure:g}), "
-            f"{connected} connected of {current}"
-        )
-        if mem.last_action_t is not None and t - mem.last_action_t < self.cooldown_s:
-            left = self.cooldown_s - (t - mem.last_action_t)
-            return Decision(
-                target=current, reason=f"{figures}; cooldown {left:.0f}s: hold", memory=mem
-            )
-        if abs(pressure - self.target_pressure) < self.scaling_threshold:
-            return Decision(
-                target=current,
-                reason=f"{figures}; within +-{self.scaling_threshold:g}: hold",
-                memory=mem,
-            )
+        return pressure, f"queue {pressure:.2f} batches"
+
+    def _wanted(self, pressure: float, connected: int, context: PolicyContext) -> int:
         if pressure > 0:
-            raw = _ceil(max(connected, 1) * (self.target_pressure / pressure))
-        else:
-            raw = context.max_workers
-        if raw > connected and current >= raw:
-            return Decision(
-                target=current,
-                reason=f"{figures}; wants {raw}, already {current} with pending: hold",
-                memory=mem,
-            )
-        step = max(-self.max_step_change, min(self.max_step_change, raw - connected))
-        final = _clamp(connected + step, context)
-        if final == connected:
-            return Decision(target=current, reason=f"{figures}; wants {raw}: hold", memory=mem)
-        direction = "up" if final > connected else "down"
-        return Decision(
-            target=final,
-            reason=f"{figures}; wants {raw}, scale {direction} {connected} -> {final}",
-            memory=DeoProposalMemory(last_action_t=t),
-        )
+            return _ceil(max(connected, 1) * (self.target_pressure / pressure))
+        return context.max_workers
 
 
 # --- Ray Serve -----------------------------------------------------------------------------------
