@@ -69,6 +69,7 @@ __all__ = [
     "RejectedRecord",
     "NotALog",
     "Unreadable",
+    "fsync_directory",
     "not_reduced",
     "parse_record",
     "segment_start",
@@ -627,7 +628,7 @@ class EventLog:
             # switch leaves both names on one file, which opening the log undoes.
             os.link(self.path, finished)
             os.replace(following, self.path)
-            _fsync_directory(self.path.parent)
+            fsync_directory(self.path.parent)
         except OSError as exc:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -704,7 +705,8 @@ def _finish_rotation(path: Path) -> None:
         earlier[-1].unlink()
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
+    """Make the entries of ``directory`` durable (a rename or a new file in it)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

@@ -40,7 +40,7 @@ from pathlib import Path
 import anyio
 import attrs
 
-from adapters.log import EventLog, LogWriteFailed
+from adapters.log import EventLog, LogWriteFailed, fsync_directory
 from adapters.runtime.config_file import RunSettings, Source, check_loggable
 from adapters.runtime.live import live_view
 from adapters.runtime.processes import (
@@ -158,11 +158,7 @@ def write_private(path: Path, text: str) -> None:
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    fsync_directory(path.parent)
 
 
 def worker_environ(token_env: str, runtime: dict[str, str]) -> dict[str, str]:
