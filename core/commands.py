@@ -15,14 +15,18 @@ from core.vocabulary import AlertName, DecisionSource, known_cordon_causes
 __all__ = [
     "Command",
     "CordonGpu",
+    "DrainEngine",
     "DrainWorker",
     "KillWorker",
     "RaiseAlert",
     "ResolveAlert",
     "ScalePool",
+    "SleepEngine",
     "SpawnWorker",
     "TerminateWorker",
     "UncordonGpu",
+    "VerifyAsleep",
+    "WakeEngine",
 ]
 
 # Known words become members; anything else is kept for the field check to name.
@@ -54,7 +58,7 @@ class SpawnWorker(Command):
     """Start one worker process from ``argv`` (never a shell) with ``env`` added to its environment.
 
     ``env`` already holds CUDA_VISIBLE_DEVICES (the GPUs assigned, "" for CPU workers),
-    DEO_WORKER_ID and DEO_POOL.
+    DEO_WORKER_ID and DEO_POOL. ``port`` is an engine's port (already in its argv), else None.
     """
 
     worker_id: Name
@@ -62,6 +66,7 @@ class SpawnWorker(Command):
     argv: tuple[str, ...] = attrs.field(converter=str_tuple)
     gpus: tuple[str, ...] = attrs.field(converter=str_tuple)
     env: dict[str, str] = attrs.field(hash=False)
+    port: int | None = None
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -132,3 +137,50 @@ class ResolveAlert(Command):
 
     alert: AlertName = attrs.field(converter=_alert_name)
     subject: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class DrainEngine(Command):
+    """An engine takes no new requests (its router reads the state) and stops once its in-flight
+    requests reach 0, or at ``deadline_t``; no signal is sent (engines exit on SIGTERM)."""
+
+    worker_id: Name
+    deadline_t: Seconds
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class SleepEngine(Command):
+    """Release an engine's GPU memory, keeping its process: SGLang ``/flush_cache`` then
+    ``/release_memory_occupation``; vLLM ``/reset_prefix_cache`` then ``/sleep?level=N``,
+    confirmed by ``/is_sleeping``. Answered by ``EngineAsleep`` or ``EngineSleepFailed``; each
+    call gives up after ``timeout_s``. ``attempt`` counts from 1."""
+
+    worker_id: Name
+    engine: Name
+    port: int
+    level: int
+    timeout_s: Seconds
+    attempt: int
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class WakeEngine(Command):
+    """Take an engine's GPU memory back: SGLang ``/resume_memory_occupation``; vLLM ``/wake_up``,
+    confirmed by ``/is_sleeping``. Answered by ``EngineAwake`` or ``EngineWakeFailed``."""
+
+    worker_id: Name
+    engine: Name
+    port: int
+    timeout_s: Seconds
+    attempt: int
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class VerifyAsleep(Command):
+    """Ask an adopted engine the log says sleeps whether it does (vLLM ``/is_sleeping``):
+    ``EngineAsleep`` if so, ``EngineAwake`` if not; SGLang has no such route (nothing is sent)."""
+
+    worker_id: Name
+    engine: Name
+    port: int
+    timeout_s: Seconds

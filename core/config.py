@@ -11,6 +11,7 @@ import math
 import re
 import string
 from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -20,6 +21,9 @@ from core.errors import ConfigError
 
 __all__ = [
     "ARGV_PLACEHOLDERS",
+    "ENGINES",
+    "ENGINE_ARGV_PLACEHOLDERS",
+    "POOL_KINDS",
     "Config",
     "CordonRules",
     "CrashLoopRules",
@@ -29,6 +33,15 @@ __all__ = [
 
 #: Names an argv template may use, e.g. ``["python", "env.py", "--slot", "{index}"]``.
 ARGV_PLACEHOLDERS = frozenset({"worker_id", "pool", "index", "gpus"})
+#: What an engine pool's argv may use besides: the engine's port (required there).
+ENGINE_ARGV_PLACEHOLDERS = ARGV_PLACEHOLDERS | {"port"}
+#: Pool kinds: ``worker`` (processes signalled to drain, e.g. Atropos envs) or ``engine``
+#: (inference servers deo controls over HTTP: sleep, wake, routed requests).
+POOL_KINDS = frozenset({"worker", "engine"})
+#: Inference engines deo speaks to (their control routes and metric names differ).
+ENGINES = frozenset({"vllm", "sglang"})
+#: vLLM serves its sleep routes only with this set; deo sets it in every vLLM engine's env.
+VLLM_DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -119,6 +132,12 @@ class CrashLoopRules:
         return float(min(self.backoff_cap_s, self.backoff_base_s * 2.0 ** min(failures - 1, 60)))
 
 
+def _port_range(value: Any) -> Any:
+    # JSON and TOML give lists; the spec must compare equal after a round trip through the log.
+    # Anything else is kept for the check to name.
+    return tuple(value) if isinstance(value, list | tuple) else value
+
+
 def _argv_tuple(value: Iterable[str], spec: Any) -> tuple[str, ...]:
     # Converters run in field order, so the pool's name is already set.
     if isinstance(value, str):
@@ -163,9 +182,31 @@ class PoolSpec:
     #: never by ``max_workers``. The default leaves pools of up to 32 workers unthrottled.
     max_starting: int = 32
     crash_loop: CrashLoopRules = attrs.field(factory=CrashLoopRules)
+    #: ``worker`` or ``engine`` (see :data:`POOL_KINDS`); the rest of these fields are engines'.
+    kind: str = "worker"
+    #: ``vllm`` or ``sglang``: which control routes and metric names the engines speak.
+    engine: str | None = None
+    #: Inclusive [first, last] range of ports; each engine gets the lowest one no live engine of
+    #: the pool holds, in its argv as ``{port}`` and at ``http://127.0.0.1:{port}``.
+    ports: tuple[int, ...] | None = attrs.field(default=None, converter=_port_range)
+    #: Requests in flight one engine serves well: the ``threshold`` policy's capacity per worker
+    #: unless its parameters say otherwise.
+    capacity_per_engine: int = 32
+    #: Engines that may sleep (or be on their way to sleep) at once; scaling down further stops
+    #: engines, the one asleep longest first. 0: scaling down always stops.
+    max_asleep: int = 1
+    #: The pool's OpenAI-compatible router on 127.0.0.1; 0: none.
+    router_port: int = 0
+    #: vLLM's sleep level: 1 offloads the weights to CPU memory, 2 discards them too.
+    sleep_level: int = 1
+    #: Each HTTP call to an engine (health, sleep, wake) gives up after this long.
+    control_timeout_s: float = 60.0
+    #: Tries of a sleep or wake call before the engine is stopped (and, for a wake, replaced).
+    control_attempts: int = 3
 
     def __attrs_post_init__(self) -> None:
         where = f"pools.{self.name}"
+        self._check_engine(where)
         if not _NAME.match(self.name):
             raise ConfigError(
                 f"pools.{self.name!r}: a pool name is lower-case letters, digits, '_' and '.'"
@@ -180,7 +221,12 @@ class PoolSpec:
                     f"{where}.argv: {arg!r}: {exc} (write {{{{ for a brace)"
                 ) from None
             for field in fields:
-                if field is not None and field not in ARGV_PLACEHOLDERS:
+                if field == "port" and self.kind != "engine":
+                    raise ConfigError(
+                        f"{where}.argv: {{port}} in {arg!r} is only given to engine pools "
+                        f'(kind = "engine")'
+                    )
+                if field is not None and field not in ENGINE_ARGV_PLACEHOLDERS:
                     raise ConfigError(
                         f"{where}.argv: unknown placeholder {{{field}}} in {arg!r}; "
                         f"known: {', '.join(sorted(ARGV_PLACEHOLDERS))} (write {{{{ for a brace)"
@@ -222,10 +268,107 @@ class PoolSpec:
         if self.heartbeat_grace_s is not None:
             _positive(f"{where}.heartbeat_grace_s", self.heartbeat_grace_s)
 
-    def render_argv(self, *, worker_id: str, index: int, gpus: tuple[str, ...]) -> tuple[str, ...]:
+    def _check_engine(self, where: str) -> None:
+        if self.kind not in POOL_KINDS:
+            raise ConfigError(
+                f"{where}.kind: unknown pool kind {self.kind!r}; known: "
+                f"{', '.join(sorted(POOL_KINDS))}"
+            )
+        if self.kind != "engine":
+            for key, default in _ENGINE_ONLY.items():
+                if getattr(self, key) != default:
+                    raise ConfigError(f'{where}.{key}: only engine pools (kind = "engine") take it')
+            return
+        if self.engine not in ENGINES:
+            raise ConfigError(
+                f"{where}.engine: {self.engine!r} is not an engine deo controls; known: "
+                f"{', '.join(sorted(ENGINES))}"
+            )
+        if not any("{port}" in arg for arg in self.argv):
+            raise ConfigError(
+                f"{where}.argv: an engine pool's argv must pass the engine its port as {{port}} "
+                f'(e.g. "--port", "{{port}}")'
+            )
+        ports = self.ports
+        if ports is None:
+            raise ConfigError(f"{where}.ports: required for an engine pool: [first, last]")
+        if (
+            not isinstance(ports, tuple)
+            or len(ports) != 2
+            or not all(type(p) is int for p in ports)
+        ):
+            raise ConfigError(
+                f"{where}.ports: expected [first, last] (two integers), got {ports!r}"
+            )
+        first, last = ports
+        if not 1 <= first <= last <= 65535:
+            raise ConfigError(
+                f"{where}.ports: [{first}, {last}] is not a range of ports (1 <= first <= last "
+                f"<= 65535)"
+            )
+        if last - first + 1 < self.max_workers:
+            raise ConfigError(
+                f"{where}.ports: [{first}, {last}] holds {last - first + 1} port(s), fewer than "
+                f"max_workers ({self.max_workers}); sleeping engines keep theirs too, so give "
+                f"max_workers + max_asleep ({self.max_workers + self.max_asleep})"
+            )
+        if not 0 <= self.router_port <= 65535:
+            raise ConfigError(f"{where}.router_port must be a port or 0, got {self.router_port}")
+        if first <= self.router_port <= last:
+            raise ConfigError(
+                f"{where}.router_port ({self.router_port}) is inside the engines' ports "
+                f"[{first}, {last}]"
+            )
+        if self.capacity_per_engine < 1:
+            raise ConfigError(
+                f"{where}.capacity_per_engine must be >= 1, got {self.capacity_per_engine}"
+            )
+        if self.max_asleep < 0:
+            raise ConfigError(f"{where}.max_asleep must be >= 0, got {self.max_asleep}")
+        if self.sleep_level not in (1, 2):
+            raise ConfigError(f"{where}.sleep_level must be 1 or 2, got {self.sleep_level}")
+        _positive(f"{where}.control_timeout_s", self.control_timeout_s)
+        if self.control_attempts < 1:
+            raise ConfigError(f"{where}.control_attempts must be >= 1, got {self.control_attempts}")
+        if self.policy.name == "threshold" and "capacity_per_worker" not in self.policy.params:
+            # The policy's capacity is the engine's: one number to set, in the pool's terms.
+            params = {**self.policy.params, "capacity_per_worker": self.capacity_per_engine}
+            object.__setattr__(self, "policy", PolicySpec(name=self.policy.name, params=params))
+
+    @property
+    def is_engine(self) -> bool:
+        """An inference engine pool (controlled over HTTP, readiness from its ``/health``)."""
+        return self.kind == "engine"
+
+    @property
+    def awaits_ready(self) -> bool:
+        """Whether a worker is active only once it reports ready (an engine: its /health)."""
+        return self.require_ready or self.kind == "engine"
+
+    def port_range(self) -> range:
+        """The engines' ports, in order (empty for a worker pool)."""
+        if self.ports is None:
+            return range(0)
+        return range(self.ports[0], self.ports[1] + 1)
+
+    def render_argv(
+        self, *, worker_id: str, index: int, gpus: tuple[str, ...], port: int | None = None
+    ) -> tuple[str, ...]:
         """The argv of one worker, placeholders filled in."""
-        values = {"worker_id": worker_id, "pool": self.name, "index": index, "gpus": ",".join(gpus)}
+        values = {
+            "worker_id": worker_id,
+            "pool": self.name,
+            "index": index,
+            "gpus": ",".join(gpus),
+            "port": "" if port is None else port,
+        }
         return tuple(arg.format_map(values) for arg in self.argv)
+
+
+#: Engine settings and their defaults: a worker pool must leave them so.
+_ENGINE_ONLY: Mapping[str, Any] = MappingProxyType(
+    {"engine": None, "ports": None, "router_port": 0}
+)
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -300,6 +443,16 @@ class Config:
                     f"gpu_devices: {devices[device]!r} and {gpu!r} are the same device {device!r}"
                 )
             devices[device] = gpu
+        taken: dict[int, str] = {}
+        for pool in self.pools:
+            owned = list(pool.port_range()) + ([pool.router_port] if pool.router_port else [])
+            for port in owned:
+                other = taken.setdefault(port, pool.name)
+                if other != pool.name:
+                    raise ConfigError(
+                        f"pools.{pool.name}: port {port} is also pool {other}'s (engine ports and "
+                        f"router ports of different pools must not overlap)"
+                    )
         for pool in self.pools:
             if pool.gpus_per_worker > len(self.gpus):
                 raise ConfigError(

@@ -19,6 +19,12 @@ __all__ = [
     "AutoscalingResumed",
     "Configured",
     "DrainRequested",
+    "EngineAsleep",
+    "EngineAwake",
+    "EngineLoadSampled",
+    "EngineSleepFailed",
+    "EngineWakeFailed",
+    "EnginesWakeRequested",
     "Event",
     "GpuCordonRequested",
     "GpuLost",
@@ -130,6 +136,20 @@ class GpuUncordonRequested(Event):
     gpu_id: Name
 
 
+@attrs.frozen(slots=True, kw_only=True)
+class EnginesWakeRequested(Event):
+    """An operator wakes every engine of an engine pool (before a validation pass, say): the pool
+    is held at all its engines, sleeping ones woken, until ``hold_s`` has passed or, with
+    ``hold_s`` None, until the operator resumes its autoscaling."""
+
+    pool: Name
+    hold_s: Seconds | None = None
+
+    def _check(self) -> None:
+        if self.hold_s == 0:
+            raise InvalidEvent("EnginesWakeRequested.hold_s must be > 0 (or None), got 0")
+
+
 # --- pressure ------------------------------------------------------------------------------------
 
 
@@ -157,6 +177,18 @@ class LoadSampled(Event):
 
     pool: Name
     in_flight_requests: int
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class EngineLoadSampled(Event):
+    """Requests at one engine, as its router or its ``/metrics`` counts them: in flight (sent,
+    not yet answered) and, of those, waiting in the engine's queue. A draining engine's drain
+    ends when its in-flight count reaches 0."""
+
+    pool: Name
+    worker_id: Name
+    in_flight_requests: int
+    waiting_requests: int = 0
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -260,6 +292,39 @@ class LeftoverProcessesStopped(Event):
     """Every process of the last :class:`LeftoverProcesses` for ``worker_id`` is gone."""
 
     worker_id: Name
+
+
+# --- engines ------------------------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class EngineAsleep(Event):
+    """An engine confirmed its sleep: its GPU memory is released, its process and GPUs kept."""
+
+    worker_id: Name
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class EngineAwake(Event):
+    """An engine confirmed it is awake: its memory taken back, ready to serve."""
+
+    worker_id: Name
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class EngineSleepFailed(Event):
+    """A sleep call failed (an error answer, a timeout, or not asleep when asked after)."""
+
+    worker_id: Name
+    error: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class EngineWakeFailed(Event):
+    """A wake call failed (an error answer, a timeout, or still asleep when asked after)."""
+
+    worker_id: Name
+    error: str
 
 
 # --- GPUs ----------------------------------------------------------------------------------------

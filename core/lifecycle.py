@@ -21,9 +21,21 @@ A worker counts toward its pool's size while it is REQUESTED, STARTING, ACTIVE o
 are the workers that are or will be producing. DRAINING, STOPPING and KILLED workers are on their
 way out; they still hold their GPUs until EXITED, which is why a GPU is never handed out twice.
 
-SLEEPING is reserved for inference engines that release GPU memory without exiting (SGLang
-``release_memory_occupation``, vLLM sleep); no event drives it yet. Heartbeats and adoption after
-a restart change no state: they refresh a live worker's last sign of life.
+Inference engines (pools of kind ``engine``) can also sleep: release their GPU memory but keep
+their process, their port and their GPUs. Scaling an engine pool down sends an active engine to
+sleep rather than draining it: SLEEP takes it out of routing (GOING_TO_SLEEP) until its in-flight
+requests reach 0 or the drain timeout passes; RELEASE is the sleep call (SGLang
+``release_memory_occupation``, vLLM ``/sleep``) sent (FALLING_ASLEEP); ASLEEP is the engine's
+confirmation (SLEEPING). Scaling up wakes a sleeping engine before it starts a new one: WAKE is the
+wake call sent (WAKING), AWAKE its confirmation (ACTIVE again). A failed sleep or wake call is
+retried (RELEASE or WAKE again, up to the pool's ``control_attempts``), then the engine is stopped
+(TERMINATE) and, for a wake, replaced; a call that never answers reaches the state's deadline.
+Sleeping engines do not count toward the pool's size: the size is the engines that serve or are
+about to (requested, starting, active, waking), so a policy's target means awake engines, as
+verl's INACTIVE engines are no active capacity; ``max_asleep`` bounds the sleeping ones.
+
+Heartbeats and adoption after a restart change no state: they refresh a live worker's last sign of
+life.
 
 A state change anywhere in the reducer goes through :func:`next_state`; anything not in the table
 raises :class:`IllegalTransition` naming the worker, state and trigger. A new state is a member of
@@ -40,6 +52,7 @@ from types import MappingProxyType
 from core.errors import IllegalTransition
 
 __all__ = [
+    "ASLEEP",
     "COUNTED",
     "DEADLINE_ACTIONS",
     "LIVE",
@@ -59,7 +72,10 @@ class WorkerState(enum.Enum):
     REQUESTED = "requested"
     STARTING = "starting"
     ACTIVE = "active"
+    GOING_TO_SLEEP = "going_to_sleep"
+    FALLING_ASLEEP = "falling_asleep"
     SLEEPING = "sleeping"
+    WAKING = "waking"
     DRAINING = "draining"
     STOPPING = "stopping"
     KILLED = "killed"
@@ -71,8 +87,11 @@ class Trigger(enum.Enum):
 
     STARTED = "started"  # the executor reports the process
     READY = "ready"  # the worker reports readiness (or needs none)
-    SLEEP = "sleep"  # reserved: engine released its GPU memory
-    WAKE = "wake"  # reserved: engine resumed
+    SLEEP = "sleep"  # an engine is to sleep: no new requests, in-flight ones finish
+    RELEASE = "release"  # the sleep call (release GPU memory) sent to the engine
+    ASLEEP = "asleep"  # the engine confirmed it released its memory
+    WAKE = "wake"  # the wake call (take GPU memory back) sent, or a sleep called off
+    AWAKE = "awake"  # the engine confirmed it is awake
     DRAIN = "drain"  # drain signal sent
     TERMINATE = "terminate"  # SIGTERM sent (drain deadline, hung, start timeout, GPU lost)
     KILL = "kill"  # SIGKILL sent to the process group
@@ -92,15 +111,31 @@ TRANSITIONS: Mapping[tuple[WorkerState, Trigger], WorkerState] = {
     (S.STARTING, T.TERMINATE): S.STOPPING,  # not ready within the start timeout, or hung
     (S.STARTING, T.EXIT): S.EXITED,
     (S.ACTIVE, T.READY): S.ACTIVE,  # a late or repeated report: a sign of life only
-    (S.ACTIVE, T.SLEEP): S.SLEEPING,
+    (S.ACTIVE, T.SLEEP): S.GOING_TO_SLEEP,  # an engine scaled down: sleep rather than exit
     (S.ACTIVE, T.DRAIN): S.DRAINING,
     (S.ACTIVE, T.TERMINATE): S.STOPPING,  # hung
     (S.ACTIVE, T.EXIT): S.EXITED,
+    (S.GOING_TO_SLEEP, T.READY): S.GOING_TO_SLEEP,  # a sign of life only
+    (S.GOING_TO_SLEEP, T.RELEASE): S.FALLING_ASLEEP,  # in-flight reached 0, or drain deadline
+    (S.GOING_TO_SLEEP, T.WAKE): S.ACTIVE,  # scaled up before its memory was released
+    (S.GOING_TO_SLEEP, T.DRAIN): S.DRAINING,  # an operator drain: it exits instead
+    (S.GOING_TO_SLEEP, T.TERMINATE): S.STOPPING,
+    (S.GOING_TO_SLEEP, T.EXIT): S.EXITED,
+    (S.FALLING_ASLEEP, T.READY): S.FALLING_ASLEEP,  # a sign of life only
+    (S.FALLING_ASLEEP, T.RELEASE): S.FALLING_ASLEEP,  # the sleep call failed: sent again
+    (S.FALLING_ASLEEP, T.ASLEEP): S.SLEEPING,
+    (S.FALLING_ASLEEP, T.TERMINATE): S.STOPPING,  # sleep failed too often, or never answered
+    (S.FALLING_ASLEEP, T.EXIT): S.EXITED,
     (S.SLEEPING, T.READY): S.SLEEPING,  # a sign of life only
-    (S.SLEEPING, T.WAKE): S.ACTIVE,
-    (S.SLEEPING, T.DRAIN): S.DRAINING,
-    (S.SLEEPING, T.TERMINATE): S.STOPPING,
+    (S.SLEEPING, T.WAKE): S.WAKING,
+    (S.SLEEPING, T.TERMINATE): S.STOPPING,  # over max_asleep, drained, or its pool removed
     (S.SLEEPING, T.EXIT): S.EXITED,
+    (S.WAKING, T.READY): S.WAKING,  # a sign of life only
+    (S.WAKING, T.WAKE): S.WAKING,  # the wake call failed: sent again
+    (S.WAKING, T.AWAKE): S.ACTIVE,
+    (S.WAKING, T.DRAIN): S.DRAINING,  # scaled down or drained while waking
+    (S.WAKING, T.TERMINATE): S.STOPPING,  # wake failed too often, or never answered: replaced
+    (S.WAKING, T.EXIT): S.EXITED,
     (S.DRAINING, T.STARTED): S.DRAINING,  # started after its drain was decided: signalled now
     (S.DRAINING, T.READY): S.DRAINING,  # a sign of life only
     (S.DRAINING, T.TERMINATE): S.STOPPING,  # missed its drain deadline, or its GPU was lost
@@ -120,14 +155,19 @@ TRANSITIONS = MappingProxyType(TRANSITIONS)  # read-only: the table is the whole
 #: (``Worker.deadline_t``). Exactly these states carry a deadline.
 DEADLINE_ACTIONS: Mapping[WorkerState, Trigger] = MappingProxyType(
     {
+        S.GOING_TO_SLEEP: T.RELEASE,
+        S.FALLING_ASLEEP: T.TERMINATE,
+        S.WAKING: T.TERMINATE,
         S.DRAINING: T.TERMINATE,
         S.STOPPING: T.KILL,
         S.KILLED: T.GIVE_UP,
     }
 )
 
-#: States that count toward a pool's size (and its min/max).
-COUNTED = frozenset({S.REQUESTED, S.STARTING, S.ACTIVE, S.SLEEPING})
+#: States that count toward a pool's size (and its min/max): workers that serve or are about to.
+COUNTED = frozenset({S.REQUESTED, S.STARTING, S.ACTIVE, S.WAKING})
+#: States of an engine that sleeps or is on its way to sleep (bounded by the pool's max_asleep).
+ASLEEP = frozenset({S.GOING_TO_SLEEP, S.FALLING_ASLEEP, S.SLEEPING})
 #: States whose worker may still hold a process and GPUs.
 LIVE = frozenset(S) - {S.EXITED}
 

@@ -70,6 +70,15 @@ class Worker:
     deadline_t: float | None = None
     #: Why deo is stopping it; None if it is not.
     stop_cause: StopCause | None = attrs.field(default=None, converter=as_stop_cause)
+    #: An engine's port (``http://127.0.0.1:{port}``), held from its spawn until it exits,
+    #: asleep or not; None for other workers.
+    port: int | None = None
+    #: Requests in flight at the engine as last reported (router or metrics); None: not known.
+    in_flight_requests: int | None = None
+    #: Sleep or wake calls sent in the current attempt to sleep or wake (retries are bounded).
+    control_attempts: int = 0
+    #: When the engine confirmed it sleeps (its memory released; it keeps its GPUs and port).
+    asleep_t: float | None = None
 
     def __init__(
         self,
@@ -85,6 +94,10 @@ class Worker:
         start_time: int | None = None,
         deadline_t: float | None = None,
         stop_cause: str | None = None,
+        port: int | None = None,
+        in_flight_requests: int | None = None,
+        control_attempts: int = 0,
+        asleep_t: float | None = None,
         killed: bool = False,
     ) -> None:
         # Snapshots written before KILLED was a state marked a killed worker STOPPING with
@@ -103,6 +116,10 @@ class Worker:
             start_time=start_time,
             deadline_t=deadline_t,
             stop_cause=stop_cause,
+            port=port,
+            in_flight_requests=in_flight_requests,
+            control_attempts=control_attempts,
+            asleep_t=asleep_t,
         )
 
     @property
@@ -221,7 +238,7 @@ class State:
         return sorted((w for w in self.workers.values() if w.pool == pool), key=lambda w: w.index)
 
     def counted(self, pool: str) -> int:
-        """Workers counting toward the pool's size (requested, starting, active, sleeping)."""
+        """Workers counting toward the pool's size (requested, starting, active, waking)."""
         return self.worker_counts.get(pool, (0, 0))[0]
 
 

@@ -52,6 +52,8 @@ class AlertName(enum.StrEnum):
     GPU_LOST = "gpu_lost"  # GPU: gone from the driver
     UNKILLABLE_WORKER = "unkillable_worker"  # worker: still there after SIGKILL
     LEFTOVER_PROCESSES = "leftover_processes"  # worker: processes it left behind, being stopped
+    NO_FREE_PORTS = "no_free_ports"  # pool: short of its target: every engine port is held
+    ENGINE_CONTROL = "engine_control"  # worker: an engine's sleep or wake failed for good
 
 
 class StopCause(enum.StrEnum):
@@ -65,6 +67,9 @@ class StopCause(enum.StrEnum):
     DRAIN_DEADLINE = "drain_deadline"  # missed its drain deadline (it keeps its drain's cause)
     START_TIMEOUT = "start_timeout"  # not started, or not ready, within the start timeout
     HUNG = "hung"  # no sign of life within its heartbeat grace
+    SLEEP_FAILED = "sleep_failed"  # an engine's sleep failed (or never answered): stopped
+    WAKE_FAILED = "wake_failed"  # an engine's wake failed (or never answered): replaced
+    MAX_ASLEEP = "max_asleep"  # more engines asleep than the pool's max_asleep: oldest stopped
 
 
 class CordonCause(enum.StrEnum):
@@ -94,6 +99,8 @@ PLANNED_STOPS = frozenset(
         StopCause.POOL_REMOVED,
         StopCause.GPU_LOST,
         StopCause.GPU_ERRORS,
+        StopCause.SLEEP_FAILED,
+        StopCause.MAX_ASLEEP,
     }
 )
 #: Cordon causes that need an operator to lift them; every other cause clears by itself after

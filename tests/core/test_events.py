@@ -56,6 +56,13 @@ GOOD: dict[str, Any] = {
     "interval_s": 0.5,
     "worker_ids": frozenset({"envs-0", "envs-1"}),
     "detail": "pid 4243 (child of pid 4242)",
+    "port": 18000,
+    "waiting_requests": 2,
+    "hold_s": 600.0,
+    "engine": "vllm",
+    "level": 1,
+    "timeout_s": 30.0,
+    "attempt": 1,
 }
 # The last field in a signal's place differs by class: DrainWorker's is the signal's name.
 GOOD_BY_CLASS: dict[tuple[type, str], Any] = {(c.DrainWorker, "signal"): "SIGUSR1"}

@@ -14,6 +14,7 @@ import pytest
 
 from core.errors import DeoError, IllegalTransition, InvalidEvent
 from core.lifecycle import (
+    ASLEEP,
     COUNTED,
     DEADLINE_ACTIONS,
     LIVE,
@@ -87,7 +88,8 @@ def test_every_state_a_stop_or_drain_enters_has_a_deadline_action() -> None:
     for (_, trigger), target in TRANSITIONS.items():
         if trigger in (T.DRAIN, T.TERMINATE, T.KILL):
             assert target in DEADLINE_ACTIONS, (trigger, target)
-    assert not set(DEADLINE_ACTIONS) & COUNTED
+    # Of the counted states only a waking engine waits on a deadline: a wake that never answers.
+    assert set(DEADLINE_ACTIONS) & COUNTED == {S.WAKING}
 
 
 def test_a_late_readiness_report_keeps_every_state_after_starting() -> None:
@@ -99,10 +101,34 @@ def test_a_late_readiness_report_keeps_every_state_after_starting() -> None:
 
 
 def test_nothing_on_its_way_out_comes_back_to_a_counted_state() -> None:
-    leaving = LIVE - COUNTED
+    leaving = LIVE - COUNTED - ASLEEP
     assert leaving == {S.DRAINING, S.STOPPING, S.KILLED}
     for state in leaving:
         assert not successors(state) & COUNTED
+
+
+def test_an_engine_asleep_comes_back_only_by_a_wake() -> None:
+    for state in ASLEEP:
+        back = {t for (s, t), to in TRANSITIONS.items() if s is state and to in COUNTED}
+        assert back <= {T.WAKE}, (state, back)
+    assert next_state(WORKER, S.SLEEPING, T.WAKE) is S.WAKING
+    assert next_state(WORKER, S.WAKING, T.AWAKE) is S.ACTIVE
+    assert next_state(WORKER, S.GOING_TO_SLEEP, T.WAKE) is S.ACTIVE  # called off before release
+    with pytest.raises(IllegalTransition):
+        next_state(WORKER, S.FALLING_ASLEEP, T.WAKE)  # the sleep call is out: wait for its answer
+
+
+def test_sleep_goes_through_a_drain_a_call_and_a_confirmation() -> None:
+    assert next_state(WORKER, S.ACTIVE, T.SLEEP) is S.GOING_TO_SLEEP
+    assert next_state(WORKER, S.GOING_TO_SLEEP, T.RELEASE) is S.FALLING_ASLEEP
+    assert next_state(WORKER, S.FALLING_ASLEEP, T.RELEASE) is S.FALLING_ASLEEP  # a retry
+    assert next_state(WORKER, S.FALLING_ASLEEP, T.ASLEEP) is S.SLEEPING
+    assert DEADLINE_ACTIONS[S.GOING_TO_SLEEP] is T.RELEASE  # the drain timeout: sleep anyway
+    assert DEADLINE_ACTIONS[S.FALLING_ASLEEP] is T.TERMINATE  # a sleep that never answers
+    assert DEADLINE_ACTIONS[S.WAKING] is T.TERMINATE  # a wake that never answers
+    for state in (S.ACTIVE, S.STARTING, S.SLEEPING):
+        with pytest.raises(IllegalTransition):
+            next_state(WORKER, state, T.ASLEEP if state is not S.SLEEPING else T.AWAKE)
 
 
 def test_only_exit_and_give_up_lead_to_exited() -> None:
@@ -140,8 +166,10 @@ def test_message_names_an_unusual_worker_id_verbatim() -> None:
     assert str(info.value) == "worker 'pool.v2_x-12' is active: it cannot take 'started'"
 
 
-def test_counted_is_requested_starting_active_sleeping() -> None:
-    assert frozenset({S.REQUESTED, S.STARTING, S.ACTIVE, S.SLEEPING}) == COUNTED
+def test_counted_is_requested_starting_active_waking() -> None:
+    # A sleeping engine is no capacity: the pool's size counts the engines that serve or will.
+    assert frozenset({S.REQUESTED, S.STARTING, S.ACTIVE, S.WAKING}) == COUNTED
+    assert frozenset({S.GOING_TO_SLEEP, S.FALLING_ASLEEP, S.SLEEPING}) == ASLEEP
 
 
 def test_live_is_everything_but_exited() -> None:
@@ -154,7 +182,10 @@ def test_live_is_everything_but_exited() -> None:
         (S.REQUESTED, "requested"),
         (S.STARTING, "starting"),
         (S.ACTIVE, "active"),
+        (S.GOING_TO_SLEEP, "going_to_sleep"),
+        (S.FALLING_ASLEEP, "falling_asleep"),
         (S.SLEEPING, "sleeping"),
+        (S.WAKING, "waking"),
         (S.DRAINING, "draining"),
         (S.STOPPING, "stopping"),
         (S.KILLED, "killed"),

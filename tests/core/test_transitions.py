@@ -1,10 +1,10 @@
 """Every lifecycle state x every worker event, through the reducer, against a table written out.
 
-A worker ``envs-0`` is put in each state by real events (SLEEPING, which no event drives yet, is
-set directly), then fed one event. Each row says what must follow: the triggers the reducer takes
-for ``envs-0`` (each a row of ``core.lifecycle.TRANSITIONS``), the state it ends in ("exited",
-with "crash" when its pool counts the exit as a failure) or the error that refuses the event, and
-the commands. Any change of behaviour shows as a failing row.
+A worker ``envs-0`` is put in each state by real events, then fed one event (the states only
+engines reach are tested in ``test_engines.py``). Each row says what must follow: the triggers
+the reducer takes for ``envs-0`` (each a row of ``core.lifecycle.TRANSITIONS``), the state it
+ends in ("exited", with "crash" when its pool counts the exit as a failure) or the error that
+refuses the event, and the commands. Any change of behaviour shows as a failing row.
 
 The pool: one worker on one of two GPUs, readiness required; drain 20 s, stop 5 s, start 10 s,
 heartbeat grace 60 s, early exit 30 s. A worker drained or stopped by deo is replaced at once by
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-import attrs
 import pytest
 
 import core.lifecycle
@@ -52,7 +51,10 @@ from core import (
     WorkerStarted,
     WorkerState,
 )
-from core.lifecycle import TRANSITIONS
+from core.lifecycle import ASLEEP, TRANSITIONS
+
+#: States only an engine pool's workers reach.
+ENGINE_STATES = ASLEEP | {WorkerState.WAKING}
 
 S = WorkerState
 
@@ -97,11 +99,6 @@ def put_in(situation: str) -> Reducer:
         return reducer
     reducer.step(WorkerReady(t=2.0, worker_id="envs-0"))
     if situation == "active":
-        return reducer
-    if situation == "sleeping":
-        state = reducer.state
-        sleeping = attrs.evolve(state.workers["envs-0"], state=S.SLEEPING)
-        reducer.state = attrs.evolve(state, workers={**state.workers, "envs-0": sleeping})
         return reducer
     reducer.step(DrainRequested(t=3.0, worker_id="envs-0"))  # deadline 23, envs-1 spawned
     _start_replacement(reducer, 3.0)
@@ -262,29 +259,6 @@ ROWS: list[tuple[str, str, list[str], str, list[str]]] = [
         "stopping",
         ["terminate envs-0 pid 100 until 68", "spawn envs-1 on 1"],
     ),  # hung
-    # --- sleeping: reserved for engines; no event puts a worker here yet --------------------------
-    ("sleeping", "started", [], ALREADY_STARTED, []),
-    ("sleeping", "ready", ["ready"], "sleeping", []),  # a sign of life only
-    ("sleeping", "heartbeat", [], "sleeping", []),
-    ("sleeping", "exited", ["exit"], "exited crash", []),
-    ("sleeping", "spawn_failed", [], RUNNING, []),
-    ("sleeping", "adopted", [], "sleeping", []),
-    ("sleeping", "lost", ["exit"], "exited", ["spawn envs-1 on 0"]),
-    (
-        "sleeping",
-        "drain",
-        ["drain"],
-        "draining",
-        ["drain envs-0 pid 100 until 22.5", "spawn envs-1 on 1"],
-    ),
-    (
-        "sleeping",
-        "gpu_lost",
-        ["terminate"],
-        "stopping",
-        [*GPU_LOST, "terminate envs-0 pid 100 until 7.5", "spawn envs-1 on 1"],
-    ),
-    ("sleeping", "tick", [], "sleeping", []),  # no heartbeat check while asleep
     # --- draining: drain signal sent, deadline 23 -------------------------------------------------
     ("draining", "started", [], ALREADY_STARTED, []),
     ("draining", "ready", ["ready"], "draining", []),  # a sign of life only
@@ -447,7 +421,11 @@ def test_the_table_covers_every_situation_and_event() -> None:
     situations = {s for s, *_ in ROWS}
     pairs = [(s, e) for s, e, *_ in ROWS]
     assert len(pairs) == len(set(pairs)) == len(situations) * len(EVENTS)
-    assert {s.value for s in WorkerState} - {s.split("_")[0] for s in situations} == {"exited"}
+    engine_only = {s.value for s in ENGINE_STATES}
+    assert {s.value for s in WorkerState} - {s.split("_")[0] for s in situations} == {
+        "exited",
+        *engine_only,
+    }
 
 
 def test_the_reducer_takes_every_row_of_the_lifecycle_table(
@@ -463,9 +441,13 @@ def test_the_reducer_takes_every_row_of_the_lifecycle_table(
         except DeoError:
             continue
         taken |= {(state, trigger) for _, state, trigger in asked}
-    # Reserved for inference engines: no event sends a worker to sleep or wakes it yet.
-    reserved = {pair for pair in TRANSITIONS if pair[1] in (Trigger.SLEEP, Trigger.WAKE)}
-    assert taken == set(TRANSITIONS) - reserved
+    # Only engines sleep: their rows are taken in tests/core/test_engines.py.
+    engines = {
+        (state, trigger)
+        for (state, trigger), target in TRANSITIONS.items()
+        if state in ENGINE_STATES or target in ENGINE_STATES
+    }
+    assert taken == set(TRANSITIONS) - engines
 
 
 @pytest.mark.parametrize(
