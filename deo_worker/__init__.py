@@ -6,7 +6,9 @@
   with ``require_ready = true`` (``deo_worker.ready``);
 - :func:`serve_until_drained` and :func:`drainable` — an atroposlib ``BaseEnv`` that drains
   (``deo_worker.atropos``);
-- ``python -m deo_worker.demo_env`` — a stand-in Atropos env worker (``deo_worker.demo_env``).
+- ``python -m deo_worker.demo_env`` — a stand-in Atropos env worker (``deo_worker.demo_env``);
+- ``python -m deo_worker.engine_standin`` — a stand-in vLLM or SGLang server for tests and
+  benchmarks without a GPU (``deo_worker.engine_standin``).
 
 See docs/workers.md.
 """

@@ -1,0 +1,108 @@
+"""Stand-in engines (deo_worker.engine_standin) as real processes, for tests of engine pools."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+from conftest import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+START_DEADLINE_S = 60.0
+
+
+class Standin:
+    """One ``python -m deo_worker.engine_standin`` process on a free loopback port."""
+
+    def __init__(
+        self,
+        engine: str = "vllm",
+        *,
+        memory_mib: int = 16,
+        tokens_per_s: float = 200.0,
+        max_concurrency: int = 16,
+        startup_s: float = 0.0,
+        port: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = [
+            sys.executable,
+            "-m",
+            "deo_worker.engine_standin",
+            "--port",
+            str(self.port),
+            "--engine",
+            engine,
+            "--memory-mib",
+            str(memory_mib),
+            "--tokens-per-s",
+            str(tokens_per_s),
+            "--max-concurrency",
+            str(max_concurrency),
+            "--startup-s",
+            str(startup_s),
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, wait: bool = True) -> Standin:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        self.proc = subprocess.Popen(self.argv, env=env, cwd=REPO)
+        if wait:
+            self.wait_healthy()
+        return self
+
+    def wait_healthy(self, deadline_s: float = START_DEADLINE_S) -> None:
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None and self.proc.poll() is None, "the stand-in exited"
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"stand-in on {self.url} not healthy after {deadline_s} s")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def __enter__(self) -> Standin:
+        return self.start()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
