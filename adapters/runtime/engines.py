@@ -33,7 +33,7 @@ import httpx
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from adapters.runtime.runner import Executor
-from core import Command, Event, State, WorkerReady, WorkerState
+from core import Command, DeoError, Event, State, WorkerReady, WorkerState
 from core.commands import SleepEngine, VerifyAsleep, WakeEngine
 from core.events import EngineAsleep, EngineAwake, EngineSleepFailed, EngineWakeFailed
 
@@ -57,7 +57,7 @@ def engine_url(port: int) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-class EngineCallFailed(Exception):
+class EngineCallFailed(DeoError):
     """A control call answered with an error, or not as the engine should have."""
 
 
