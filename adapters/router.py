@@ -268,10 +268,12 @@ class EngineRouter:
                 await response.aclose()
                 end()
 
+        # The body is relayed as the engine sent it (raw: still encoded, if it was), so its
+        # length and encoding headers stay true.
         headers = {
             name: value
             for name, value in response.headers.items()
-            if name.lower() not in _HOP_HEADERS and name.lower() != "content-encoding"
+            if name.lower() not in _HOP_HEADERS or name.lower() == "content-length"
         }
         headers["x-deo-engine"] = worker_id
         return StreamingResponse(
