@@ -42,6 +42,7 @@ import attrs
 
 from adapters.log import EventLog, LogWriteFailed, fsync_directory
 from adapters.runtime.config_file import RunSettings, Source, check_loggable
+from adapters.runtime.engines import EngineControl, FanOut
 from adapters.runtime.live import live_view
 from adapters.runtime.processes import (
     DEFAULT_STOP_TIMEOUT_S,
@@ -360,10 +361,11 @@ async def run(
         # Each worker's own token: it speaks for that worker alone, and stays out of the log.
         secret_environ=lambda worker_id: {WORKER_TOKEN_ENV: worker_token(worker_secret, worker_id)},
     )
+    engines = EngineControl(emit, clock=clock, state=lambda: runner.state)
     runner = Runner(
         event_log,
         Reducer(recovery.state),
-        processes,
+        FanOut(processes, engines),
         clock=clock,
         tick_interval_s=settings.tick_interval_s,
     )
@@ -390,6 +392,7 @@ async def run(
                 )
                 out(f"deo: API on {url} (log {settings.log})")
                 tg.start_soon(processes.run)
+                tg.start_soon(engines.run)
                 for event in await reconcile(recovery.state, processes, clock, run_id):
                     runner.emit(event)
                 # The state may miss live workers (a log that lost records): nothing is spawned

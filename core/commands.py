@@ -13,6 +13,7 @@ from core.convert import CheckedRecord, Name, Seconds, member_of, str_tuple
 from core.vocabulary import AlertName, DecisionSource, known_cordon_causes
 
 __all__ = [
+    "CancelSleep",
     "Command",
     "CordonGpu",
     "DrainEngine",
@@ -146,6 +147,14 @@ class DrainEngine(Command):
 
     worker_id: Name
     deadline_t: Seconds
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class CancelSleep(Command):
+    """An engine going to sleep, its sleep call not sent yet, is needed again: it is back in
+    routing at once (a decision; nothing to execute)."""
+
+    worker_id: Name
 
 
 @attrs.frozen(slots=True, kw_only=True)

@@ -12,10 +12,11 @@ from types import MappingProxyType
 from typing import Any
 
 from core import commands as c
+from core import engines
 from core import events as e
 from core.config import Config, PoolSpec
 from core.errors import ConfigError, Refused, UnknownSubject
-from core.lifecycle import COUNTED, DEADLINE_ACTIONS, Trigger, WorkerState
+from core.lifecycle import ASLEEP, COUNTED, DEADLINE_ACTIONS, Trigger, WorkerState
 from core.records import replace
 from core.state import Gpu, PoolState, State, Worker, split_worker_id
 from core.step import Step, unobserved_s
@@ -27,6 +28,16 @@ S = WorkerState
 
 
 def _sigterm(step: Step, worker: Worker, spec: PoolSpec) -> None:
+    if worker.state in (S.FALLING_ASLEEP, S.WAKING):
+        call = "sleep" if worker.state is S.FALLING_ASLEEP else "wake"
+        cause = StopCause.SLEEP_FAILED if call == "sleep" else StopCause.WAKE_FAILED
+        why = (
+            f"{worker.worker_id} did not answer its {call} call within "
+            f"{engines.call_deadline_s(spec):g}s: stopping it"
+        )
+        step.raise_alert(AlertName.ENGINE_CONTROL, worker.worker_id, why)
+        step.terminate(worker, cause, why)
+        return
     step.terminate(
         worker,
         StopCause.DRAIN_DEADLINE,
@@ -67,6 +78,7 @@ def _give_up(step: Step, worker: Worker, spec: PoolSpec) -> None:
 #: What each deadline action of the lifecycle (``DEADLINE_ACTIONS``) does besides its transition.
 _ON_DEADLINE: Mapping[Trigger, Callable[[Step, Worker, PoolSpec], None]] = MappingProxyType(
     {
+        Trigger.RELEASE: engines.release_at_deadline,
         Trigger.TERMINATE: _sigterm,
         Trigger.KILL: _sigkill,
         Trigger.GIVE_UP: _give_up,
@@ -129,7 +141,7 @@ def _judge_workers(step: Step) -> None:
             )
         elif (
             state is S.STARTING
-            and spec.require_ready
+            and spec.awaits_ready
             and worker.started_t is not None
             and (t - worker.started_t >= spec.start_timeout_s)
         ):
@@ -185,6 +197,8 @@ def _tick_pools(step: Step, *, judge: bool) -> None:
             )
         # Time alone changes a pool's count only when a crash-loop backoff has run out, or when
         # an alert says it is short (of GPUs, of its minimum): reconcile just those.
+        if pool.wake_held and pool.wake_hold_until_t is not None and t >= pool.wake_hold_until_t:
+            step.put_pool(engines.end_wake_hold(step, pool, "its time is up"))
         if (pool.failures and t >= pool.backoff_until_t) or any(
             subject == name for _, subject in step.alerts
         ):
@@ -199,6 +213,24 @@ def _configured(step: Step, event: e.Configured) -> None:
             raise ConfigError(
                 f"gpus: GPU {gpu_id!r} is held by worker {worker_id}; drain it before removing "
                 f"the GPU from the configuration"
+            )
+    for spec in config.pools:
+        live = next((w for w in step.workers.values() if w.pool == spec.name), None)
+        old = step.pools.get(spec.name)
+        if (
+            live is not None
+            and old is not None
+            and (old.spec.kind, old.spec.engine)
+            != (
+                spec.kind,
+                spec.engine,
+            )
+        ):
+            was = f"{old.spec.kind} ({old.spec.engine or 'no engine'})"
+            becomes = f"{spec.kind} ({spec.engine or 'no engine'})"
+            raise ConfigError(
+                f"pools.{spec.name}.kind: pool {spec.name} is {was} and {live.worker_id} still "
+                f"runs; remove the pool (or let it reach 0) before it becomes {becomes}"
             )
     step.config = config
     gpus = step._own("gpus")
@@ -258,13 +290,15 @@ def _paused(step: Step, event: e.AutoscalingPaused) -> None:
 
 
 def _resumed(step: Step, event: e.AutoscalingResumed) -> None:
+    resumed = "autoscaling resumed"
     if event.pool is None:
         step.paused_all = False
         for _name, pool in list(step.pools.items()):
-            if pool.paused:
-                step.put_pool(replace(pool, paused=False))
+            if pool.paused or pool.wake_held:
+                step.put_pool(engines.end_wake_hold(step, replace(pool, paused=False), resumed))
     else:
-        step.put_pool(replace(step.pool(event.pool, event), paused=False))
+        pool = replace(step.pool(event.pool, event), paused=False)
+        step.put_pool(engines.end_wake_hold(step, pool, resumed))
 
 
 def _pinned(step: Step, event: e.PoolPinned) -> None:
@@ -272,7 +306,15 @@ def _pinned(step: Step, event: e.PoolPinned) -> None:
     spec = pool.spec
     if event.count is None:
         if pool.pinned is not None:
-            step.put_pool(replace(pool, pinned=None, desired=pool.pinned))
+            step.put_pool(
+                replace(
+                    pool,
+                    pinned=None,
+                    desired=pool.pinned,
+                    wake_held=False,
+                    wake_hold_until_t=None,
+                )
+            )
         return
     if not spec.min_workers <= event.count <= spec.max_workers:
         raise Refused(
@@ -289,15 +331,22 @@ def _pinned(step: Step, event: e.PoolPinned) -> None:
                 reason=f"operator pinned {spec.name} at {event.count} workers",
             )
         )
-    step.put_pool(replace(pool, pinned=event.count))
+    step.put_pool(replace(pool, pinned=event.count, wake_held=False, wake_hold_until_t=None))
     step.dirty_pools.add(spec.name)
 
 
 def _drain_requested(step: Step, event: e.DrainRequested) -> None:
     worker = step.worker(event.worker_id, event)
-    if worker is None or worker.state not in COUNTED:
+    if worker is None:
+        return
+    why = f"operator asked to drain {worker.worker_id}"
+    if worker.state in (S.FALLING_ASLEEP, S.SLEEPING):
+        # Nothing in flight and its memory (being) released: it exits now.
+        step.terminate(worker, StopCause.OPERATOR, f"{why} ({worker.state.value}): stopping it")
+        return
+    if worker.state not in COUNTED and worker.state is not S.GOING_TO_SLEEP:
         return  # already leaving
-    step.drain(worker, StopCause.OPERATOR, f"operator asked to drain {worker.worker_id}")
+    step.drain(worker, StopCause.OPERATOR, why)
 
 
 def _cordon_requested(step: Step, event: e.GpuCordonRequested) -> None:
@@ -343,7 +392,7 @@ def _started(step: Step, event: e.WorkerStarted) -> None:
         started_t=step.t,
     )
     step.seen(worker.worker_id)
-    if worker.state is S.STARTING and not spec.require_ready:
+    if worker.state is S.STARTING and not spec.awaits_ready:
         step.transition(worker, Trigger.READY)
         step.came_up(worker)
     elif worker.state is S.DRAINING:
@@ -459,6 +508,8 @@ def _adopted(step: Step, event: e.WorkerAdopted) -> None:
         step.signal_drain(worker, why)
     elif worker.state in (S.STOPPING, S.KILLED):
         _repeat_stop(step, worker, "adopted while stopping: signal repeated")
+    else:
+        engines.repeat_control(step, worker)
 
 
 def _lost(step: Step, event: e.WorkerLost) -> None:
@@ -520,9 +571,11 @@ def _gpu_sampled(step: Step, event: e.GpuSampled) -> None:
     if event.new_errors:
         step.raise_alert(AlertName.GPU_ERRORS, gpu.gpu_id, why)
         for worker in step.workers_on(gpu.gpu_id):
+            moving = f"{why}: moving {worker.worker_id} elsewhere"
             if worker.state in COUNTED:
-                moving = f"{why}: moving {worker.worker_id} elsewhere"
                 step.drain(worker, StopCause.GPU_ERRORS, moving)
+            elif worker.state in ASLEEP:  # an engine asleep there would wake on a bad GPU
+                step.terminate(worker, StopCause.GPU_ERRORS, moving)
 
 
 def _gpu_lost(step: Step, event: e.GpuLost) -> None:
@@ -533,7 +586,7 @@ def _gpu_lost(step: Step, event: e.GpuLost) -> None:
     step.set_causes(gpu, gpu.causes | {CordonCause.LOST}, None, why)
     step.raise_alert(AlertName.GPU_LOST, gpu.gpu_id, why)
     for worker in step.workers_on(gpu.gpu_id):
-        if worker.state in COUNTED or worker.state is S.DRAINING:
+        if worker.state in COUNTED or worker.state in ASLEEP or worker.state is S.DRAINING:
             replacing = f"{why}: {worker.worker_id} replaced elsewhere"
             step.terminate(worker, StopCause.GPU_LOST, replacing)
 
@@ -562,5 +615,6 @@ HANDLERS: Mapping[type, Callable[[Step, Any], None]] = MappingProxyType(
         e.LeftoverProcessesStopped: _leftovers_stopped,
         e.GpuSampled: _gpu_sampled,
         e.GpuLost: _gpu_lost,
+        **engines.ENGINE_HANDLERS,
     }
 )

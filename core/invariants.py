@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from core import commands as c
 from core import events as e
 from core.errors import InvariantViolation
-from core.lifecycle import COUNTED, DEADLINE_ACTIONS
+from core.lifecycle import ASLEEP, COUNTED, DEADLINE_ACTIONS
 from core.state import State, Worker, count_workers
 from core.step import STARTING_STATES
 from core.vocabulary import PLANNED_STOPS, AlertName, DecisionSource
@@ -76,6 +76,27 @@ def state_violations(state: State) -> list[str]:
         # 3. Every drain and stop has a deadline (the states with a deadline action).
         if worker.state in DEADLINE_ACTIONS and worker.deadline_t is None:
             found.append(f"3: worker {worker.worker_id} is {worker.state.value} without a deadline")
+    # 9. Engines: each live engine holds a port no other live worker holds (asleep or not), and
+    # no more sleep than the pool's max_asleep.
+    ports = Counter(w.port for w in state.workers.values() if w.port is not None)
+    for port, count in sorted(ports.items()):
+        if count > 1:
+            found.append(f"9: port {port} held by {count} live engines")
+    for worker in state.workers.values():
+        owner = state.pools.get(worker.pool)
+        if owner is None or not owner.spec.is_engine:
+            continue
+        if worker.port not in owner.spec.port_range():
+            found.append(
+                f"9: engine {worker.worker_id} holds port {worker.port}, outside its pool's"
+            )
+    asleep = Counter(w.pool for w in state.workers.values() if w.state in ASLEEP)
+    for name, count in sorted(asleep.items()):
+        engines = state.pools.get(name)
+        if engines is not None and count > engines.spec.max_asleep:
+            found.append(
+                f"9: pool {name} has {count} engines asleep > max {engines.spec.max_asleep}"
+            )
     for worker_id in state.last_seen:
         if worker_id not in state.workers:
             found.append(f"liveness kept for {worker_id}, which is not a live worker")
@@ -156,6 +177,8 @@ def step_violations(
         )
         if starting >= pool.spec.max_starting:
             continue  # the rest follow as these come up
+        if (AlertName.NO_FREE_PORTS, name) in after.alerts:
+            continue  # every engine port is held
         if n < pool.spec.min_workers and not backing_off and free >= pool.spec.gpus_per_worker:
             found.append(
                 f"2: pool {name} has {n} < min {pool.spec.min_workers} workers with {free} free "

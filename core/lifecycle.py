@@ -127,6 +127,8 @@ TRANSITIONS: Mapping[tuple[WorkerState, Trigger], WorkerState] = {
     (S.FALLING_ASLEEP, T.TERMINATE): S.STOPPING,  # sleep failed too often, or never answered
     (S.FALLING_ASLEEP, T.EXIT): S.EXITED,
     (S.SLEEPING, T.READY): S.SLEEPING,  # a sign of life only
+    (S.SLEEPING, T.ASLEEP): S.SLEEPING,  # confirmed again (asked after a restart)
+    (S.SLEEPING, T.AWAKE): S.ACTIVE,  # found awake when asked (after a restart)
     (S.SLEEPING, T.WAKE): S.WAKING,
     (S.SLEEPING, T.TERMINATE): S.STOPPING,  # over max_asleep, drained, or its pool removed
     (S.SLEEPING, T.EXIT): S.EXITED,

@@ -172,6 +172,10 @@ class PoolState:
     incident_t: float | None = None
     backoff_until_t: float = 0.0
     last_scale_up_t: float | None = None
+    #: An operator woke every engine (``EnginesWakeRequested``): ``pinned`` holds them awake
+    #: until autoscaling is resumed or, if set, until ``wake_hold_until_t``.
+    wake_held: bool = False
+    wake_hold_until_t: float | None = None
     #: The policy built from ``spec.policy``, with the spec it was built from (a step rebuilds it
     #: when the spec is another object). Derived, so not compared and not encoded; None until a
     #: step first needs it.

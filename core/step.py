@@ -14,8 +14,9 @@ from types import MappingProxyType
 from typing import Any
 
 from core import commands as c
+from core import engines
 from core import events as e
-from core.config import PoolSpec
+from core.config import VLLM_DEV_MODE_ENV, PoolSpec
 from core.errors import UnknownSubject
 from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
 from core.policies import BUILT_INS, Policy, PolicyCatalog, PolicyContext
@@ -213,10 +214,18 @@ class Step:
         worker = self.transition(worker, Trigger.DRAIN, deadline_t=deadline, stop_cause=cause)
         self.signal_drain(worker, why)
         self.dirty_pools.add(worker.pool)
+        if spec.is_engine and worker.in_flight_requests == 0:
+            engines.drain_done(self, worker)
 
     def signal_drain(self, worker: Worker, why: str) -> None:
-        """Send a draining worker its pool's drain signal, with the deadline it already has."""
+        """Send a draining worker its pool's drain signal, with the deadline it already has (an
+        engine gets no signal: it leaves routing and stops once nothing is in flight)."""
         assert worker.deadline_t is not None, worker
+        if self.pools[worker.pool].spec.is_engine:
+            self.commands.append(
+                c.DrainEngine(worker_id=worker.worker_id, deadline_t=worker.deadline_t, reason=why)
+            )
+            return
         self.commands.append(
             c.DrainWorker(
                 worker_id=worker.worker_id,
@@ -344,6 +353,9 @@ class Step:
                 count, starting = self._grow(pool, count, starting, free)
             else:
                 self.resolve_alert(AlertName.NO_FREE_GPUS, name, f"{name} reached {target} workers")
+                self.resolve_alert(AlertName.NO_FREE_PORTS, name, f"{name} reached {target}")
+            if pool.spec.is_engine:
+                engines.enforce_max_asleep(self, self.pools[name])
             self._check_min(pool, count, starting)
 
     def _shrink(self, pool: PoolState, counted: list[Worker], excess: int) -> None:
@@ -356,7 +368,11 @@ class Step:
             " (pool removed)" if pool.removed else ""
         )
         cause = StopCause.POOL_REMOVED if pool.removed else StopCause.SCALE_DOWN
-        for worker in sorted(counted, key=victim_order)[:excess]:
+        victims = sorted(counted, key=victim_order)[:excess]
+        if pool.spec.is_engine:
+            engines.shrink(self, pool, victims, why, cause)
+            return
+        for worker in victims:
             self.drain(worker, cause, why)
 
     def _grow(self, pool: PoolState, count: int, starting: int, free: list[str]) -> tuple[int, int]:
@@ -364,6 +380,10 @@ class Step:
         count and how many of them are starting."""
         spec = pool.spec
         name = spec.name
+        if spec.is_engine:
+            # A sleeping engine wakes in seconds; a new one takes minutes: wake first.
+            count = engines.wake_for(self, pool, count)
+            pool = self.pools[name]
         if self.t < pool.backoff_until_t:
             # crash-loop backoff; _check_min alerts if this leaves the pool below min
             return count, starting
@@ -371,6 +391,15 @@ class Step:
         while count < pool.target:
             if starting >= spec.max_starting:
                 break  # the rest are requested as these come up
+            port = engines.free_port(self, spec) if spec.is_engine else None
+            if spec.is_engine and port is None:
+                self.raise_alert(
+                    AlertName.NO_FREE_PORTS,
+                    name,
+                    f"{name} wants {pool.target} engines, has {count}: every port of "
+                    f"{spec.ports} is held by a live engine",
+                )
+                break
             if len(free) < spec.gpus_per_worker:
                 self.raise_alert(
                     AlertName.NO_FREE_GPUS,
@@ -385,7 +414,10 @@ class Step:
             env = dict(spec.env)
             devices = ",".join(self.config.device_of(gpu) for gpu in gpus)
             env.update(CUDA_VISIBLE_DEVICES=devices, DEO_WORKER_ID=worker_id, DEO_POOL=name)
+            if spec.engine == "vllm":
+                env[VLLM_DEV_MODE_ENV] = "1"  # vLLM serves its sleep routes only in dev mode
             placed = f" on GPU {','.join(gpus)}" if gpus else ""
+            placed += f" port {port}" if port is not None else ""
             self.put_worker(
                 Worker(
                     worker_id=worker_id,
@@ -394,15 +426,17 @@ class Step:
                     state=S.REQUESTED,
                     gpus=gpus,
                     requested_t=self.t,
+                    port=port,
                 )
             )
             self.commands.append(
                 c.SpawnWorker(
                     worker_id=worker_id,
                     pool=name,
-                    argv=spec.render_argv(worker_id=worker_id, index=index, gpus=gpus),
+                    argv=spec.render_argv(worker_id=worker_id, index=index, gpus=gpus, port=port),
                     gpus=gpus,
                     env=env,
+                    port=port,
                     reason=f"{name} has {count} workers, target {pool.target}: starting "
                     f"{worker_id}{placed}",
                 )
@@ -414,6 +448,7 @@ class Step:
             self.resolve_alert(
                 AlertName.NO_FREE_GPUS, name, f"{name} reached {pool.target} workers"
             )
+            self.resolve_alert(AlertName.NO_FREE_PORTS, name, f"{name} reached {pool.target}")
         if index != pool.next_index:
             self.put_pool(replace(pool, next_index=index))
         return count, starting
@@ -430,6 +465,8 @@ class Step:
             why = f"crash-loop backoff, next spawn in {pool.backoff_until_t - self.t:.0f}s"
         elif starting >= pool.spec.max_starting:
             why = f"{starting} starting, at most {pool.spec.max_starting} at once"
+        elif (AlertName.NO_FREE_PORTS, name) in self.alerts:
+            why = f"every port of {pool.spec.ports} held"
         else:
             why = f"no free healthy GPU for {pool.spec.gpus_per_worker} per worker"
         self.raise_alert(

@@ -72,6 +72,7 @@ from core import (
     Command,
     DeoError,
     DrainRequested,
+    EnginesWakeRequested,
     Event,
     GpuCordonRequested,
     GpuUncordonRequested,
@@ -396,6 +397,7 @@ def _worker_json(worker: Worker, state: State) -> dict[str, Any]:
         "last_seen": state.last_seen.get(worker.worker_id),
         "deadline_t": worker.deadline_t,
         "stop_cause": worker.stop_cause,
+        "port": worker.port,
     }
 
 
@@ -547,6 +549,13 @@ def build_app(
         count = _int_field(body, "count", nullable=True)
         return PoolPinned(t=t, pool=path(request, "pool"), count=count)
 
+    def build_wake(request: Request, body: dict[str, Any], t: float) -> Event:
+        _only(body, ("hold_s",))
+        hold_s = body.get("hold_s")
+        if hold_s is not None and (isinstance(hold_s, bool) or not isinstance(hold_s, int | float)):
+            raise _ApiError(400, f"hold_s: expected a number of seconds or null, got {hold_s!r}")
+        return EnginesWakeRequested(t=t, pool=path(request, "pool"), hold_s=hold_s)
+
     def build_pressure(request: Request, body: dict[str, Any], t: float) -> Event:
         return _pressure_event(path(request, "pool"), body, t)
 
@@ -661,6 +670,7 @@ def build_app(
         post("/v1/pause", build_pause(AutoscalingPaused)),
         post("/v1/resume", build_pause(AutoscalingResumed)),
         post("/v1/pools/{pool}/pin", build_pin),
+        post("/v1/pools/{pool}/wake", build_wake),
         post("/v1/pools/{pool}/pressure", build_pressure),
         post(
             "/v1/workers/{worker_id}/drain",

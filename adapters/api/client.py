@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -295,6 +296,16 @@ def _count(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
 def _scope(pool: str | None) -> str:
     return f"pool {pool}" if pool else "every pool"
 
@@ -325,8 +336,22 @@ ACTIONS: dict[str, Action] = {
         request=lambda a: (f"/v1/pools/{_segment(a.pool)}/pin", {"count": None}),
         done=lambda a: f"pool {a.pool} unpinned",
     ),
+    "wake": Action(
+        help="wake every engine of an engine pool (before a validation pass, say) and hold them "
+        "awake for HOLD_S seconds, or until `deo resume POOL`",
+        arguments=(
+            ("pool", "the engine pool"),
+            ("hold_s?", "seconds to hold (default: until resumed)"),
+        ),
+        request=lambda a: (f"/v1/pools/{_segment(a.pool)}/wake", {"hold_s": a.hold_s}),
+        done=lambda a: (
+            f"waking every engine of {a.pool}, held "
+            + (f"for {a.hold_s:g}s" if a.hold_s is not None else f"until `deo resume {a.pool}`")
+        ),
+    ),
     "drain": Action(
-        help="drain one worker (it finishes its work and exits; its pool may replace it)",
+        help="drain one worker (it finishes its work and exits; its pool may replace it); an "
+        "engine takes no new requests and stops once none is in flight",
         arguments=(("worker", "the worker id, e.g. envs-3"),),
         request=lambda a: (f"/v1/workers/{_segment(a.worker)}/drain", {}),
         done=lambda a: f"draining worker {a.worker}",
@@ -354,7 +379,7 @@ def add_action_arguments(parser: argparse.ArgumentParser, action: Action) -> Non
         parser.add_argument(
             name,
             nargs="?" if optional else None,
-            type=_count if name == "count" else str,
+            type=_count if name == "count" else _seconds if name.endswith("_s") else str,
             help=text,
         )
     add_target_arguments(parser)

@@ -36,6 +36,12 @@ from core import (
     CrashLoopRules,
     DrainRequested,
     DrainWorker,
+    EngineAsleep,
+    EngineAwake,
+    EngineLoadSampled,
+    EngineSleepFailed,
+    EnginesWakeRequested,
+    EngineWakeFailed,
     Event,
     GpuCordonRequested,
     GpuLost,
@@ -68,8 +74,9 @@ from core import (
     encode,
     reduce,
 )
+from core.commands import DrainEngine, SleepEngine
 from core.invariants import free_healthy_gpus, state_violations
-from core.lifecycle import COUNTED, DEADLINE_ACTIONS, TRANSITIONS, Trigger, WorkerState
+from core.lifecycle import ASLEEP, COUNTED, DEADLINE_ACTIONS, TRANSITIONS, Trigger, WorkerState
 from core.state import State
 from core.step import Step
 from core.vocabulary import AlertName
@@ -86,13 +93,30 @@ POLICIES = st.sampled_from(
 
 
 @st.composite
+def engine_settings(draw: st.DrawFn, max_workers: int) -> dict[str, Any]:
+    """What makes a pool an engine pool (the pool called "engines", half the time)."""
+    return {
+        "kind": "engine",
+        "engine": draw(st.sampled_from(["vllm", "sglang"])),
+        "argv": ["engine", "--port", "{port}"],
+        "ports": (18000, 18000 + max_workers - 1 + draw(st.integers(0, 2))),
+        "max_asleep": draw(st.integers(0, 2)),
+        "control_attempts": draw(st.integers(1, 2)),
+        "control_timeout_s": draw(st.sampled_from([2.0, 10.0])),
+    }
+
+
+@st.composite
 def pool_specs(draw: st.DrawFn, name: str, gpus: int) -> PoolSpec:
     minimum = draw(st.integers(0, 3))
+    maximum = draw(st.integers(max(minimum, 1), 6))
+    engine = draw(engine_settings(maximum)) if name == "engines" and draw(st.booleans()) else {}
     return PoolSpec(
         name=name,
-        argv=["worker", "{worker_id}"],
+        argv=engine.pop("argv", ["worker", "{worker_id}"]),
+        **engine,
         min_workers=minimum,
-        max_workers=draw(st.integers(max(minimum, 1), 6)),
+        max_workers=maximum,
         gpus_per_worker=draw(st.integers(0, min(gpus, 2))),
         policy=draw(POLICIES),
         require_ready=draw(st.booleans()),
@@ -168,6 +192,7 @@ class ReducerMachine(RuleBasedStateMachine):
         short = self.state.counted(pool) < after.target
         backing_off = self.state.now < after.backoff_until_t
         no_gpus = free_healthy_gpus(self.state) < after.spec.gpus_per_worker
+        no_ports = (AlertName.NO_FREE_PORTS, pool) in self.state.alerts
         starting = [
             w
             for w in self.state.workers.values()
@@ -175,7 +200,7 @@ class ReducerMachine(RuleBasedStateMachine):
         ]
         if len(starting) >= after.spec.max_starting:
             return  # the rest follow as these come up
-        assert not short or backing_off or no_gpus, (
+        assert not short or backing_off or no_gpus or no_ports, (
             f"{pool} left at {self.state.counted(pool)} < target {after.target} with GPUs free "
             f"and no backoff"
         )
@@ -251,6 +276,8 @@ class ReducerMachine(RuleBasedStateMachine):
                 assert [type(c) for c in mine] == [TerminateWorker], mine
             elif action is Trigger.KILL:
                 assert [type(c) for c in mine] == [KillWorker], mine
+            elif action is Trigger.RELEASE:  # a drain before sleep ran out: the sleep call
+                assert [type(c) for c in mine] == [SleepEngine], mine
             else:
                 alerts = [c for c in commands if isinstance(c, RaiseAlert)]
                 unkillable = [a for a in alerts if a.subject == worker.worker_id]
@@ -278,14 +305,15 @@ class ReducerMachine(RuleBasedStateMachine):
         if before is None or before.pid is not None:
             return  # refused
         # Started after deo decided to let it go: the signal it missed, once, with its pid.
+        engine = self.state.pools[before.pool].spec.is_engine
         repeated = {
-            WorkerState.DRAINING: [DrainWorker],
+            WorkerState.DRAINING: [DrainEngine if engine else DrainWorker],
             WorkerState.STOPPING: [TerminateWorker],
             WorkerState.KILLED: [KillWorker],
         }.get(before.state, [])
         mine = [c for c in commands if getattr(c, "worker_id", None) == worker_id]
         assert [type(c) for c in mine] == repeated, (before.state, mine)
-        assert all(getattr(c, "pid", None) == self.pid for c in mine)
+        assert all(getattr(c, "pid", self.pid) == self.pid for c in mine)
 
     @rule(data=st.data())
     def seen(self, data: st.DataObject) -> None:
@@ -374,10 +402,16 @@ class ReducerMachine(RuleBasedStateMachine):
             worker_id = data.draw(st.sampled_from(ids))
             before = self.state.workers.get(worker_id)
             commands = self.feed(DrainRequested(t=self.t, worker_id=worker_id))
-            drains = [c for c in commands if isinstance(c, DrainWorker)]
-            if before is not None and before.state in COUNTED:
+            drains = [c for c in commands if isinstance(c, DrainWorker | DrainEngine)]
+            after = self.state.workers[worker_id].state if before is not None else None
+            if before is not None and before.state in ASLEEP - {WorkerState.GOING_TO_SLEEP}:
+                assert after is WorkerState.STOPPING  # nothing in flight: it exits now
+            elif before is not None and (
+                before.state in COUNTED or before.state is WorkerState.GOING_TO_SLEEP
+            ):
                 assert [d.worker_id for d in drains] == [worker_id]
-                assert self.state.workers[worker_id].state is WorkerState.DRAINING
+                # An engine with nothing in flight is stopped at once.
+                assert after in (WorkerState.DRAINING, WorkerState.STOPPING)
             else:
                 assert commands == []  # already leaving, or refused
 
@@ -413,6 +447,45 @@ class ReducerMachine(RuleBasedStateMachine):
             self.feed(GpuUncordonRequested(t=self.t, gpu_id=gpu_id))
         else:
             self.feed(GpuSampled(**fields))
+
+    @rule(
+        data=st.data(),
+        kind=st.sampled_from(["asleep", "awake", "sleep_failed", "wake_failed"]),
+    )
+    def engine_answer(self, data: st.DataObject, kind: str) -> None:
+        worker_id = data.draw(st.sampled_from([*self.workers(), "engines-77"]))
+        before = self.state.workers.get(worker_id)
+        event: Event = {
+            "asleep": EngineAsleep(t=self.t, worker_id=worker_id),
+            "awake": EngineAwake(t=self.t, worker_id=worker_id),
+            "sleep_failed": EngineSleepFailed(t=self.t, worker_id=worker_id, error="500"),
+            "wake_failed": EngineWakeFailed(t=self.t, worker_id=worker_id, error="timed out"),
+        }[kind]
+        self.feed(event)
+        after = self.state.workers.get(worker_id)
+        if before is not None and after is not None:
+            if kind == "asleep" and before.state is WorkerState.FALLING_ASLEEP:
+                assert after.state is WorkerState.SLEEPING and after.asleep_t == self.state.now
+            if kind == "awake" and before.state is WorkerState.WAKING:
+                assert after.state is WorkerState.ACTIVE
+            if before.state not in ASLEEP | {WorkerState.WAKING}:
+                assert after.state is before.state  # a late answer changes nothing
+
+    @rule(data=st.data(), in_flight=st.integers(0, 4))
+    def engine_load(self, data: st.DataObject, in_flight: int) -> None:
+        worker_id = data.draw(st.sampled_from([*self.workers(), "engines-77"]))
+        worker = self.state.workers.get(worker_id)
+        pool = worker.pool if worker is not None else "engines"
+        self.feed(
+            EngineLoadSampled(
+                t=self.t, pool=pool, worker_id=worker_id, in_flight_requests=in_flight
+            )
+        )
+
+    @rule(data=st.data(), hold_s=st.sampled_from([None, 5.0, 60.0]))
+    def wake_all(self, data: st.DataObject, hold_s: float | None) -> None:
+        name = data.draw(st.sampled_from([*sorted(self.state.pools), "nope"]))
+        self.feed(EnginesWakeRequested(t=self.t, pool=name, hold_s=hold_s))
 
     @rule(back=st.sampled_from([1.0, 30.0]))
     def late_event(self, back: float) -> None:

@@ -1,0 +1,227 @@
+"""Engine control: deo's sleep, wake and readiness calls to each engine's own HTTP API.
+
+The core decides (``SleepEngine``, ``WakeEngine``, ``VerifyAsleep``); :class:`EngineControl`
+carries each command out in a task of its own, every call with the command's timeout, and
+reports the outcome as an event (``EngineAsleep``, ``EngineAwake``, ``EngineSleepFailed``,
+``EngineWakeFailed``): a call never leaves an engine in a state nobody recorded. It also watches
+starting engines' ``/health`` and reports each ready (``WorkerReady``) once it answers 200.
+
+The routes, per engine (see docs/engines.md):
+
+- vLLM (launched with ``VLLM_SERVER_DEV_MODE=1``, which deo sets, and ``--enable-sleep-mode``):
+  sleep is ``POST /reset_prefix_cache`` then ``POST /sleep?level=N``, wake ``POST /wake_up``;
+  both are confirmed by ``GET /is_sleeping``, which is also how an engine adopted after a restart
+  is asked whether it sleeps.
+- SGLang (launched with ``--enable-memory-saver``): sleep is ``POST /flush_cache`` then ``POST
+  /release_memory_occupation``; wake is ``POST /resume_memory_occupation``. ``/flush_cache``
+  refuses while requests run (a drain that timed out): generation is then paused, aborting them,
+  and ``POST /continue_generation`` after the wake lets it run again. SGLang has no route that
+  says whether it sleeps: deo's log is the record.
+
+:class:`FanOut` hands every command to several executors (the processes and this).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import httpx
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from adapters.runtime.runner import Executor
+from core import Command, Event, State, WorkerReady, WorkerState
+from core.commands import SleepEngine, VerifyAsleep, WakeEngine
+from core.events import EngineAsleep, EngineAwake, EngineSleepFailed, EngineWakeFailed
+
+__all__ = ["EngineCallFailed", "EngineControl", "FanOut", "engine_url"]
+
+log = logging.getLogger("deo.engines")
+
+#: How often starting engines' /health is asked.
+HEALTH_INTERVAL_S = 0.5
+#: Each /health call gives up after this long (a starting engine may not listen yet).
+HEALTH_TIMEOUT_S = 2.0
+
+_Control = SleepEngine | WakeEngine | VerifyAsleep
+
+
+def engine_url(port: int) -> str:
+    """An engine's base URL (engines listen on loopback, beside deo)."""
+    return f"http://127.0.0.1:{port}"
+
+
+class EngineCallFailed(Exception):
+    """A control call answered with an error, or not as the engine should have."""
+
+
+class FanOut:
+    """An executor that hands each command to every executor it holds, in order."""
+
+    def __init__(self, *executors: Executor) -> None:
+        self.executors = executors
+
+    async def execute(self, command: Command) -> None:
+        for executor in self.executors:
+            await executor.execute(command)
+
+
+async def _call(
+    client: httpx.AsyncClient, method: str, url: str, *, json: Any = None, params: Any = None
+) -> httpx.Response:
+    response = await client.request(method, url, json=json, params=params)
+    if response.status_code != 200:
+        raise EngineCallFailed(
+            f"{method} {url.split('/', 3)[-1]}: HTTP {response.status_code} "
+            f"{response.text[:200].strip()}"
+        )
+    return response
+
+
+async def _is_sleeping(client: httpx.AsyncClient, base: str) -> bool:
+    answer = (await _call(client, "GET", f"{base}/is_sleeping")).json()
+    if not isinstance(answer, dict) or not isinstance(answer.get("is_sleeping"), bool):
+        raise EngineCallFailed(f"GET /is_sleeping: unexpected answer {answer!r}")
+    return bool(answer["is_sleeping"])
+
+
+async def sleep_engine(client: httpx.AsyncClient, command: SleepEngine) -> None:
+    """Release one engine's memory; :class:`EngineCallFailed` or an httpx error if it did not."""
+    base = engine_url(command.port)
+    if command.engine == "vllm":
+        await _call(client, "POST", f"{base}/reset_prefix_cache")
+        await _call(client, "POST", f"{base}/sleep", params={"level": command.level})
+        if not await _is_sleeping(client, base):
+            raise EngineCallFailed("POST /sleep answered 200 but /is_sleeping says awake")
+        return
+    flushed = await client.post(f"{base}/flush_cache")
+    if flushed.status_code == 400:
+        # Requests still run (the drain timed out): stop them, as the engine cannot release
+        # memory under running requests.
+        await _call(client, "POST", f"{base}/pause_generation", json={"mode": "abort"})
+        await _call(client, "POST", f"{base}/flush_cache")
+    elif flushed.status_code != 200:
+        raise EngineCallFailed(f"POST flush_cache: HTTP {flushed.status_code}")
+    await _call(client, "POST", f"{base}/release_memory_occupation", json={})
+
+
+async def wake_engine(client: httpx.AsyncClient, command: WakeEngine) -> None:
+    """Take one engine's memory back; :class:`EngineCallFailed` or an httpx error if it did not."""
+    base = engine_url(command.port)
+    if command.engine == "vllm":
+        await _call(client, "POST", f"{base}/wake_up")
+        if await _is_sleeping(client, base):
+            raise EngineCallFailed("POST /wake_up answered 200 but /is_sleeping says asleep")
+        return
+    await _call(client, "POST", f"{base}/resume_memory_occupation", json={})
+    # Harmless when generation was never paused; needed when a sleep had to pause it.
+    await _call(client, "POST", f"{base}/continue_generation", json={})
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, EngineCallFailed):
+        return str(exc)
+    if isinstance(exc, httpx.TimeoutException):
+        return f"no answer in time ({type(exc).__name__})"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class EngineControl:
+    """Carries out engine commands over HTTP and watches starting engines' health.
+
+    ``state`` returns the runner's current state (which engines are starting, on which port).
+    :meth:`execute` never blocks the runner: commands queue for :meth:`run`, which carries each
+    out in its own task until cancelled.
+    """
+
+    def __init__(
+        self,
+        emit: Callable[[Event], None],
+        *,
+        clock: Callable[[], float],
+        state: Callable[[], State],
+        health_interval_s: float = HEALTH_INTERVAL_S,
+    ) -> None:
+        self._emit = emit
+        self._clock = clock
+        self._state = state
+        self._health_interval_s = health_interval_s
+        send, receive = anyio.create_memory_object_stream[_Control](math.inf)
+        self._send: MemoryObjectSendStream[_Control] = send
+        self._receive: MemoryObjectReceiveStream[_Control] = receive
+        #: Starting engines already reported ready (reported once each).
+        self._reported: set[str] = set()
+
+    async def execute(self, command: Command) -> None:
+        """Queue an engine command; anything else is another executor's."""
+        if isinstance(command, SleepEngine | WakeEngine | VerifyAsleep):
+            self._send.send_nowait(command)
+
+    async def run(self) -> None:
+        """Carry out queued commands and watch starting engines, until cancelled."""
+        async with httpx.AsyncClient() as client, anyio.create_task_group() as tg:
+            tg.start_soon(self._watch_health, client)
+            async for command in self._receive:
+                tg.start_soon(self._carry_out, command)
+
+    async def _carry_out(self, command: _Control) -> None:
+        t = self._clock
+        worker_id = command.worker_id
+        # Its own client: every call of this command gives up after the command's timeout.
+        async with httpx.AsyncClient(timeout=httpx.Timeout(command.timeout_s)) as call:
+            try:
+                if isinstance(command, SleepEngine):
+                    await sleep_engine(call, command)
+                    self._emit(EngineAsleep(t=t(), worker_id=worker_id))
+                elif isinstance(command, WakeEngine):
+                    await wake_engine(call, command)
+                    self._emit(EngineAwake(t=t(), worker_id=worker_id))
+                elif command.engine == "vllm":
+                    asleep = await _is_sleeping(call, engine_url(command.port))
+                    event = EngineAsleep if asleep else EngineAwake
+                    self._emit(event(t=t(), worker_id=worker_id))
+            except (httpx.HTTPError, EngineCallFailed, ValueError) as exc:
+                why = _describe(exc)
+                log.warning("%s: %s failed: %s", worker_id, type(command).__name__, why)
+                if isinstance(command, SleepEngine):
+                    self._emit(EngineSleepFailed(t=t(), worker_id=worker_id, error=why))
+                elif isinstance(command, WakeEngine):
+                    self._emit(EngineWakeFailed(t=t(), worker_id=worker_id, error=why))
+                # A failed check changes nothing: the log's record stands, the next restart asks
+                # again, and a wake finds out.
+
+    async def _watch_health(self, client: httpx.AsyncClient) -> None:
+        while True:
+            starting = self._starting_engines(self._state())
+            self._reported &= {worker_id for worker_id, _ in starting}
+            async with anyio.create_task_group() as tg:
+                for worker_id, port in starting:
+                    if worker_id not in self._reported:
+                        tg.start_soon(self._check_health, client, worker_id, port)
+            await anyio.sleep(self._health_interval_s)
+
+    @staticmethod
+    def _starting_engines(state: State) -> Sequence[tuple[str, int]]:
+        found = []
+        for worker in state.workers.values():
+            pool = state.pools.get(worker.pool)
+            if (
+                worker.state is WorkerState.STARTING
+                and worker.port is not None
+                and pool is not None
+                and pool.spec.is_engine
+            ):
+                found.append((worker.worker_id, worker.port))
+        return found
+
+    async def _check_health(self, client: httpx.AsyncClient, worker_id: str, port: int) -> None:
+        try:
+            response = await client.get(f"{engine_url(port)}/health", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError:
+            return  # not listening yet (vLLM listens once its engine is up)
+        if response.status_code == 200:
+            self._reported.add(worker_id)
+            self._emit(WorkerReady(t=self._clock(), worker_id=worker_id))

@@ -1,0 +1,460 @@
+"""What the reducer does for inference engines (pools of kind ``engine``), beside workers.
+
+An engine scaled down goes to sleep rather than exiting: it leaves routing (GOING_TO_SLEEP) until
+its in-flight requests reach 0 or its drain timeout passes, is sent the sleep call
+(FALLING_ASLEEP), and sleeps once it confirms (SLEEPING), keeping its process, port and GPUs. An
+engine scaled up is woken before a new one is started. A failed call is sent again up to the
+pool's ``control_attempts``, then the engine is stopped (and, for a wake, replaced). At most
+``max_asleep`` engines of a pool sleep; past that, the one asleep longest is stopped.
+
+Each engine gets the lowest port of its pool's range that no live engine holds; a drained engine
+is stopped (SIGTERM: engines take no drain signal) once its in-flight requests reach 0.
+
+The functions here work on a :class:`~core.step.Step`; the handlers are in
+:data:`ENGINE_HANDLERS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from core import commands as c
+from core import events as e
+from core.config import PoolSpec
+from core.errors import Refused
+from core.lifecycle import ASLEEP, Trigger, WorkerState
+from core.records import replace
+from core.state import PoolState, Worker
+from core.vocabulary import AlertName, DecisionSource, StopCause
+
+if TYPE_CHECKING:
+    from core.step import Step
+
+__all__ = [
+    "ENGINE_HANDLERS",
+    "call_deadline_s",
+    "drain_done",
+    "enforce_max_asleep",
+    "free_port",
+    "release",
+    "repeat_control",
+    "shrink",
+    "wake_for",
+]
+
+S = WorkerState
+
+
+def call_deadline_s(spec: PoolSpec) -> float:
+    """How long deo waits for the answer to a sleep or wake call before it gives up on the
+    engine: the call's own timeout (a confirmation included) and as long again for the report
+    to come back."""
+    return 2 * spec.control_timeout_s
+
+
+def free_port(step: Step, spec: PoolSpec) -> int | None:
+    """The lowest port of the pool's range that no live engine holds, or None."""
+    held = {w.port for w in step.workers.values() if w.port is not None}
+    return next((port for port in spec.port_range() if port not in held), None)
+
+
+# --- sleep ----------------------------------------------------------------------------------------
+
+
+def _sleep(step: Step, worker: Worker, why: str) -> None:
+    """An active engine leaves routing; the sleep call goes once nothing is in flight."""
+    spec = step.pools[worker.pool].spec
+    worker = step.transition(
+        worker, Trigger.SLEEP, deadline_t=step.t + spec.drain_timeout_s, control_attempts=0
+    )
+    if worker.in_flight_requests == 0:
+        release(step, worker, f"{why}; nothing in flight: sleep call sent")
+    else:
+        in_flight = "unknown" if worker.in_flight_requests is None else worker.in_flight_requests
+        step.commands.append(
+            c.DrainEngine(
+                worker_id=worker.worker_id,
+                deadline_t=step.t + spec.drain_timeout_s,
+                reason=f"{why}: {worker.worker_id} to sleep once its in-flight requests "
+                f"({in_flight}) finish, at most {spec.drain_timeout_s:g}s",
+            )
+        )
+    step.dirty_pools.add(worker.pool)
+
+
+def release(step: Step, worker: Worker, why: str) -> None:
+    """Send the sleep call (again, after a failure); its answer is awaited until a deadline."""
+    spec = step.pools[worker.pool].spec
+    assert worker.port is not None and spec.engine is not None, worker
+    attempt = worker.control_attempts + 1
+    step.transition(
+        worker,
+        Trigger.RELEASE,
+        deadline_t=step.t + call_deadline_s(spec),
+        control_attempts=attempt,
+    )
+    step.commands.append(
+        c.SleepEngine(
+            worker_id=worker.worker_id,
+            engine=spec.engine,
+            port=worker.port,
+            level=spec.sleep_level,
+            timeout_s=spec.control_timeout_s,
+            attempt=attempt,
+            reason=why,
+        )
+    )
+
+
+def _asleep_of(step: Step, pool: str) -> list[Worker]:
+    return [w for w in step.workers.values() if w.pool == pool and w.state in ASLEEP]
+
+
+def _oldest_sleeping(asleep: list[Worker]) -> Worker | None:
+    sleeping = [w for w in asleep if w.state is S.SLEEPING]
+    if not sleeping:
+        return None
+    return min(sleeping, key=lambda w: (w.asleep_t or 0.0, w.index))
+
+
+def shrink(step: Step, pool: PoolState, victims: list[Worker], why: str, cause: StopCause) -> None:
+    """Take ``victims`` (counted engines, in the order they should go) out of service: an active
+    one sleeps while the pool's ``max_asleep`` allows (the one asleep longest stopped to make
+    room), any other is stopped; a removed pool's engines, or one on a cordoned GPU, are drained
+    to exit."""
+    spec = pool.spec
+    for worker in victims:
+        on_cordoned = any(step.gpus[g].causes for g in worker.gpus if g in step.gpus)
+        if worker.state is not S.ACTIVE:
+            # Not serving yet (or waking): nothing to finish and nothing worth keeping asleep.
+            step.terminate(worker, cause, f"{why}: stopping {worker.worker_id} ({worker.state})")
+            continue
+        if pool.removed or on_cordoned or spec.max_asleep == 0:
+            step.drain(worker, cause, why)
+            continue
+        asleep = _asleep_of(step, spec.name)
+        if len(asleep) >= spec.max_asleep:
+            oldest = _oldest_sleeping(asleep)
+            if oldest is None:  # every sleeper still on its way: this one exits instead
+                step.drain(worker, cause, f"{why} ({len(asleep)} going to sleep already)")
+                continue
+            step.terminate(
+                oldest,
+                StopCause.MAX_ASLEEP,
+                f"{spec.name}: {worker.worker_id} goes to sleep and at most {spec.max_asleep} "
+                f"may: stopping {oldest.worker_id}, asleep longest",
+            )
+        _sleep(step, worker, f"{why}: {worker.worker_id} goes to sleep")
+
+
+def enforce_max_asleep(step: Step, pool: PoolState) -> None:
+    """Stop the engines asleep longest while more than ``max_asleep`` sleep (every one, once the
+    pool is removed)."""
+    spec = pool.spec
+    limit = 0 if pool.removed else spec.max_asleep
+    asleep = _asleep_of(step, spec.name)
+    while len(asleep) > limit:
+        oldest = _oldest_sleeping(asleep)
+        victim = oldest or min(asleep, key=lambda w: w.index)
+        why = (
+            f"pool {spec.name} removed: stopping {victim.worker_id} ({victim.state})"
+            if pool.removed
+            else f"{spec.name}: {len(asleep)} engines asleep > max_asleep {spec.max_asleep}: "
+            f"stopping {victim.worker_id}, asleep longest"
+        )
+        cause = StopCause.POOL_REMOVED if pool.removed else StopCause.MAX_ASLEEP
+        step.terminate(victim, cause, why)
+        asleep.remove(victim)
+
+
+# --- wake -----------------------------------------------------------------------------------------
+
+
+def _send_wake(step: Step, worker: Worker, attempt: int, why: str) -> None:
+    spec = step.pools[worker.pool].spec
+    assert worker.port is not None and spec.engine is not None, worker
+    step.transition(
+        worker,
+        Trigger.WAKE,
+        deadline_t=step.t + call_deadline_s(spec),
+        control_attempts=attempt,
+        asleep_t=None,
+    )
+    step.commands.append(
+        c.WakeEngine(
+            worker_id=worker.worker_id,
+            engine=spec.engine,
+            port=worker.port,
+            timeout_s=spec.control_timeout_s,
+            attempt=attempt,
+            reason=why,
+        )
+    )
+
+
+def wake_for(step: Step, pool: PoolState, count: int) -> int:
+    """Wake engines toward the pool's target before any is started: first those going to sleep
+    (their memory is still there: back in routing at once), then those asleep, the one asleep
+    shortest first. Returns the new count."""
+    name = pool.spec.name
+    candidates = [
+        w
+        for w in step.workers.values()
+        if w.pool == name and w.state in (S.GOING_TO_SLEEP, S.SLEEPING)
+    ]
+    candidates.sort(key=lambda w: (w.state is S.SLEEPING, -(w.asleep_t or 0.0), w.index))
+    for worker in candidates:
+        if count >= pool.target:
+            break
+        why = f"{name} has {count} engines awake, target {pool.target}"
+        if worker.state is S.GOING_TO_SLEEP:
+            step.transition(worker, Trigger.WAKE, deadline_t=None, control_attempts=0)
+            step.commands.append(
+                c.CancelSleep(
+                    worker_id=worker.worker_id,
+                    reason=f"{why}: {worker.worker_id} stays awake (its sleep call was not sent)",
+                )
+            )
+        else:
+            _send_wake(step, worker, 1, f"{why}: waking {worker.worker_id}")
+        count += 1
+    return count
+
+
+# --- handlers -------------------------------------------------------------------------------------
+
+
+def _engine(step: Step, worker_id: str, event: e.Event) -> tuple[Worker, PoolSpec] | None:
+    """The live engine ``worker_id`` with its pool's spec; None if it already exited; refused if
+    it is no engine."""
+    worker = step.worker(worker_id, event)
+    if worker is None:
+        return None
+    spec = step.pools[worker.pool].spec
+    if not spec.is_engine:
+        raise Refused(
+            f"{type(event).__name__}: {worker_id!r} is a worker of pool {spec.name!r}, not an "
+            f"engine (kind = {spec.kind!r})"
+        )
+    return worker, spec
+
+
+def _asleep(step: Step, event: e.EngineAsleep) -> None:
+    found = _engine(step, event.worker_id, event)
+    if found is None:
+        return
+    worker, spec = found
+    if worker.state is S.FALLING_ASLEEP:
+        step.transition(
+            worker, Trigger.ASLEEP, deadline_t=None, control_attempts=0, asleep_t=step.t
+        )
+        step.dirty_pools.add(spec.name)
+    elif worker.state is S.SLEEPING:
+        step.transition(worker, Trigger.ASLEEP)  # confirmed after a restart
+    # Any other state: a late answer (the engine was stopped, or woken since); nothing to do.
+
+
+def _awake(step: Step, event: e.EngineAwake) -> None:
+    found = _engine(step, event.worker_id, event)
+    if found is None:
+        return
+    worker, spec = found
+    if worker.state in (S.WAKING, S.SLEEPING):
+        if worker.state is S.SLEEPING:
+            step.raise_alert(
+                AlertName.ENGINE_CONTROL,
+                worker.worker_id,
+                f"{worker.worker_id} was to be asleep but says it is awake: back in service",
+            )
+        worker = step.transition(
+            worker, Trigger.AWAKE, deadline_t=None, control_attempts=0, asleep_t=None
+        )
+        step.resolve_alert(AlertName.ENGINE_CONTROL, worker.worker_id, "engine awake")
+        step.came_up(worker)
+        step.dirty_pools.add(spec.name)
+
+
+def _sleep_failed(step: Step, event: e.EngineSleepFailed) -> None:
+    found = _engine(step, event.worker_id, event)
+    if found is None:
+        return
+    worker, spec = found
+    if worker.state is not S.FALLING_ASLEEP:
+        return  # a late answer
+    tries = worker.control_attempts
+    if tries < spec.control_attempts:
+        release(
+            step,
+            worker,
+            f"{worker.worker_id}'s sleep call failed ({event.error}): try "
+            f"{tries + 1} of {spec.control_attempts}",
+        )
+        return
+    why = f"{worker.worker_id} failed to sleep {tries} time(s) (last: {event.error}): stopping it"
+    step.raise_alert(AlertName.ENGINE_CONTROL, worker.worker_id, why)
+    step.terminate(worker, StopCause.SLEEP_FAILED, why)
+
+
+def _wake_failed(step: Step, event: e.EngineWakeFailed) -> None:
+    found = _engine(step, event.worker_id, event)
+    if found is None:
+        return
+    worker, spec = found
+    if worker.state is not S.WAKING:
+        return  # a late answer
+    tries = worker.control_attempts
+    if tries < spec.control_attempts:
+        _send_wake(
+            step,
+            worker,
+            tries + 1,
+            f"{worker.worker_id}'s wake call failed ({event.error}): try "
+            f"{tries + 1} of {spec.control_attempts}",
+        )
+        return
+    why = (
+        f"{worker.worker_id} failed to wake {tries} time(s) (last: {event.error}): stopping "
+        f"and replacing it"
+    )
+    step.raise_alert(AlertName.ENGINE_CONTROL, worker.worker_id, why)
+    step.terminate(worker, StopCause.WAKE_FAILED, why)
+
+
+def _load_sampled(step: Step, event: e.EngineLoadSampled) -> None:
+    found = _engine(step, event.worker_id, event)
+    if found is None:
+        return
+    worker, spec = found
+    if spec.name != event.pool:
+        raise Refused(
+            f"EngineLoadSampled: {event.worker_id!r} is an engine of pool {spec.name!r}, not "
+            f"{event.pool!r}"
+        )
+    if worker.in_flight_requests != event.in_flight_requests:
+        # Only a change is recorded: samples come often, and most repeat the last one.
+        worker = replace(worker, in_flight_requests=event.in_flight_requests)
+        step.put_worker(worker)
+    if event.in_flight_requests == 0:
+        drain_done(step, worker)
+
+
+def drain_done(step: Step, worker: Worker) -> None:
+    """Nothing is in flight at ``worker``: a drain to sleep sends the sleep call, a drain to exit
+    stops the engine (SIGTERM)."""
+    if worker.state is S.GOING_TO_SLEEP:
+        release(step, worker, f"{worker.worker_id} has no request in flight: sleep call sent")
+    elif worker.state is S.DRAINING:
+        step.terminate(
+            worker,
+            worker.stop_cause or StopCause.SCALE_DOWN,
+            f"{worker.worker_id} drained: no request in flight, SIGTERM",
+        )
+
+
+def release_at_deadline(step: Step, worker: Worker, spec: PoolSpec) -> None:
+    """The drain before a sleep ran out: the sleep call goes now (what is still in flight is
+    aborted by the engine; the router retries it elsewhere)."""
+    in_flight = "unknown" if worker.in_flight_requests is None else worker.in_flight_requests
+    release(
+        step,
+        worker,
+        f"{worker.worker_id} still has {in_flight} request(s) in flight "
+        f"{spec.drain_timeout_s:g}s after it left routing: sleep call sent",
+    )
+
+
+def repeat_control(step: Step, worker: Worker) -> None:
+    """After a restart, an adopted engine's pending call is sent again (its answer was lost with
+    deo), and one the log says sleeps is asked whether it does."""
+    spec = step.pools[worker.pool].spec
+    if not spec.is_engine or worker.port is None or spec.engine is None:
+        return
+    why = f"{worker.worker_id} adopted while {worker.state}"
+    if worker.state is S.FALLING_ASLEEP:
+        step.commands.append(
+            c.SleepEngine(
+                worker_id=worker.worker_id,
+                engine=spec.engine,
+                port=worker.port,
+                level=spec.sleep_level,
+                timeout_s=spec.control_timeout_s,
+                attempt=worker.control_attempts,
+                reason=f"{why}: sleep call repeated",
+            )
+        )
+    elif worker.state is S.WAKING:
+        step.commands.append(
+            c.WakeEngine(
+                worker_id=worker.worker_id,
+                engine=spec.engine,
+                port=worker.port,
+                timeout_s=spec.control_timeout_s,
+                attempt=worker.control_attempts,
+                reason=f"{why}: wake call repeated",
+            )
+        )
+    elif worker.state is S.SLEEPING:
+        step.commands.append(
+            c.VerifyAsleep(
+                worker_id=worker.worker_id,
+                engine=spec.engine,
+                port=worker.port,
+                timeout_s=spec.control_timeout_s,
+                reason=f"{why}: asking it whether it sleeps",
+            )
+        )
+
+
+def _wake_requested(step: Step, event: e.EnginesWakeRequested) -> None:
+    pool = step.pool(event.pool, event)
+    spec = pool.spec
+    if not spec.is_engine:
+        raise Refused(f"EnginesWakeRequested: pool {spec.name!r} is not an engine pool")
+    awake = step.worker_counts.get(spec.name, (0, 0))[0]
+    everyone = awake + len(_asleep_of(step, spec.name))
+    everyone = min(max(everyone, pool.target, spec.min_workers), spec.max_workers)
+    until = None if event.hold_s is None else step.t + event.hold_s
+    held = "until autoscaling is resumed" if until is None else f"for {event.hold_s:g}s"
+    step.commands.append(
+        c.ScalePool(
+            pool=spec.name,
+            previous=pool.target,
+            target=everyone,
+            source=DecisionSource.OPERATOR,
+            reason=f"operator woke every engine of {spec.name}: {everyone} awake, held {held}",
+        )
+    )
+    step.put_pool(replace(pool, pinned=everyone, wake_held=True, wake_hold_until_t=until))
+    step.dirty_pools.add(spec.name)
+
+
+def end_wake_hold(step: Step, pool: PoolState, why: str) -> PoolState:
+    """The pool's wake hold ends: its policy decides again, from the count the hold left."""
+    if not pool.wake_held:
+        return pool
+    target = pool.target
+    step.commands.append(
+        c.ScalePool(
+            pool=pool.spec.name,
+            previous=target,
+            target=target,
+            source=DecisionSource.OPERATOR,
+            reason=f"{pool.spec.name}: wake hold ended ({why}): the policy decides again",
+        )
+    )
+    return replace(pool, pinned=None, desired=target, wake_held=False, wake_hold_until_t=None)
+
+
+#: The reducer's handlers of the engine events.
+ENGINE_HANDLERS: Mapping[type, Callable[[Step, Any], None]] = MappingProxyType(
+    {
+        e.EngineAsleep: _asleep,
+        e.EngineAwake: _awake,
+        e.EngineSleepFailed: _sleep_failed,
+        e.EngineWakeFailed: _wake_failed,
+        e.EngineLoadSampled: _load_sampled,
+        e.EnginesWakeRequested: _wake_requested,
+    }
+)
