@@ -24,6 +24,7 @@ count reaches 0. ``GET /router/engines`` shows them, ``GET /metrics`` exports th
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
@@ -368,11 +369,13 @@ async def serve_router(
     host: str = "127.0.0.1",
     port: int = 0,
     started: Callable[[int], None] | None = None,
+    sock: socket.socket | None = None,
     max_connections: int = 4096,
 ) -> None:
     """Serve ``router`` on ``host:port`` (loopback by default) until cancelled.
 
-    ``started(port)`` is called with the bound port (``port=0`` picks a free one). Rollouts keep
+    ``started(port)`` is called with the bound port (``port=0`` picks a free one); ``sock``, a
+    socket bound beforehand, replaces ``host`` and ``port``. Rollouts keep
     many requests open at once, so the connection cap is far above the API's.
     """
     # Imported here: adapters.api.app pulls in the runner, which the router does not need.
@@ -380,7 +383,12 @@ async def serve_router(
 
     try:
         await serve(
-            router.app(), host=host, port=port, started=started, max_connections=max_connections
+            router.app(),
+            host=host,
+            port=port,
+            started=started,
+            sock=sock,
+            max_connections=max_connections,
         )
     finally:
         with anyio.CancelScope(shield=True):
