@@ -4,9 +4,14 @@ answers every request once, the engine put to sleep as soon as its last request 
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -101,3 +106,22 @@ def test_router_serves_active_engines_and_a_scale_down_under_load_loses_nothing(
     assert idle and idle[-1]["in_flight_requests"] == 0
     shown = figures(run)
     assert (shown["active"], shown["inactive"]) == (1, 1)
+
+
+def test_a_router_port_in_use_stops_deo_at_start_naming_the_pool(
+    deo: Callable[..., Deo], tmp_path: Path
+) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        run = deo(router_port=port)
+        done = subprocess.run(
+            [sys.executable, "-m", "adapters.cli", "run", "--config", str(tmp_path / "deo.toml")],
+            cwd=tmp_path,
+            env={**os.environ, "DEO_TOKEN": "token"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"pools.gen.router_port {port}: Address already in use" in done.stdout + done.stderr
+    assert run.proc is None  # nothing was started
