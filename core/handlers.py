@@ -38,6 +38,15 @@ def _sigterm(step: Step, worker: Worker, spec: PoolSpec) -> None:
         step.raise_alert(AlertName.ENGINE_CONTROL, worker.worker_id, why)
         step.terminate(worker, cause, why)
         return
+    if spec.is_engine:
+        in_flight = "unknown" if worker.in_flight_requests is None else worker.in_flight_requests
+        step.terminate(
+            worker,
+            StopCause.DRAIN_DEADLINE,
+            f"{worker.worker_id} still has {in_flight} request(s) in flight "
+            f"{spec.drain_timeout_s:g}s after it left routing: SIGTERM",
+        )
+        return
     step.terminate(
         worker,
         StopCause.DRAIN_DEADLINE,

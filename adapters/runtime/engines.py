@@ -46,6 +46,9 @@ HEALTH_INTERVAL_S = 0.5
 #: Each /health call gives up after this long (a starting engine may not listen yet).
 HEALTH_TIMEOUT_S = 2.0
 
+#: How often a paused SGLang engine's cache flush is tried again while its aborts land.
+FLUSH_RETRY_S = 0.1
+
 _Control = SleepEngine | WakeEngine | VerifyAsleep
 
 
@@ -99,12 +102,16 @@ async def sleep_engine(client: httpx.AsyncClient, command: SleepEngine) -> None:
         return
     flushed = await client.post(f"{base}/flush_cache")
     if flushed.status_code == 400:
-        # Requests still run (the drain timed out): stop them, as the engine cannot release
-        # memory under running requests.
+        # Requests still run (the drain timed out): abort them, as the engine cannot release
+        # memory under running requests, and flush once the aborts have landed.
         await _call(client, "POST", f"{base}/pause_generation", json={"mode": "abort"})
-        await _call(client, "POST", f"{base}/flush_cache")
-    elif flushed.status_code != 200:
-        raise EngineCallFailed(f"POST flush_cache: HTTP {flushed.status_code}")
+        with anyio.move_on_after(command.timeout_s):
+            while (flushed := await client.post(f"{base}/flush_cache")).status_code == 400:
+                await anyio.sleep(FLUSH_RETRY_S)
+    if flushed.status_code != 200:
+        raise EngineCallFailed(
+            f"POST flush_cache: HTTP {flushed.status_code} {flushed.text[:200].strip()}"
+        )
     await _call(client, "POST", f"{base}/release_memory_occupation", json={})
 
 

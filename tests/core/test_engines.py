@@ -486,3 +486,16 @@ def test_the_scenarios_take_every_engine_row_of_the_lifecycle_table(
     # are taken, and these states take them the same way.
     common = {(s, t) for s, t in engine_rows if t in (Trigger.READY, Trigger.EXIT)}
     assert engine_rows - common - rows == set()
+
+
+def test_a_drained_engine_still_busy_at_its_deadline_is_stopped() -> None:
+    pool = Engines()
+    pool.up("gen-0", "gen-1")
+    pool.load("gen-0", 3)
+    pool.feed(DrainRequested(t=pool.at(), worker_id="gen-0"))
+    deadline = pool.reducer.state.workers["gen-0"].deadline_t
+    assert deadline is not None
+    commands = pool.feed(Tick(t=deadline))
+    [stop] = of(commands, c.TerminateWorker)
+    assert stop.worker_id == "gen-0" and "3 request(s) in flight" in stop.reason
+    assert pool.reducer.state.workers["gen-0"].stop_cause is StopCause.OPERATOR
