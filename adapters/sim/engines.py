@@ -1,6 +1,7 @@
 """An engine pool in simulated time: requests arriving, engines with a capacity, sleep and wake.
 
-    python -m adapters.sim.engines [--duration-s S] [--seed N] [--wake-s W] [--cold-start-s C]
+    deo bench engines [--duration-s S] [--seed N] [--wake-s W] [--cold-start-s C]
+    python -m adapters.sim.engines ...   (the same)
 
 Two controllers run the same arrivals (seeded) over the same engines:
 
@@ -28,7 +29,6 @@ import heapq
 import math
 import random
 import statistics
-from typing import Any
 
 import attrs
 
@@ -52,7 +52,7 @@ from core import (
 )
 from core.commands import KillWorker, SleepEngine, SpawnWorker, TerminateWorker, WakeEngine
 
-__all__ = ["EngineScenario", "EngineSimResult", "simulate_engines"]
+__all__ = ["HELP", "EngineScenario", "EngineSimResult", "add_arguments", "run", "simulate_engines"]
 
 _STEP_S = 0.25
 _FIRST_PORT = 18000
@@ -400,28 +400,40 @@ def simulate_engines(scenario: EngineScenario) -> list[EngineSimResult]:
     return [_run_verl(scenario), _run_deo(scenario)]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m adapters.sim.engines", description=__doc__)
+#: ``deo bench engines``'s one-line help.
+HELP = "an engine pool in simulated time under verl's scheduler and under deo"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the engine scenario's arguments on ``parser``."""
     parser.add_argument("--duration-s", type=float, default=3600.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--wake-s", type=float, default=5.0)
     parser.add_argument("--cold-start-s", type=float, default=180.0)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulate the scenario ``args`` describe and print one line per controller."""
     scenario = EngineScenario(
         duration_s=args.duration_s,
         seed=args.seed,
         wake_s=args.wake_s,
         cold_start_s=args.cold_start_s,
     )
-    fields: list[tuple[str, Any]] = []
     print(f"engine scenario: {scenario}")
     for result in simulate_engines(scenario):
-        fields = list(attrs.asdict(result).items())
-        print(
-            "  "
-            + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in fields)
-        )
+        shown = [
+            f"{key} {value:.2f}" if isinstance(value, float) else f"{key} {value}"
+            for key, value in attrs.asdict(result).items()
+        ]
+        print("  " + ", ".join(shown))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m adapters.sim.engines", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

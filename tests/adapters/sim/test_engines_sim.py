@@ -3,7 +3,12 @@ controllers, deo's drains ending at 0 in flight."""
 
 from __future__ import annotations
 
+import argparse
+
+import pytest
+
 from adapters.sim.engines import EngineScenario, simulate_engines
+from bench import cli as bench_cli
 
 SHORT = EngineScenario(
     duration_s=900.0,
@@ -24,3 +29,15 @@ def test_each_request_is_finished_aborted_or_still_waiting() -> None:
 
 def test_the_same_seed_gives_the_same_result() -> None:
     assert simulate_engines(SHORT) == simulate_engines(SHORT)
+
+
+def test_deo_bench_engines_prints_a_line_per_controller(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    assert bench_cli.main(parser.parse_args(["engines", "--duration-s", "400", "--seed", "3"])) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("engine scenario: EngineScenario(duration_s=400.0, seed=3")
+    assert [line.split(",")[0].strip() for line in lines[1:]] == [
+        "controller verl",
+        "controller deo",
+    ]
