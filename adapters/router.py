@@ -83,10 +83,6 @@ class EngineEndpoint:
 EngineProvider = Callable[[], Sequence[EngineEndpoint]]
 
 
-class _NoEngine(Exception):
-    pass
-
-
 class EngineRouter:
     """Least-requests-in-flight routing over a provider's routable engines, with counts."""
 
@@ -154,19 +150,16 @@ class EngineRouter:
                 best = engine
         return best
 
-    async def _choose_waiting(self, tried: set[str]) -> EngineEndpoint:
+    async def _choose_waiting(self, tried: set[str]) -> EngineEndpoint | None:
+        """:meth:`choose`; on a first try with nothing routable, waits up to
+        ``no_engine_wait_s`` for an engine (one may be waking)."""
         engine = self.choose(tried)
         if engine is not None or tried:
-            if engine is None:
-                raise _NoEngine
             return engine
-        # No engine at all is routable: one may be waking. Wait a little for it.
         deadline = time.monotonic() + self.no_engine_wait_s
         while engine is None and time.monotonic() < deadline:
             await anyio.sleep(0.05)
             engine = self.choose(tried)
-        if engine is None:
-            raise _NoEngine
         return engine
 
     # -- proxying -----------------------------------------------------------------------------
@@ -197,9 +190,8 @@ class EngineRouter:
         last_error = "no engine answered"
         last_failed: tuple[httpx.Response, EngineEndpoint] | None = None
         while len(tried) < self.max_attempts:
-            try:
-                engine = await self._choose_waiting(tried)
-            except _NoEngine:
+            engine = await self._choose_waiting(tried)
+            if engine is None:
                 break
             if tried:
                 self.retries += 1
