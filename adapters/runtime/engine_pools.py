@@ -91,8 +91,10 @@ def engine_figures(state: State, pool: str) -> dict[str, Any] | None:
         "in_flight_requests": in_flight,
         # verl's rule: requests in flight over the active engines' capacity.
         "load_ratio": None if in_flight is None or capacity == 0 else in_flight / capacity,
+        # Only draining engines are counted one by one (their drains end at 0); the router's
+        # GET /router/engines shows every engine's.
         "in_flight_by_engine": {
-            w.worker_id: w.in_flight_requests for w in workers if w.state in MEASURED_STATES
+            w.worker_id: w.in_flight_requests for w in workers if w.state in _DRAINING
         },
         "router_port": found.spec.router_port or None,
     }
