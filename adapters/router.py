@@ -215,7 +215,12 @@ class EngineRouter:
                 status = 504 if isinstance(exc, httpx.TimeoutException) else 502
                 return _error(status, f"{engine.worker_id} ({engine.base_url}): {exc!r}")
             except BaseException:
+                # Cancelled (the client left): nothing of this request stays counted.
                 self._end(engine.worker_id)
+                if last_failed is not None:
+                    with anyio.CancelScope(shield=True):
+                        await last_failed[0].aclose()
+                    self._end(last_failed[1].worker_id)
                 raise
             if response.status_code >= 500:
                 # An error status before any body: another engine may serve it. Keep the last
