@@ -24,6 +24,7 @@ count reaches 0. ``GET /router/engines`` shows them, ``GET /metrics`` exports th
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
@@ -80,10 +81,6 @@ class EngineEndpoint:
 
 #: Called for each request: the pool's engines, in a stable order (ties go to the first).
 EngineProvider = Callable[[], Sequence[EngineEndpoint]]
-
-
-class _NoEngine(Exception):
-    pass
 
 
 class EngineRouter:
@@ -153,19 +150,16 @@ class EngineRouter:
                 best = engine
         return best
 
-    async def _choose_waiting(self, tried: set[str]) -> EngineEndpoint:
+    async def _choose_waiting(self, tried: set[str]) -> EngineEndpoint | None:
+        """:meth:`choose`; on a first try with nothing routable, waits up to
+        ``no_engine_wait_s`` for an engine (one may be waking)."""
         engine = self.choose(tried)
         if engine is not None or tried:
-            if engine is None:
-                raise _NoEngine
             return engine
-        # No engine at all is routable: one may be waking. Wait a little for it.
         deadline = time.monotonic() + self.no_engine_wait_s
         while engine is None and time.monotonic() < deadline:
             await anyio.sleep(0.05)
             engine = self.choose(tried)
-        if engine is None:
-            raise _NoEngine
         return engine
 
     # -- proxying -----------------------------------------------------------------------------
@@ -196,9 +190,8 @@ class EngineRouter:
         last_error = "no engine answered"
         last_failed: tuple[httpx.Response, EngineEndpoint] | None = None
         while len(tried) < self.max_attempts:
-            try:
-                engine = await self._choose_waiting(tried)
-            except _NoEngine:
+            engine = await self._choose_waiting(tried)
+            if engine is None:
                 break
             if tried:
                 self.retries += 1
@@ -222,7 +215,12 @@ class EngineRouter:
                 status = 504 if isinstance(exc, httpx.TimeoutException) else 502
                 return _error(status, f"{engine.worker_id} ({engine.base_url}): {exc!r}")
             except BaseException:
+                # Cancelled (the client left): nothing of this request stays counted.
                 self._end(engine.worker_id)
+                if last_failed is not None:
+                    with anyio.CancelScope(shield=True):
+                        await last_failed[0].aclose()
+                    self._end(last_failed[1].worker_id)
                 raise
             if response.status_code >= 500:
                 # An error status before any body: another engine may serve it. Keep the last
@@ -268,10 +266,12 @@ class EngineRouter:
                 await response.aclose()
                 end()
 
+        # The body is relayed as the engine sent it (raw: still encoded, if it was), so its
+        # length and encoding headers stay true.
         headers = {
             name: value
             for name, value in response.headers.items()
-            if name.lower() not in _HOP_HEADERS and name.lower() != "content-encoding"
+            if name.lower() not in _HOP_HEADERS or name.lower() == "content-length"
         }
         headers["x-deo-engine"] = worker_id
         return StreamingResponse(
@@ -366,11 +366,13 @@ async def serve_router(
     host: str = "127.0.0.1",
     port: int = 0,
     started: Callable[[int], None] | None = None,
+    sock: socket.socket | None = None,
     max_connections: int = 4096,
 ) -> None:
     """Serve ``router`` on ``host:port`` (loopback by default) until cancelled.
 
-    ``started(port)`` is called with the bound port (``port=0`` picks a free one). Rollouts keep
+    ``started(port)`` is called with the bound port (``port=0`` picks a free one); ``sock``, a
+    socket bound beforehand, replaces ``host`` and ``port``. Rollouts keep
     many requests open at once, so the connection cap is far above the API's.
     """
     # Imported here: adapters.api.app pulls in the runner, which the router does not need.
@@ -378,7 +380,12 @@ async def serve_router(
 
     try:
         await serve(
-            router.app(), host=host, port=port, started=started, max_connections=max_connections
+            router.app(),
+            host=host,
+            port=port,
+            started=started,
+            sock=sock,
+            max_connections=max_connections,
         )
     finally:
         with anyio.CancelScope(shield=True):

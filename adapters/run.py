@@ -42,6 +42,7 @@ import attrs
 
 from adapters.log import EventLog, LogWriteFailed, fsync_directory
 from adapters.runtime.config_file import RunSettings, Source, check_loggable
+from adapters.runtime.engine_pools import bind_routers, run_engine_pools
 from adapters.runtime.engines import EngineControl, FanOut
 from adapters.runtime.live import live_view
 from adapters.runtime.processes import (
@@ -332,6 +333,17 @@ async def run(
             f"directory must be writable by deo"
         )
         return 3
+    try:
+        engine_pools = bind_routers(
+            config,
+            lambda: runner.state,
+            own_sources=frozenset(source.pool for source in settings.sources),
+        )
+    except OSError as exc:
+        event_log.close()
+        sock.close()
+        out(f"deo: cannot listen on {exc.strerror}")
+        return 2
     # Past a file size limit, write() should fail with EFBIG (reported, exit 3) rather than
     # the kernel killing deo; workers get the default back (Popen restores SIGXFSZ).
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -416,6 +428,9 @@ async def run(
                 )
                 sampling = anyio.CancelScope()
                 tg.start_soon(_sample_pressure, sampling, settings.sources, runner.emit, clock)
+                tg.start_soon(
+                    run_engine_pools, engine_pools, lambda: runner.state, runner.emit, clock, out
+                )
                 if config.gpus:
                     tg.start_soon(poll_gpus, settings.nvml, devices, runner.emit, clock, out)
                 if live:

@@ -11,7 +11,8 @@ which it missed); 2 on bad input (a missing scenarios directory, an unknown ``--
 invalid scenario file, broken markers in ``--out``).
 
 ``deo bench soak`` runs the soak benchmark instead (:mod:`bench.soak`): a real ``deo run`` under
-churn, its memory, descriptors, CPU and log growth.
+churn, its memory, descriptors, CPU and log growth. ``deo bench engines`` simulates an engine pool
+under verl's scheduler and under deo (:mod:`adapters.sim.engines`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from adapters.sim import engines as engine_sim
 from bench import harness, soak
 
 __all__ = ["HELP", "add_arguments", "main"]
@@ -36,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "soak",
             help=soak.HELP,
             description=soak.HELP + " (see bench/soak.py)",
+        )
+    )
+    engine_sim.add_arguments(
+        kinds.add_parser(
+            "engines",
+            help=engine_sim.HELP,
+            description=engine_sim.HELP + " (see adapters/sim/engines.py)",
         )
     )
     parser.add_argument(
@@ -96,6 +105,8 @@ def main(args: argparse.Namespace) -> int:
     """Run the command; returns the exit status."""
     if args.bench == "soak":
         return soak.run(args, ["deo", "bench", "soak"])
+    if args.bench == "engines":
+        return engine_sim.run(args)
 
     def progress(line: str) -> None:
         print(line, flush=True)

@@ -268,8 +268,15 @@ def _awake(step: Step, event: e.EngineAwake) -> None:
                 worker.worker_id,
                 f"{worker.worker_id} was to be asleep but says it is awake: back in service",
             )
+        # The count from before it slept says nothing of what it will be sent: unknown until
+        # the next sample, so a later drain waits for one rather than trusting a stale 0.
         worker = step.transition(
-            worker, Trigger.AWAKE, deadline_t=None, control_attempts=0, asleep_t=None
+            worker,
+            Trigger.AWAKE,
+            deadline_t=None,
+            control_attempts=0,
+            asleep_t=None,
+            in_flight_requests=None,
         )
         step.resolve_alert(AlertName.ENGINE_CONTROL, worker.worker_id, "engine awake")
         step.came_up(worker)

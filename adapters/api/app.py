@@ -65,6 +65,7 @@ from adapters.api.guard import (
     connection_cap,
 )
 from adapters.describe import pool_summary
+from adapters.runtime.engine_pools import engine_figures
 from adapters.runtime.runner import Runner
 from core import (
     AutoscalingPaused,
@@ -340,6 +341,8 @@ def _pool_json(runner: Runner, state: State, name: str, pool: PoolState) -> dict
         "load": None
         if load is None
         else {"t": load.t, "in_flight_requests": load.in_flight_requests},
+        # verl's figures for an engine pool (load ratio, engines by state, capacity); else None.
+        "engines": engine_figures(state, name),
         "last_sample_t": pool.last_sample_t,
         "source_error": pool.source_error,
         "failures": pool.failures,
@@ -448,6 +451,7 @@ class _StateCollector:
         )
         handled.add_metric([], self.runner.events_handled)
         yield from (workers, target, queued, cordoned, alerts, handled)
+        yield from _engine_metrics(state)
         yield from self._api_metrics()
 
     def _api_metrics(self) -> Iterator[Metric]:
@@ -485,6 +489,43 @@ class _StateCollector:
 # --- the app -------------------------------------------------------------------------------------
 
 _Build = Callable[[Request, dict[str, Any], float], Event]
+
+
+def _engine_metrics(state: State) -> Iterator[Metric]:
+    """verl's figures for each engine pool, and each engine's requests in flight."""
+    ratio = GaugeMetricFamily(
+        "deo_engine_pool_load_ratio",
+        "Requests in flight over the active engines' capacity (verl's load ratio)",
+        labels=["pool"],
+    )
+    engines = GaugeMetricFamily(
+        "deo_engine_pool_engines",
+        "Engines per pool by verl's state (active, draining, inactive, starting)",
+        labels=["pool", "state"],
+    )
+    capacity = GaugeMetricFamily(
+        "deo_engine_pool_capacity_requests",
+        "Requests the active engines serve well (active engines x capacity per engine)",
+        labels=["pool"],
+    )
+    in_flight = GaugeMetricFamily(
+        "deo_engine_in_flight_requests",
+        "Requests in flight at each serving or draining engine, as last sampled",
+        labels=["pool", "worker"],
+    )
+    for name in sorted(state.pools):
+        figures = engine_figures(state, name)
+        if figures is None:
+            continue
+        if figures["load_ratio"] is not None:
+            ratio.add_metric([name], figures["load_ratio"])
+        for verl_state in ("active", "draining", "inactive", "starting"):
+            engines.add_metric([name, verl_state], figures[verl_state])
+        capacity.add_metric([name], figures["total_capacity"])
+        for worker_id, count in sorted(figures["in_flight_by_engine"].items()):
+            if count is not None:
+                in_flight.add_metric([name, worker_id], count)
+    yield from (ratio, engines, capacity, in_flight)
 
 
 def build_app(

@@ -265,6 +265,11 @@ class ConnectionGuard:
             if failing:
                 failing = False
                 log.warning("API: accepting connections again")
+            if connection.family in (socket.AF_INET, socket.AF_INET6):
+                # asyncio turns Nagle's algorithm off only for sockets whose proto says TCP, and
+                # one accepted from socket.create_server's listener says 0: without this, a
+                # response written in parts (headers, body) waits ~40 ms for a delayed ACK.
+                connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._handing_over += 1
             try:
                 await loop.connect_accepted_socket(protocol, connection)

@@ -197,3 +197,18 @@ async def test_an_engine_killed_mid_request_fails_that_request_and_new_ones_go_e
             reply = await client.post("/v1/completions", json=SHORT)
             assert reply.status_code == 200
             assert reply.headers["x-deo-engine"] == "e1"
+
+
+@pytest.mark.anyio
+async def test_a_client_that_leaves_mid_stream_is_no_longer_counted(
+    engines: list[Standin],
+) -> None:
+    router = EngineRouter("gen", Pool(engines[0].url))
+    async with running(router) as client:
+        async with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            lines = r.aiter_lines()
+            await anext(line async for line in lines if line.startswith("data: "))
+            assert router.in_flight() == {"e0": 1}
+        # The client closed its connection: the engine's count must not wait for the engine.
+        await until(lambda: router.in_flight() == {})
+        await abort_all(engines)

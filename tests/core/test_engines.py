@@ -391,7 +391,10 @@ def a_restart_repeats_pending_calls_and_asks_the_sleepers() -> None:
     pool.asleep("gen-1")
     commands = pool.awake("gen-2")  # found awake after all: in service, one too many
     assert [a.alert for a in of(commands, c.RaiseAlert)] == [AlertName.ENGINE_CONTROL]
-    assert [s.worker_id for s in of(commands, c.SleepEngine)] == ["gen-2"]  # evened out
+    # Evened out: back to sleep once a fresh count says nothing is in flight (the one from
+    # before it slept is forgotten).
+    assert [d.worker_id for d in of(commands, c.DrainEngine)] == ["gen-2"]
+    assert [s.worker_id for s in of(pool.load("gen-2", 0), c.SleepEngine)] == ["gen-2"]
     pool.feed(PoolPinned(t=pool.at(), pool="gen", count=2))
     assert pool.state("gen-1") is S.WAKING
     woken = pool.feed(WorkerAdopted(t=pool.at(), worker_id="gen-1"))

@@ -1,0 +1,242 @@
+"""Engine pools under ``deo run``: each pool's router and its load from the engines' metrics.
+
+For every pool of kind ``engine`` in the configuration:
+
+- a router (:class:`adapters.router.EngineRouter`) on ``127.0.0.1:router_port`` when the pool
+  sets one, whose engines are read from the runner's state at each request: an engine is
+  routable only while ACTIVE (never starting, waking, draining, going to sleep or asleep);
+- a load source (:mod:`adapters.sources.engine_metrics`) reading the ``/metrics`` of the
+  engines that may have requests in flight (active, draining, going to sleep), unless the pool
+  has a ``source`` of its own. It emits the pool's ``LoadSampled`` (or ``SourceDown``) every
+  ``interval_s``, and an ``EngineLoadSampled`` for an engine whenever its count changes (taking
+  the router's count where it is larger), so a draining engine's drain ends at 0 in flight.
+
+:func:`engine_figures` computes verl's figures for a pool from the state (``/global-status``
+and ``/metrics`` show them): load ratio, engines active/draining/inactive/starting, capacity.
+
+Routers bind when deo starts (:func:`bind_routers`), before the log is touched, so a port in
+use is an error at start-up, not a task failing later.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import attrs
+import httpx
+
+from adapters.router import EngineEndpoint, EngineRouter, serve_router
+from adapters.sources.engine_metrics import EngineMetricsSource, sample_engine_metrics
+from core import Config, EngineLoadSampled, Event, PoolSpec, State, WorkerState
+
+__all__ = [
+    "MEASURED_STATES",
+    "EnginePool",
+    "bind_routers",
+    "engine_endpoints",
+    "engine_figures",
+    "run_engine_pools",
+]
+
+#: Engines whose requests count: they serve, or finish what they were sent.
+MEASURED_STATES = frozenset({WorkerState.ACTIVE, WorkerState.GOING_TO_SLEEP, WorkerState.DRAINING})
+#: How often draining engines are read (their drains end at 0 in flight).
+DRAIN_WATCH_S = 0.25
+_DRAINING = frozenset({WorkerState.GOING_TO_SLEEP, WorkerState.DRAINING})
+_ASLEEP = frozenset({WorkerState.FALLING_ASLEEP, WorkerState.SLEEPING})
+_STARTING = frozenset({WorkerState.REQUESTED, WorkerState.STARTING, WorkerState.WAKING})
+
+
+def _url(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+def engine_endpoints(
+    state: State, pool: str, states: frozenset[WorkerState] | None = None
+) -> list[EngineEndpoint]:
+    """The pool's engines that hold a port (in ``states``, if given), oldest first; routable
+    while ACTIVE."""
+    return [
+        EngineEndpoint(
+            worker_id=worker.worker_id,
+            base_url=_url(worker.port),
+            routable=worker.state is WorkerState.ACTIVE,
+        )
+        for worker in state.workers_of(pool)
+        if worker.port is not None and (states is None or worker.state in states)
+    ]
+
+
+def engine_figures(state: State, pool: str) -> dict[str, Any] | None:
+    """verl's figures for an engine pool (None for other pools): engines by verl's state, the
+    capacity of the active ones, the last load sample and their ratio."""
+    found = state.pools.get(pool)
+    if found is None or not found.spec.is_engine:
+        return None
+    workers = state.workers_of(pool)
+    active = sum(1 for w in workers if w.state is WorkerState.ACTIVE)
+    capacity = active * found.spec.capacity_per_engine
+    in_flight = found.load.in_flight_requests if found.load is not None else None
+    return {
+        "engine": found.spec.engine,
+        "active": active,
+        "draining": sum(1 for w in workers if w.state in _DRAINING),
+        "inactive": sum(1 for w in workers if w.state in _ASLEEP),
+        "starting": sum(1 for w in workers if w.state in _STARTING),
+        "capacity_per_engine": found.spec.capacity_per_engine,
+        "total_capacity": capacity,
+        "in_flight_requests": in_flight,
+        # verl's rule: requests in flight over the active engines' capacity.
+        "load_ratio": None if in_flight is None or capacity == 0 else in_flight / capacity,
+        # Only draining engines are counted one by one (their drains end at 0); the router's
+        # GET /router/engines shows every engine's.
+        "in_flight_by_engine": {
+            w.worker_id: w.in_flight_requests for w in workers if w.state in _DRAINING
+        },
+        "router_port": found.spec.router_port or None,
+    }
+
+
+@attrs.define(slots=True, kw_only=True)
+class EnginePool:
+    """One engine pool's router (and its bound socket, if it serves one) and load source."""
+
+    spec: PoolSpec
+    router: EngineRouter
+    sock: socket.socket | None
+    #: None when the pool has a source of its own.
+    source: EngineMetricsSource | None
+
+
+def bind_routers(
+    config: Config,
+    state: Callable[[], State],
+    *,
+    own_sources: frozenset[str] = frozenset(),
+    metrics_interval_s: float = 2.0,
+) -> list[EnginePool]:
+    """An :class:`EnginePool` per engine pool, routers bound on loopback; OSError (the socket's)
+    naming the pool if a port cannot be bound (earlier ones closed)."""
+    from adapters.api.app import listen
+
+    pools: list[EnginePool] = []
+    try:
+        for spec in config.pools:
+            if not spec.is_engine or spec.engine is None:
+                continue
+            name = spec.name
+
+            def provider(name: str = name) -> list[EngineEndpoint]:
+                return engine_endpoints(state(), name)
+
+            sock = None
+            if spec.router_port:
+                try:
+                    sock = listen("127.0.0.1", spec.router_port)
+                except OSError as exc:
+                    raise OSError(
+                        exc.errno, f"pools.{name}.router_port {spec.router_port}: {exc.strerror}"
+                    ) from None
+            source = None
+            if name not in own_sources:
+                source = EngineMetricsSource(
+                    pool=name, engine=spec.engine, interval_s=metrics_interval_s
+                )
+            pools.append(
+                EnginePool(spec=spec, router=EngineRouter(name, provider), sock=sock, source=source)
+            )
+    except BaseException:
+        for pool in pools:
+            if pool.sock is not None:
+                pool.sock.close()
+        raise
+    return pools
+
+
+async def _poll(
+    pool: EnginePool,
+    state: Callable[[], State],
+    emit: Callable[[Event], None],
+    clock: Callable[[], float],
+) -> None:
+    """The pool's load every ``interval_s``: all the engines with requests to count."""
+    source = pool.source
+    assert source is not None
+    async with httpx.AsyncClient(timeout=source.timeout_s) as client:
+        while True:
+            now = state()
+            current = now.pools.get(source.pool)
+            # A pool removed (or being removed, as when deo stops) takes no samples.
+            if current is not None and not current.removed:
+                engines = engine_endpoints(now, source.pool, MEASURED_STATES)
+                routed = pool.router.in_flight()
+                events = await sample_engine_metrics(client, source, engines, clock, routed)
+                for event in events:
+                    # Per-engine counts go only from the drain watch (below).
+                    if not isinstance(event, EngineLoadSampled):
+                        emit(event)
+            await anyio.sleep(source.interval_s)
+
+
+async def _watch_drains(
+    pool: EnginePool,
+    state: Callable[[], State],
+    emit: Callable[[Event], None],
+    clock: Callable[[], float],
+) -> None:
+    """Each draining engine's requests in flight, every ``DRAIN_WATCH_S``, whenever the core's
+    count differs, so that its drain ends as soon as the last request is answered.
+
+    Only engines that had left routing when the router's counts were taken are reported: the
+    router sends such an engine nothing more, so its count can only fall, and a 0 is final. A
+    count taken while an engine still served would be stale by the time the core read it.
+    """
+    source = pool.source
+    assert source is not None
+    async with httpx.AsyncClient(timeout=source.timeout_s) as client:
+        while True:
+            now = state()
+            engines = engine_endpoints(now, source.pool, _DRAINING)
+            if engines:
+                ids = {engine.worker_id for engine in engines}
+                # Read after the state: every request the router sent them is counted here.
+                routed = pool.router.in_flight()
+                events = await sample_engine_metrics(client, source, engines, clock, routed)
+                known = {w.worker_id: w.in_flight_requests for w in state().workers_of(source.pool)}
+                for event in events:
+                    if (
+                        isinstance(event, EngineLoadSampled)
+                        and event.worker_id in ids
+                        and known.get(event.worker_id, -1) != event.in_flight_requests
+                    ):
+                        emit(event)
+            await anyio.sleep(DRAIN_WATCH_S)
+
+
+async def run_engine_pools(
+    pools: Sequence[EnginePool],
+    state: Callable[[], State],
+    emit: Callable[[Event], None],
+    clock: Callable[[], float],
+    out: Callable[[str], None] = print,
+) -> None:
+    """Serve every pool's router and poll its engines until cancelled."""
+    async with anyio.create_task_group() as tasks:
+        for pool in pools:
+            if pool.sock is not None:
+                sock = pool.sock
+                out(
+                    f"deo: pool {pool.spec.name}: OpenAI-compatible router on "
+                    f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+                )
+                tasks.start_soon(_serve, pool.router, sock)
+            if pool.source is not None:
+                tasks.start_soon(_poll, pool, state, emit, clock)
+                tasks.start_soon(_watch_drains, pool, state, emit, clock)
+
+
+async def _serve(router: EngineRouter, sock: socket.socket) -> None:
+    await serve_router(router, sock=sock)

@@ -1,0 +1,127 @@
+"""An engine pool's router and load source under ``deo run``: requests go through the router to
+active engines, verl's figures appear in /global-status and /metrics, and a scale-down under load
+answers every request once, the engine put to sleep as soon as its last request finished."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+from conftest import free_port
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.adapters.runtime.test_engines_run import Deo, deo, wait_for
+
+__all__ = ["deo"]  # the fixture, used by name
+
+BODY = {"model": "standin-model", "prompt": "x", "max_tokens": 20}
+
+
+def figures(run: Deo) -> dict[str, Any]:
+    engines: dict[str, Any] = httpx.get(f"{run.url}/global-status", timeout=30).json()["pools"][
+        "gen"
+    ]["engines"]
+    return engines
+
+
+def test_router_serves_active_engines_and_a_scale_down_under_load_loses_nothing(
+    deo: Callable[..., Deo],
+) -> None:
+    router_port = free_port()
+    # A long drain timeout: the drain must end because nothing is in flight, not at a timeout.
+    run = deo(router_port=router_port, drain_timeout_s=60.0).start()
+    run.wait_states({"gen-0": "active", "gen-1": "active"})
+    router = f"http://127.0.0.1:{router_port}"
+    wait_for("the router", lambda: httpx.get(f"{router}/health", timeout=10).status_code == 200)
+    # Sent together, so that each finds the other engine with fewer in flight.
+    with ThreadPoolExecutor(6) as pool:
+        replies = list(
+            pool.map(
+                lambda _: httpx.post(f"{router}/v1/completions", json=BODY, timeout=60), range(6)
+            )
+        )
+    served = {reply.headers["x-deo-engine"] for reply in replies}
+    assert served == {"gen-0", "gen-1"}
+    wait_for("a load sample", lambda: figures(run)["load_ratio"] is not None)
+    shown = figures(run)
+    assert (shown["active"], shown["draining"], shown["inactive"], shown["starting"]) == (
+        2,
+        0,
+        0,
+        0,
+    )
+    assert shown["total_capacity"] == 2 * shown["capacity_per_engine"]
+    metrics = httpx.get(f"{run.url}/metrics", timeout=30).text
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+    }
+    assert samples[("deo_engine_pool_engines", (("pool", "gen"), ("state", "active")))] == 2.0
+
+    answers: list[tuple[int, str, str]] = []
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(timeout=60) as http:
+            while not stop.is_set():
+                try:
+                    reply = http.post(f"{router}/v1/completions", json=BODY)
+                    finish = reply.json()["choices"][0]["finish_reason"]
+                    answers.append((reply.status_code, finish, reply.json()["id"]))
+                except Exception as exc:
+                    errors.append(repr(exc))
+
+    clients = [threading.Thread(target=client) for _ in range(6)]
+    for thread in clients:
+        thread.start()
+    try:
+        wait_for("load on both engines", lambda: len(answers) > 20)
+        run.post("/v1/pools/gen/pin", {"count": 1})
+        run.wait_states({"gen-0": "active", "gen-1": "sleeping"})
+        after = len(answers)
+        wait_for("more answers after the sleep", lambda: len(answers) > after + 20)
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join(timeout=60)
+    assert errors == []
+    assert {status for status, _, _ in answers} == {200}
+    assert {finish for _, finish, _ in answers} == {"length"}  # none aborted by the sleep
+    assert len({ident for _, _, ident in answers}) == len(answers)
+    # The sleep call went once the engine reported nothing in flight, long before the timeout.
+    sleep = next(c for c in run.commands("SleepEngine") if c["worker_id"] == "gen-1")
+    assert "nothing in flight" in sleep["reason"] or "in flight" in sleep["reason"], sleep
+    assert "after it left routing" not in sleep["reason"], sleep
+    idle = [e for e in run.events("EngineLoadSampled") if e["worker_id"] == "gen-1"]
+    assert idle and idle[-1]["in_flight_requests"] == 0
+    shown = figures(run)
+    assert (shown["active"], shown["inactive"]) == (1, 1)
+
+
+def test_a_router_port_in_use_stops_deo_at_start_naming_the_pool(
+    deo: Callable[..., Deo], tmp_path: Path
+) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        run = deo(router_port=port)
+        done = subprocess.run(
+            [sys.executable, "-m", "adapters.cli", "run", "--config", str(tmp_path / "deo.toml")],
+            cwd=tmp_path,
+            env={**os.environ, "DEO_TOKEN": "token"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"pools.gen.router_port {port}: Address already in use" in done.stdout + done.stderr
+    assert run.proc is None  # nothing was started
