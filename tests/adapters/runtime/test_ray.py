@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,13 +20,14 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
-from test_run import Deo, alive, pool, script, verified, wait_for  # noqa: E402
+from test_run import STUBBORN, Deo, alive, pool, script, verified, wait_for  # noqa: E402
 
 from adapters.runtime.ray_executor import (  # noqa: E402
     ACTOR_PREFIX,
     NODE_RESOURCE_PREFIX,
     default_namespace,
 )
+from adapters.runtime.ray_host import WorkerHost  # noqa: E402
 
 #: Ray's own footprint, kept small for a loaded 2-core machine.
 NODE_ARGS: dict[str, Any] = {
@@ -189,10 +191,21 @@ def test_workers_run_on_the_nodes_of_their_gpus_drain_and_are_adopted_after_kill
     # deo dies without a word; its workers do not. The next deo adopts them by their names.
     d.kill9()
     assert all(alive(pid) for pid in kept.values())
+    # An actor of this namespace the log does not name (a worker it lost) is an orphan to remove.
+    ghost = (
+        ray.remote(WorkerHost)
+        .options(name=ACTOR_PREFIX + "ghost", namespace=namespace, lifetime="detached", num_cpus=0)
+        .remote()
+    )
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    ghost_pid = ray.get(ghost.start.remote(sleeper, {}, str(tmp_path / "ghost.log")))["pid"]
+    assert alive(ghost_pid)
     d.start()
     wait_for("two adoptions", lambda: len(d.events("WorkerAdopted")) == 2)
     assert {w["id"]: w["pid"] for w in d.workers("active")} == kept
+    wait_for("the orphan removed", lambda: not alive(ghost_pid))
     assert cluster.actors(namespace) == sorted(ACTOR_PREFIX + w for w in kept)
+    assert [e["worker_id"] for e in d.events("LeftoverProcesses")] == ["ghost"]
     assert len(d.commands("SpawnWorker")) == 3  # no duplicate was started
     assert not d.events("WorkerLost")
 
@@ -243,6 +256,38 @@ def test_a_lost_node_loses_its_gpus_and_workers_and_replacements_go_elsewhere(
     )
     status = d.status()
     assert {"alert": "gpu_lost", "subject": "b:0"} in status["alerts"], status["alerts"]
+    d.stop()
+    verified(d)
+
+
+def test_a_worker_ignoring_the_drain_is_terminated_then_killed_over_ray(
+    ray_deo: Callable[[str, list[str]], Deo], tmp_path: Path
+) -> None:
+    stubborn = script(tmp_path, "stubborn.py", STUBBORN)
+    d = ray_deo(
+        pool(
+            "envs",
+            [sys.executable, stubborn],
+            min_workers=0,
+            max_workers=1,
+            drain_timeout_s=1.0,
+            stop_timeout_s=1.0,
+        ),
+        [],
+    )
+    d.start()
+    [worker] = wait_for("the worker", lambda: d.workers("active"))
+    log = d.dir / "deo-workers" / f"{worker['id']}.log"
+    child = int(wait_for("its child", lambda: re.search(r"child (\d+)", log.read_text())).group(1))
+    assert d.post("/v1/pools/envs/pin", {"count": 0}).status_code == 200
+    wait_for("the worker gone", lambda: not alive(worker["pid"]))
+    wait_for("its child gone with its group", lambda: not alive(child))
+    [exited] = wait_for("its exit", lambda: d.events("WorkerExited"))
+    assert exited["signal"] == 9, exited  # SIGUSR1 and SIGTERM ignored: SIGKILL ended it
+    [(drain_t, _)] = d.commands("DrainWorker")
+    [(terminate_t, _)] = d.commands("TerminateWorker")
+    [(kill_t, _)] = d.commands("KillWorker")
+    assert terminate_t - drain_t >= 1.0 and kill_t - terminate_t >= 1.0
     d.stop()
     verified(d)
 
