@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,10 @@ ACTOR_PREFIX = "worker:"
 #: The sliver of a node's name resource an actor asks for: it only pins the actor to the node.
 _NODE_SLIVER = 0.001
 _Signalling = DrainWorker | TerminateWorker | KillWorker
+#: Ray's setting (read from the environment at ``ray.init``) for how long a driver waits for an
+#: unreachable head before it exits, and the value deo gives it: a week.
+_GCS_RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
+_GCS_RECONNECT_S = 7 * 86_400
 
 
 def default_namespace(log_path: Path) -> str:
@@ -168,6 +173,9 @@ class RayExecutor:
 
     def connect(self) -> None:
         """Join the Ray cluster at ``address`` in this log's namespace (blocks)."""
+        # A driver that loses the head ends its own process after this long (Ray's default:
+        # 60 s). deo must outlive an outage of the head, holding its pools meanwhile.
+        os.environ.setdefault(_GCS_RECONNECT_ENV, str(_GCS_RECONNECT_S))
         if not ray.is_initialized():
             ray.init(
                 address=self.address,
@@ -408,15 +416,32 @@ class RayExecutor:
 
     async def _nodes_loop(self) -> None:
         while True:
-            try:
-                with anyio.fail_after(self._call_timeout_s):
-                    nodes = await anyio.to_thread.run_sync(ray.nodes, abandon_on_cancel=True)
-            except (TimeoutError, RayError, ConnectionError) as exc:
-                self._head_unreachable(str(exc) or type(exc).__name__)
+            # Ray's calls hang while its head is down: one call at a time, however long it
+            # takes, and every poll without its answer holds the pools.
+            answer: dict[str, Any] = {}
+            answered = anyio.Event()
+            assert self._task_group is not None
+            self._task_group.start_soon(self._ask_nodes, answer, answered)
+            with anyio.move_on_after(self._call_timeout_s):
+                await answered.wait()
+            while not answered.is_set():
+                self._head_unreachable(f"no answer in {self._call_timeout_s:g}s")
+                with anyio.move_on_after(self._call_timeout_s):
+                    await answered.wait()
+            if "error" in answer:
+                self._head_unreachable(answer["error"])
             else:
                 self._head_down = False
-                self._check_nodes(nodes)
+                self._check_nodes(answer["nodes"])
             await anyio.sleep(self._poll_interval_s)
+
+    async def _ask_nodes(self, answer: dict[str, Any], answered: anyio.Event) -> None:
+        try:
+            answer["nodes"] = await anyio.to_thread.run_sync(ray.nodes)
+        except (RayError, ConnectionError) as exc:
+            answer["error"] = _first_line(exc)
+        finally:
+            answered.set()
 
     def _head_unreachable(self, error: str) -> None:
         if not self._head_down:
