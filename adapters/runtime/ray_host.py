@@ -23,13 +23,12 @@ on the Ray nodes, where deo must be installed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from adapters.runtime.processes import process_start_time
@@ -42,10 +41,24 @@ NODE_ENV = "DEO_RAY_NODE_ID"
 _PR_SET_PDEATHSIG = 1
 
 
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return prctl
+
+
+#: Looked up here, not in the child: between fork and exec of a threaded process (an actor is
+#: one) the child must do as little as it can.
+_PRCTL = _load_prctl()
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
 class WorkerHost:

@@ -335,3 +335,47 @@ def test_a_worker_on_a_node_without_room_fails_to_spawn_with_the_reason(
     assert "Ray placed no actor within 2s" in failed[0]["error"], failed
     assert "nowhere:0" in failed[0]["error"]
     d.stop()
+
+
+def test_node_losses_and_an_unreachable_head_become_events(tmp_path: Path) -> None:
+    """What the executor makes of the cluster's node table and of a head that does not answer
+    (no cluster needed: the answers are given to it as Ray would give them)."""
+    from adapters.runtime.ray_executor import RayExecutor
+    from core import Config, Configured, PolicySpec, PoolSpec, Reducer
+
+    pool_spec = PoolSpec(
+        name="gen", argv=("x",), max_workers=2, gpus_per_worker=1, policy=PolicySpec(name="static")
+    )
+    reducer = Reducer()
+    reducer.step(Configured(t=0.0, config=Config(pools=(pool_spec,), gpus=["a:0", "b:0", "b:1"])))
+    events: list[Any] = []
+    executor = RayExecutor(
+        events.append,
+        clock=lambda: 5.0,
+        state=lambda: reducer.state,
+        log_dir=tmp_path,
+        address="127.0.0.1:1",
+        namespace="n",
+    )
+
+    def node(name: str, alive_: bool) -> dict[str, Any]:
+        return {"Alive": alive_, "Resources": {NODE_RESOURCE_PREFIX + name: 1.0, "GPU": 2.0}}
+
+    executor._check_nodes([node("a", True), node("b", True)])
+    assert events == []
+    executor._check_nodes([node("a", True), node("b", False)])
+    assert [(type(e).__name__, e.gpu_id) for e in events] == [
+        ("GpuLost", "b:0"),
+        ("GpuLost", "b:1"),
+    ]
+    assert "Ray node b left the cluster" in events[0].error
+    events.clear()
+    executor._check_nodes([node("a", True), node("b", False)])  # reported once
+    assert events == []
+
+    executor._head_unreachable("no answer in 30s")
+    [down] = events
+    assert (type(down).__name__, down.pool) == ("SourceDown", "gen")
+    assert down.error == "Ray head unreachable: no answer in 30s"
+    reducer.step(down)
+    assert reducer.state.pools["gen"].source_error == down.error
