@@ -379,3 +379,12 @@ def test_node_losses_and_an_unreachable_head_become_events(tmp_path: Path) -> No
     assert down.error == "Ray head unreachable: no answer in 30s"
     reducer.step(down)
     assert reducer.state.pools["gen"].source_error == down.error
+
+
+def test_gpus_not_named_by_node_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    d = Deo(tmp_path, pool("gen", [sys.executable, "-c", "pass"], gpus_per_worker=1))
+    text = d.config.read_text().replace("[deo]\n", '[deo]\ngpus = ["0"]\n', 1)
+    d.config.write_text(text + '[executor]\nkind = "ray"\naddress = "127.0.0.1:1"\n')
+    done = d.run_to_end()
+    assert done.returncode == 2, done.stdout
+    assert "deo.gpus: GPU id '0' is not node-qualified (NODE:INDEX)" in done.stdout, done.stdout
