@@ -382,6 +382,7 @@ async def run(
                 secret_environ=lambda worker_id: {
                     WORKER_TOKEN_ENV: worker_token(worker_secret, worker_id)
                 },
+                out=out,
             )
         except DeoError as exc:
             event_log.close()

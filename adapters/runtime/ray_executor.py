@@ -47,8 +47,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from adapters.runtime.config_file import RunSettings
 from adapters.runtime.processes import _signal_for
-from adapters.runtime.ray_host import WorkerHost
+from adapters.runtime.ray_host import GpuAgent, WorkerHost
 from adapters.sources.heartbeat import HEARTBEAT_ENV, heartbeat_path
+from adapters.sources.nvml import GpuMonitor, NvmlSettings, ReadFailed
 from core import (
     Command,
     ConfigError,
@@ -147,6 +148,9 @@ class RayExecutor:
         poll_interval_s: float = 0.5,
         spawn_timeout_s: float = 120.0,
         call_timeout_s: float = 30.0,
+        nvml: NvmlSettings | None = None,
+        gpus: Iterable[str] = (),
+        out: Callable[[str], None] = print,
     ) -> None:
         self._emit = emit
         self._clock = clock
@@ -168,6 +172,10 @@ class RayExecutor:
         self._nodes_alive: set[str] = set()
         self._nodes_lost: set[str] = set()
         self._head_down = False
+        #: GPU health (``[nvml]``) of these GPUs, read on their nodes.
+        self._nvml = nvml
+        self._gpus = tuple(gpus)
+        self._out = out
 
     # --- connection -------------------------------------------------------------------------------
 
@@ -379,6 +387,8 @@ class RayExecutor:
                 self._task_group = task_group
                 task_group.start_soon(self._exits_loop)
                 task_group.start_soon(self._nodes_loop)
+                if self._nvml is not None and self._nvml.backend != "off":
+                    task_group.start_soon(self._health_loop, self._nvml)
                 await anyio.sleep_forever()
         finally:
             self._task_group = None
@@ -442,6 +452,56 @@ class RayExecutor:
             answer["error"] = _first_line(exc)
         finally:
             answered.set()
+
+    async def _health_loop(self, settings: NvmlSettings) -> None:
+        """GPU health per node: one agent actor on each node with configured GPUs reads them
+        (NVML, or ``[nvml]``'s file there) every ``interval_s``; the readings become the same
+        ``GpuSampled`` and ``GpuLost`` events as on one machine, with node-qualified ids."""
+        gpus = list(self._gpus)
+        if not gpus:
+            return
+        by_node: dict[str, list[str]] = {}
+        for gpu in gpus:
+            node, index = split_gpu_id(gpu)
+            by_node.setdefault(node, []).append(index)
+        agent_class = ray.remote(GpuAgent)
+        agents: dict[str, Any] = {
+            node: agent_class.options(
+                num_cpus=0,
+                resources={NODE_RESOURCE_PREFIX + node: _NODE_SLIVER},
+                max_restarts=-1,  # back with its node, wherever Ray finds the node's name again
+            ).remote(node, settings.backend, _file_of(settings), indices)
+            for node, indices in by_node.items()
+        }
+        self._out(
+            f"deo: GPU health of {len(gpus)} GPU(s) on {len(agents)} Ray node(s) every "
+            f"{settings.interval_s:g}s"
+        )
+        monitor = GpuMonitor(gpus)
+        told: dict[str, str] = {}
+        while True:
+            refs = {node: agent.read.remote() for node, agent in agents.items()}
+            readings: dict[str, Any] = {}
+            for node, ref in refs.items():
+                try:
+                    answer = await self._get(ref, self._call_timeout_s)
+                except RayError as exc:
+                    answer = f"its GPU agent does not answer: {_first_line(exc)}"
+                if isinstance(answer, str):
+                    if told.get(node) != answer:
+                        self._out(f"deo: node {node}: GPU health: {answer}")
+                        told[node] = answer
+                    answer = {index: ReadFailed(error=answer) for index in by_node[node]}
+                else:
+                    told.pop(node, None)
+                for index, reading in answer.items():
+                    readings[f"{node}:{index}"] = reading
+            events, lines = monitor.step(readings, self._clock())
+            for event in events:
+                self._emit(event)
+            for line in lines:
+                self._out(line)
+            await anyio.sleep(settings.interval_s)
 
     def _head_unreachable(self, error: str) -> None:
         if not self._head_down:
@@ -521,6 +581,7 @@ async def connect_ray_executor(
     state: Callable[[], State],
     environ: Mapping[str, str],
     secret_environ: Callable[[str], Mapping[str, str]],
+    out: Callable[[str], None] = print,
 ) -> RayExecutor:
     """The executor ``deo run`` uses for ``[executor] kind = "ray"``, connected to its cluster;
     :class:`~core.errors.ConfigError` naming the address when Ray cannot be joined."""
@@ -542,6 +603,9 @@ async def connect_ray_executor(
         environ=environ,
         secret_environ=secret_environ,
         spawn_timeout_s=executor_settings.spawn_timeout_s,
+        nvml=settings.nvml,
+        gpus=settings.config.gpus,
+        out=out,
     )
     try:
         await anyio.to_thread.run_sync(executor.connect)
@@ -551,3 +615,7 @@ async def connect_ray_executor(
             f"{_first_line(exc)}"
         ) from None
     return executor
+
+
+def _file_of(settings: NvmlSettings) -> str | None:
+    return None if settings.file is None else str(settings.file)

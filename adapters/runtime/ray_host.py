@@ -168,3 +168,46 @@ def _ray_gpu_ids() -> list[Any]:
     import ray
 
     return list(ray.get_gpu_ids())
+
+
+class GpuAgent:
+    """Reads the health of some GPUs of the node it was placed on, with deo's NVML readers.
+
+    ``backend`` and ``file`` are ``[nvml]``'s; in ``file`` a ``{node}`` is replaced by the node's
+    deo name, so that each node can have its own file. ``indices`` are the GPUs' CUDA indices on
+    the node. :meth:`read` answers readings by index, or the error that kept it from reading.
+    """
+
+    def __init__(self, node: str, backend: str, file: str | None, indices: Sequence[str]) -> None:
+        self._node = node
+        self._backend = backend
+        self._file = None if file is None else file.replace("{node}", node)
+        self._indices = list(indices)
+        self._reader: Any = None
+        self._error: str | None = None
+
+    def _open(self) -> None:
+        from pathlib import Path
+
+        from adapters.sources.nvml import NvmlSettings, NvmlUnavailable, import_pynvml, open_reader
+
+        try:
+            nvml = import_pynvml() if self._backend in ("auto", "pynvml") else None
+            settings = NvmlSettings(
+                backend=self._backend, file=None if self._file is None else Path(self._file)
+            )
+            self._reader = open_reader(settings, {i: i for i in self._indices}, nvml)
+        except NvmlUnavailable as exc:
+            self._error = f"NVML unavailable on node {self._node}: {exc}"
+
+    def read(self) -> dict[str, Any] | str:
+        """Readings by CUDA index (:data:`~adapters.sources.nvml.GpuReading`), or an error."""
+        if self._reader is None and self._error is None:
+            self._open()
+        if self._reader is None:
+            return self._error or f"GPU health not read on node {self._node}"
+        try:
+            readings: dict[str, Any] = self._reader.read()
+        except Exception as exc:  # a source never takes deo down
+            return f"{type(exc).__name__}: {exc}"
+        return readings

@@ -388,3 +388,38 @@ def test_gpus_not_named_by_node_are_refused_before_anything_starts(tmp_path: Pat
     done = d.run_to_end()
     assert done.returncode == 2, done.stdout
     assert "deo.gpus: GPU id '0' is not node-qualified (NODE:INDEX)" in done.stdout, done.stdout
+
+
+def test_gpu_health_is_read_on_each_node_by_its_agent(
+    ray_deo: Callable[[str, list[str]], Deo], tmp_path: Path
+) -> None:
+    gib = 2**30
+    healthy = {"memory_used_bytes": 0, "memory_total_bytes": 80 * gib, "temperature_c": 40}
+    # Node a's file: the agent on node a reads gpus-a.json (``{node}`` in the configured path).
+    readings = {"0": {**healthy, "temperature_c": 51}, "1": {**healthy, "lost": "fell off the bus"}}
+    (tmp_path / "gpus-a.json").write_text(json.dumps(readings))
+    d = ray_deo(
+        pool(
+            "gen",
+            [sys.executable, "-c", "pass"],
+            min_workers=0,
+            max_workers=1,
+            gpus_per_worker=1,
+            policy='name = "static"\ncount = 0',
+        ),
+        ["a:0", "a:1"],
+    )
+    text = d.config.read_text().replace(
+        '[nvml]\nbackend = "off"\n',
+        '[nvml]\nbackend = "file"\nfile = "gpus-{node}.json"\ninterval_s = 0.5\n',
+    )
+    d.config.write_text(text)
+    d.start()
+    sampled = wait_for("a reading of a:0", lambda: d.events("GpuSampled"))
+    assert {e["gpu_id"] for e in sampled} == {"a:0"}
+    assert sampled[0]["temperature_c"] == 51
+    [lost] = wait_for("a:1 lost", lambda: d.events("GpuLost"))
+    assert lost["gpu_id"] == "a:1" and "fell off the bus" in lost["error"]
+    assert "GPU health of 2 GPU(s) on 1 Ray node(s)" in d.output()
+    d.stop()
+    verified(d)
