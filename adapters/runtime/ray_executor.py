@@ -481,9 +481,15 @@ class RayExecutor:
         told: dict[str, str] = {}
         while True:
             refs = {node: agent.read.remote() for node, agent in agents.items()}
+            # Every node at once: one wait for all the answers, a slow node holds none of them.
+            ready = set(
+                await anyio.to_thread.run_sync(_ready, list(refs.values()), self._call_timeout_s)
+            )
             readings: dict[str, Any] = {}
             for node, ref in refs.items():
                 try:
+                    if ref not in ready:
+                        raise GetTimeoutError(f"no answer in {self._call_timeout_s:g}s")
                     answer = await self._get(ref, self._call_timeout_s)
                 except RayError as exc:
                     answer = f"its GPU agent does not answer: {_first_line(exc)}"
