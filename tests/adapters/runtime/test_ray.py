@@ -423,3 +423,31 @@ def test_gpu_health_is_read_on_each_node_by_its_agent(
     assert "GPU health of 2 GPU(s) on 1 Ray node(s)" in d.output()
     d.stop()
     verified(d)
+
+
+def test_a_multi_gpu_worker_gets_its_gpus_on_one_node_and_never_across_nodes(
+    ray_deo: Callable[[str, list[str]], Deo], cluster: RayCluster, tmp_path: Path
+) -> None:
+    seen_dir = tmp_path / "seen"
+    seen_dir.mkdir()
+    worker = script(tmp_path, "recorder.py", RECORDER)
+    d = ray_deo(
+        pool(
+            "pair",
+            [sys.executable, worker, str(seen_dir)],
+            min_workers=0,
+            max_workers=2,
+            gpus_per_worker=2,
+            policy='name = "static"\ncount = 2',
+        ),
+        ["a:0", "a:1", "x:0", "y:0"],
+    )
+    d.start()
+    failed = wait_for("the spawn across nodes refused", lambda: d.events("SpawnFailed"))[0]
+    assert "GPUs x:0, y:0 are on 2 nodes; one worker's GPUs must share a node" in failed["error"]
+    [(worker_id, got)] = wait_for("the pair's record", lambda: list(recorded(seen_dir).items()))
+    assert got["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert got["DEO_RAY_NODE_ID"] == cluster.node_ids()["a"]
+    assert gpus_of(d)[worker_id] == ["a:0", "a:1"]
+    d.stop()
+    verified(d)
