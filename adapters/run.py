@@ -36,6 +36,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import attrs
@@ -54,6 +55,9 @@ from adapters.runtime.processes import (
     processes_with,
 )
 from adapters.runtime.runner import Runner
+
+if TYPE_CHECKING:
+    from adapters.runtime.ray_executor import RayExecutor
 from adapters.sources.atropos import AtroposSource, poll_atropos
 from adapters.sources.heartbeat import heartbeat_files
 from adapters.sources.json_pressure import poll_json
@@ -280,8 +284,11 @@ async def run(
     try:
         # The configuration carries the device ids, so the core writes each worker's
         # CUDA_VISIBLE_DEVICES itself and the log records what the worker was given.
-        check_device_order(settings.config.gpus, os.environ.get(GPU_ENV))
-        devices = physical_gpu_ids(settings.config.gpus, os.environ.get(GPU_ENV))
+        if settings.executor.kind == "ray":
+            devices = {}  # NODE:INDEX ids, resolved on their nodes (docs/ray.md)
+        else:
+            check_device_order(settings.config.gpus, os.environ.get(GPU_ENV))
+            devices = physical_gpu_ids(settings.config.gpus, os.environ.get(GPU_ENV))
         config = attrs.evolve(settings.config, gpu_devices=devices)
         check_loggable(config)  # what the log holds is what the next start and replay apply
     except DeoError as exc:
@@ -373,11 +380,33 @@ async def run(
         # Each worker's own token: it speaks for that worker alone, and stays out of the log.
         secret_environ=lambda worker_id: {WORKER_TOKEN_ENV: worker_token(worker_secret, worker_id)},
     )
+    executor: LocalProcesses | RayExecutor = processes
+    if settings.executor.kind == "ray":
+        # Imported here only: a run on this machine never loads Ray.
+        from adapters.runtime.ray_executor import connect_ray_executor
+
+        try:
+            executor = await connect_ray_executor(
+                settings,
+                emit,
+                clock=clock,
+                state=lambda: runner.state,
+                environ=worker_environ(settings.api.token_env, runtime_env),
+                secret_environ=lambda worker_id: {
+                    WORKER_TOKEN_ENV: worker_token(worker_secret, worker_id)
+                },
+                out=out,
+            )
+        except DeoError as exc:
+            event_log.close()
+            sock.close()
+            out(f"deo: {exc}")
+            return 2
     engines = EngineControl(emit, clock=clock, state=lambda: runner.state)
     runner = Runner(
         event_log,
         Reducer(recovery.state),
-        FanOut(processes, engines),
+        FanOut(executor, engines),
         clock=clock,
         tick_interval_s=settings.tick_interval_s,
     )
@@ -403,16 +432,20 @@ async def run(
                     )
                 )
                 out(f"deo: API on {url} (log {settings.log})")
-                tg.start_soon(processes.run)
+                tg.start_soon(executor.run)
                 tg.start_soon(engines.run)
-                for event in await reconcile(recovery.state, processes, clock, run_id):
+                if isinstance(executor, LocalProcesses):
+                    found = await reconcile(recovery.state, executor, clock, run_id)
+                else:
+                    found = await executor.reconcile(recovery.state)
+                for event in found:
                     runner.emit(event)
                 # The state may miss live workers (a log that lost records): nothing is spawned
                 # until every process of this run that no adopted worker accounts for is gone.
-                await processes.stop_strays()
+                await executor.stop_strays()
                 # A sweep cut short by the last stop left its alert raised: resolved if nothing
                 # of that worker is left now.
-                for event in processes.leftovers_gone(recovery.state):
+                for event in executor.leftovers_gone(recovery.state):
                     runner.emit(event)
                 tg.start_soon(runner.run)
                 if recovery.state.config != config:
@@ -431,7 +464,7 @@ async def run(
                 tg.start_soon(
                     run_engine_pools, engine_pools, lambda: runner.state, runner.emit, clock, out
                 )
-                if config.gpus:
+                if config.gpus and settings.executor.kind == "local":
                     tg.start_soon(poll_gpus, settings.nvml, devices, runner.emit, clock, out)
                 if live:
                     tg.start_soon(live_view, runner, _write)

@@ -38,7 +38,44 @@ from core import (
 )
 from core.policies import POLICIES, build
 
-__all__ = ["ApiSettings", "RunSettings", "Source", "check_loggable", "load", "load_api"]
+__all__ = [
+    "ApiSettings",
+    "ExecutorSettings",
+    "RunSettings",
+    "Source",
+    "check_loggable",
+    "load",
+    "load_api",
+]
+
+#: ``executor.kind`` values: processes on this machine, or actors on a Ray cluster.
+EXECUTOR_KINDS = ("local", "ray")
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class ExecutorSettings:
+    """Where workers run (``[executor]``): ``kind = "local"`` (processes on this machine) or
+    ``"ray"`` (actors on a Ray cluster at ``address``, in ``namespace``: by default one derived
+    from the log's path). See docs/ray.md."""
+
+    kind: str = "local"
+    #: The Ray cluster: "auto" (the one ``ray start`` runs on this machine) or HOST:PORT.
+    address: str = "auto"
+    namespace: str | None = None
+    #: How long a worker's actor may wait to be placed before its spawn fails.
+    spawn_timeout_s: float = 120.0
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind not in EXECUTOR_KINDS:
+            raise ConfigError(
+                f"executor.kind: {self.kind!r} is not one of {', '.join(map(repr, EXECUTOR_KINDS))}"
+            )
+        if not self.address:
+            raise ConfigError("executor.address: empty")
+        if self.namespace is not None and not self.namespace:
+            raise ConfigError("executor.namespace: empty")
+        if not (math.isfinite(self.spawn_timeout_s) and self.spawn_timeout_s > 0):
+            raise ConfigError(f"executor.spawn_timeout_s must be > 0, got {self.spawn_timeout_s}")
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -106,6 +143,7 @@ class RunSettings:
     sources: tuple[Source, ...] = ()
     #: GPU health monitoring (``[nvml]``): NVML when a driver answers, by default.
     nvml: NvmlSettings = attrs.field(factory=NvmlSettings)
+    executor: ExecutorSettings = attrs.field(factory=ExecutorSettings)
 
     def __attrs_post_init__(self) -> None:
         if not (math.isfinite(self.tick_interval_s) and self.tick_interval_s > 0):
@@ -195,7 +233,7 @@ def load(path: Path) -> RunSettings:
             "gpus",
         },
     )
-    _known(data, "", {"deo", "api", "cordon", "nvml", "pools"})
+    _known(data, "", {"deo", "api", "cordon", "executor", "nvml", "pools"})
     pools_table = _table(data, "pools", None)
     pools, sources = [], []
     for name, raw in pools_table.items():
@@ -238,6 +276,7 @@ def load(path: Path) -> RunSettings:
         api=_api_settings(data),
         sources=tuple(sources),
         nvml=nvml,
+        executor=_build(ExecutorSettings, "executor", _table(data, "executor", None)),
         **settings,
     )
 

@@ -1,0 +1,261 @@
+"""deo's cost at the scale of a large Ray cluster, by simulation: 10,000 workers on 1,250 nodes.
+
+Run from the repository root::
+
+    .venv/bin/python bench/ray_scale.py                 # 60 s of cluster time
+    .venv/bin/python bench/ray_scale.py --window-s 10   # quicker
+    .venv/bin/python bench/ray_scale.py --nvml-interval-s 0   # GPU health off
+
+One pool of ``--workers`` one-GPU workers on ``--nodes`` nodes (GPUs ``nN:I``) is brought up (not
+timed), then ``--window-s`` seconds of cluster time are generated at the rates deo would see with
+the Ray executor, and each event goes through the real reducer and the real event log
+(``EventLog.record``, no fsync), as ``deo run`` handles it:
+
+- a ``Tick`` each ``--tick-s`` (1 s), with the ``WorkersSeen`` batch the runner records before it
+  (each worker recorded once per quarter of the 30 s default grace: 1/7.5 of them per second);
+- a ``GpuSampled`` for every GPU each ``--nvml-interval-s`` (deo's NVML default, 2 s), spread
+  over the interval, as a per-node NVML agent would send them;
+- a ``LoadSampled`` for the pool each second;
+- worker exits at ``--exits-per-hour`` (Ray actor deaths, crashes): each ``WorkerExited`` makes
+  the core respawn, and the replacement's ``WorkerStarted`` follows 2 s later.
+
+It prints deo's CPU time per second of cluster time (cores at that rate), the log's bytes per day
+at that rate, and the time to handle each event (a decision is made when its event is handled: a
+tick's decisions are late by the time the events queued before it take). Targets: under one core,
+under 1 GB of log a day, every tick handled within one tick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from adapters.log import EventLog
+from core import (
+    Config,
+    Configured,
+    Event,
+    GpuSampled,
+    LoadSampled,
+    PolicySpec,
+    PoolSpec,
+    Reducer,
+    SpawnWorker,
+    Tick,
+    WorkerExited,
+    WorkersSeen,
+    WorkerStarted,
+)
+
+GIB = 2**30
+
+
+def build_config(workers: int, nodes: int) -> Config:
+    per_node = -(-workers // nodes)
+    gpus = [f"n{node}:{index}" for node in range(nodes) for index in range(per_node)][:workers]
+    pool = PoolSpec(
+        name="gen",
+        argv=("python", "-m", "engine"),
+        min_workers=0,
+        max_workers=workers,
+        gpus_per_worker=1,
+        policy=PolicySpec(name="static", params={"count": workers}),
+    )
+    return Config(pools=(pool,), gpus=gpus)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, default=10_000)
+    parser.add_argument("--nodes", type=int, default=1_250)
+    parser.add_argument("--window-s", type=float, default=60.0)
+    parser.add_argument("--tick-s", type=float, default=1.0)
+    parser.add_argument("--nvml-interval-s", type=float, default=2.0)
+    parser.add_argument("--exits-per-hour", type=float, default=3600.0)
+    args = parser.parse_args(argv)
+    command = "bench/ray_scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"$ .venv/bin/python {command.strip()}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "scale.jsonl"
+        log, _ = EventLog.open(path, fsync=False, snapshot_every=10**12)
+        reducer = Reducer()
+        config = build_config(args.workers, args.nodes)
+        t = 0.0
+        started = time.perf_counter()
+        pending = _apply(log, reducer, Configured(t=t, config=config))
+        # Bring-up: every spawn starts (not timed).
+        while pending:
+            t += 0.001
+            spawn = pending.pop()
+            pending += _apply(
+                log, reducer, WorkerStarted(t=t, worker_id=spawn.worker_id, pid=1, start_time=1)
+            )
+        # The window starts an hour later: the exits are of workers past the pool's early-exit
+        # window, not a crash loop.
+        t = float(int(t) + 3600)
+        log.flush()
+        live = sorted(reducer.state.workers)
+        print(
+            f"bring-up: {len(live):,} workers on {len(config.gpus):,} GPUs of {args.nodes:,} "
+            f"nodes in {time.perf_counter() - started:.1f} s (not timed)",
+            flush=True,
+        )
+        bytes_before = path.stat().st_size
+
+        events = _schedule(args, t, live, [g for g in config.gpus])
+        cpu = 0.0
+        per_kind: dict[str, list[float]] = {}
+        counts: Counter[str] = Counter()
+        seen_cursor = 0
+        restarts: list[tuple[float, int, str]] = []
+        serial = 0
+        end_t = t + args.window_s
+        while events:
+            event_t, _, event = heapq.heappop(events)
+            if event_t >= end_t:
+                break
+            if isinstance(event, Tick):
+                # The runner records the sightings due, then the tick (Runner._ticks).
+                batch_size = max(1, int(len(live) * args.tick_s / 7.5))
+                ids = [live[(seen_cursor + i) % len(live)] for i in range(batch_size)]
+                seen_cursor += batch_size
+                spawned: list[SpawnWorker] = []
+                for extra in (WorkersSeen(t=event_t, worker_ids=ids), event):
+                    cpu += _timed(log, reducer, extra, per_kind, counts, spawned)
+                for spawn in spawned:
+                    heapq.heappush(restarts, (event_t + 2.0, serial, spawn.worker_id))
+                    serial += 1
+                while restarts and restarts[0][0] <= event_t:
+                    _, _, worker_id = heapq.heappop(restarts)
+                    start = WorkerStarted(t=event_t, worker_id=worker_id, pid=2, start_time=2)
+                    cpu += _timed(log, reducer, start, per_kind, counts)
+                # The runner flushes each batch it handled (here: once per tick, the fewest).
+                cpu_start = time.process_time()
+                log.flush()
+                cpu += time.process_time() - cpu_start
+                live = sorted(reducer.state.workers)
+                continue
+            if isinstance(event, WorkerExited):
+                victim = live[serial % len(live)]
+                serial += 7919
+                event = WorkerExited(t=event_t, worker_id=victim, exit_code=1)
+            commands: list[SpawnWorker] = []
+            cpu += _timed(log, reducer, event, per_kind, counts, commands)
+            for spawn in commands:
+                heapq.heappush(restarts, (event_t + 2.0, serial, spawn.worker_id))
+        log.flush()
+        written = path.stat().st_size - bytes_before
+        alerts = sorted(f"{alert.value} {subject}" for alert, subject in reducer.state.alerts)
+        pools = {name: len(reducer.state.workers_of(name)) for name in reducer.state.pools}
+        log.close()
+
+    window = args.window_s
+    print(f"at the end: workers per pool {pools}; alerts: {', '.join(alerts) or 'none'}")
+    print(
+        f"events handled in {window:g} s of cluster time: "
+        + ", ".join(f"{kind} {n:,}" for kind, n in counts.most_common())
+    )
+    print(f"deo CPU per second of cluster time: {cpu / window:.3f} s (cores; target < 1)")
+    per_day = written / window * 86_400
+    print(
+        f"log: {written / window / 1024:,.1f} KiB/s = {per_day / GIB:,.2f} GiB/day "
+        f"(target < 1); by kind, share of records: "
+        + ", ".join(f"{k} {n / max(1, sum(counts.values())):.0%}" for k, n in counts.most_common())
+    )
+    for kind, times in sorted(per_kind.items()):
+        times.sort()
+        p99 = times[int(0.99 * (len(times) - 1))]
+        print(
+            f"  {kind:>14}: median {statistics.median(times) * 1e3:8.3f} ms, "
+            f"p99 {p99 * 1e3:8.3f} ms, max {times[-1] * 1e3:8.3f} ms"
+        )
+    # All the events of one tick interval are handled before the next tick's decision: its
+    # latency is what a tick interval's events cost.
+    per_tick_s = cpu / window * args.tick_s
+    within = "yes" if per_tick_s < args.tick_s else "NO"
+    print(
+        f"decision latency: a tick interval's events take {per_tick_s * 1e3:.0f} ms of the "
+        f"{args.tick_s * 1e3:.0f} ms tick; decisions within one tick: {within}"
+    )
+    return 0
+
+
+def _schedule(
+    args: argparse.Namespace, t0: float, live: list[str], gpus: list[str]
+) -> list[tuple[float, int, Event]]:
+    heap: list[tuple[float, int, Event]] = []
+    serial = 0
+
+    def push(t: float, event: Event) -> None:
+        nonlocal serial
+        serial += 1
+        heap.append((t, serial, event))
+
+    n_ticks = int(args.window_s / args.tick_s) + 1
+    for i in range(1, n_ticks + 1):
+        t = t0 + i * args.tick_s
+        push(t, Tick(t=t, interval_s=args.tick_s))
+    for second in range(int(args.window_s) + 1):
+        t = t0 + second + 0.5
+        push(t, LoadSampled(t=t, pool="gen", in_flight_requests=len(live) * 4))
+    if args.nvml_interval_s > 0:
+        rounds = int(args.window_s / args.nvml_interval_s) + 1
+        spacing = args.nvml_interval_s / max(1, len(gpus))
+        for r in range(rounds):
+            for i, gpu in enumerate(gpus):
+                t = t0 + r * args.nvml_interval_s + i * spacing
+                push(
+                    t,
+                    GpuSampled(
+                        t=t,
+                        gpu_id=gpu,
+                        memory_used_bytes=0,  # a freed GPU reads free: replacements may land on it
+                        memory_total_bytes=80 * GIB,
+                        temperature_c=65.0 + (i % 7),
+                    ),
+                )
+    if args.exits_per_hour > 0:
+        gap = 3600.0 / args.exits_per_hour
+        k = 1
+        while k * gap < args.window_s:
+            t = t0 + k * gap + 0.25
+            push(t, WorkerExited(t=t, worker_id="chosen-when-handled", exit_code=1))
+            k += 1
+    heapq.heapify(heap)
+    return heap
+
+
+def _apply(log: EventLog, reducer: Reducer, event: Event) -> list[SpawnWorker]:
+    return [c for c in log.record(reducer, event) if isinstance(c, SpawnWorker)]
+
+
+def _timed(
+    log: EventLog,
+    reducer: Reducer,
+    event: Event,
+    per_kind: dict[str, list[float]],
+    counts: Counter[str],
+    spawns: list[SpawnWorker] | None = None,
+) -> float:
+    cpu_start = time.process_time()
+    wall_start = time.perf_counter()
+    commands = log.record(reducer, event)
+    wall = time.perf_counter() - wall_start
+    cpu = time.process_time() - cpu_start
+    kind = type(event).__name__
+    per_kind.setdefault(kind, []).append(wall)
+    counts[kind] += 1
+    if spawns is not None:
+        spawns += [c for c in commands if isinstance(c, SpawnWorker)]
+    return cpu
+
+
+if __name__ == "__main__":
+    sys.exit(main())
