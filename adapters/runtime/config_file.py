@@ -269,6 +269,15 @@ def load(path: Path) -> RunSettings:
             None if keep == "all" else _typed("deo.keep_segments", keep, int)
         )
     check_loggable(config)
+    executor = _build(ExecutorSettings, "executor", _table(data, "executor", None))
+    if executor.kind != "local":
+        for pool in config.pools:
+            if pool.is_engine:
+                # Engines are reached on 127.0.0.1 and routed from this machine.
+                raise ConfigError(
+                    f"pools.{pool.name}.kind: engine pools run on deo's own machine; "
+                    f'executor.kind = "{executor.kind}" does not drive engines yet'
+                )
     return RunSettings(
         config=config,
         log=base / _typed("deo.log", deo.get("log", "deo.jsonl"), str),
@@ -276,7 +285,7 @@ def load(path: Path) -> RunSettings:
         api=_api_settings(data),
         sources=tuple(sources),
         nvml=nvml,
-        executor=_build(ExecutorSettings, "executor", _table(data, "executor", None)),
+        executor=executor,
         **settings,
     )
 

@@ -46,3 +46,16 @@ def test_the_executor_table_is_checked_with_its_keys(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as refused:
             load(config)
         assert named in str(refused.value), text
+
+
+def test_engine_pools_are_refused_on_the_ray_executor(tmp_path: Path) -> None:
+    from adapters.runtime.config_file import load
+    from core import ConfigError
+
+    config = tmp_path / "deo.toml"
+    config.write_text(
+        '[executor]\nkind = "ray"\n\n[pools.gen]\nkind = "engine"\nengine = "vllm"\n'
+        'argv = ["serve", "--port", "{port}"]\nports = [18000, 18003]\nmax_workers = 2\n'
+    )
+    with pytest.raises(ConfigError, match=r"pools\.gen\.kind: engine pools run on deo's own"):
+        load(config)
