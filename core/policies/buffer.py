@@ -67,8 +67,8 @@ Rules, in order:
 5. Remove when both Q and the latest sample are above the band: to max(balance, safe, count -
    ``max_down_fraction`` x count), where safe is the fewest workers that keep the queue inside the
    band for a start-up at the measured demand; at the off-policy limit (where p rests on its
-   bound) a twentieth of the pool at a time. At most once per max(``down_cooldown_s``, 4 steps,
-   T): each removal shows in the queue before the next.
+   bound) a twentieth of the pool at a time. At most once per max(``down_cooldown_s``, T,
+   min(4 steps, 2 T)): each removal shows in the queue before the next.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ class BufferPolicy:
     #: While starving, the pool grows by up to this factor per start-up.
     max_up_factor: float = 2.0
     max_down_fraction: float = 0.25
-    #: At least this long between removals (they are also spaced by 4 steps and half a start-up).
+    #: At least this long between removals (they are also spaced by a start-up).
     down_cooldown_s: float = 0.0
 
     def __attrs_post_init__(self) -> None:
@@ -380,7 +380,7 @@ class BufferPolicy:
             )
         # A removal shows in the queue once the workers' last groups are in: a start-up (the
         # time to bring one back if it was wrong) before the next.
-        cooldown = max(self.down_cooldown_s, 4 * step_s, startup)
+        cooldown = max(self.down_cooldown_s, startup, min(4 * step_s, 2 * startup))
         why = "" if measurable else "queue at the off-policy limit, "
         # The fewest workers that keep the queue inside the band for a start-up (the time it
         # takes to bring one back if this was wrong).
@@ -393,7 +393,8 @@ class BufferPolicy:
         else:
             # At the limit the envs hold back and p rests on its lower bound (every estimate
             # reads high): step down by a twentieth until the queue leaves the limit.
-            target = max(min(balanced, current - 1), current - max(1, math.floor(current / 20)))
+            step = max(1, math.floor(current / 20))
+            target = max(min(balanced, current - 1), current - step, 0)
         if target < current and since_down >= cooldown:
             return Decision(
                 target=target,
@@ -507,6 +508,10 @@ class BufferPolicy:
         changes["last_desired"] = desired
         # Start-up: the oldest workers still starting are the ones that became active.
         pending = list(memory.pending_t)
+        # Counted since the previous sample (requested then at the latest), before any is popped:
+        # a worker may be requested and become active between two samples.
+        counted_before = memory.last_active + len(pending)
+        pending.extend([memory.last_t] * max(context.current - counted_before, 0))
         became = max(context.active - memory.last_active, 0)
         startup, seen = memory.startup_s, memory.startups_seen
         for _ in range(min(became, len(pending))):
@@ -539,10 +544,12 @@ class BufferPolicy:
             # From one advance to the next: sampling at arbitrary phases of a step would add a
             # ripple of a whole batch per sample to the estimate.
             span = t - memory.last_advance_t
+            # (Right after a pause, a second long span is a slower trainer.)
             paused = (
                 step_s is not None
                 and span > _PAUSE_STEPS * step_s + dt
                 and memory.last_queued_seqs >= batch
+                and (memory.resumed_t is None or memory.demand_seen_s > 0)
             )
             if paused:
                 # The trainer took nothing while a batch waited: a pause. What it takes now is
