@@ -36,7 +36,10 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
 * saturation: while the trainer starves the pool grows in steps (below); when a step's workers are
   active and the total production rose by less than half of what they should have added, the
   shared inference service is the bottleneck: the pool is held at the count that makes that
-  production, and tried again only after 10 start-ups.
+  production, and tried again only after 10 start-ups. Starving at the pool's maximum with
+  production per worker below 70% of its best, a quarter of the pool is removed to see: if
+  production holds up (falls by less than half as much), the pool stays there (saturated);
+  otherwise it goes back to the maximum, and the test waits 10 start-ups.
 
 The count the policy works from is the one the reducer applied: ``PolicyContext.desired``
 tells, on the next call, whether the last decision was applied or dropped (stabilization window,
@@ -149,6 +152,15 @@ class BufferMemory:
     probe_workers: int = 0
     probe_seqs_s: float = 0.0
     probe_t: float = 0.0
+    #: The highest per-worker production measured (inference not yet shared by many).
+    best_per_worker_seqs_s: float = 0.0
+    #: A removal made to see whether production falls with it (at the maximum, starving):
+    #: active workers and their production before it, and when.
+    shed_workers: int = 0
+    shed_seqs_s: float = 0.0
+    shed_t: float = 0.0
+    #: No such removal before this time.
+    no_shed_until_t: float = 0.0
     #: The count the shared inference saturates at, and until when that holds.
     saturated_workers: int | None = None
     saturated_until_t: float = 0.0
@@ -335,6 +347,10 @@ class BufferPolicy:
                 reason=f"{figures}; the shared inference saturates near {cap} workers -> {cap}",
                 memory=memory,
             )
+        if memory.shed_workers:
+            # A removal made to test for saturation: nothing else moves the pool until judged.
+            settle = self._production_settle_s(memory, batch)
+            return self._judge_shed(context, memory, figures, settle, startup)
         if starving and since_up >= startup:
             return self._grow(context, memory, figures, workers, batch)
         if measurable and queue < target_seqs:
@@ -460,11 +476,7 @@ class BufferPolicy:
                 memory=memory,
             )
         if current >= context.max_workers:
-            return Decision(
-                target=current,
-                reason=f"{figures}; trainer starving at the pool's maximum -> hold {current}",
-                memory=memory,
-            )
+            return self._at_maximum(context, memory, figures, startup)
         # In proportion to how much of the last start-up the trainer went hungry: a dip in the
         # jitter adds a little, a trainer that sped up unseen doubles the pool per start-up.
         factor = 1 + (self.max_up_factor - 1) * memory.hungry_share
@@ -475,6 +487,91 @@ class BufferPolicy:
             reason=f"{figures}; trainer starving, what it takes is only what the envs make: "
             f"growing x{factor:.2f} -> {target} workers",
             memory=replace(memory, probe_workers=active, probe_seqs_s=production, probe_t=t),
+        )
+
+    def _at_maximum(
+        self,
+        context: PolicyContext,
+        memory: BufferMemory,
+        figures: str,
+        startup: float,
+    ) -> Decision:
+        """Starving at the pool's maximum. If production per worker has fallen well below its
+        best, the shared inference may be saturated: remove a quarter and see whether production
+        falls with them (judged by :meth:`_judge_shed`)."""
+        t, current, active = context.t, self.in_force(context), context.active
+        p, best = memory.per_worker_seqs_s or 0.0, memory.best_per_worker_seqs_s
+        # Starving, the queue never reaches the limit: all the pool makes is in this estimate.
+        production = memory.production_seqs_s or 0.0
+        since_up = math.inf if memory.last_up_t is None else t - memory.last_up_t
+        since_down = math.inf if memory.last_down_t is None else t - memory.last_down_t
+        quiet = min(since_up, since_down) >= 2 * startup and t >= memory.no_shed_until_t
+        if quiet and active >= 4 and 0 < p < 0.7 * best:
+            target = current - max(1, current // 4)
+            return Decision(
+                target=target,
+                reason=f"{figures}; trainer starving at the pool's maximum, production per worker "
+                f"fell from {best:.2f} to {p:.2f} seq/s: trying {target} workers to see whether "
+                f"the shared inference saturates",
+                memory=replace(memory, shed_workers=active, shed_seqs_s=production, shed_t=t),
+            )
+        return Decision(
+            target=current,
+            reason=f"{figures}; trainer starving at the pool's maximum -> hold {current}",
+            memory=memory,
+        )
+
+    def _judge_shed(
+        self,
+        context: PolicyContext,
+        memory: BufferMemory,
+        figures: str,
+        settle: float,
+        startup: float,
+    ) -> Decision:
+        """After a removal made at the maximum: production that held up means saturation (keep
+        the smaller pool); production that fell with the workers means the trainer simply wants
+        more than the pool can make (back to the maximum, and no such removal for a while)."""
+        t, current, active = context.t, self.in_force(context), context.active
+        production = memory.production_seqs_s or 0.0
+        cleared = replace(memory, shed_workers=0, no_shed_until_t=t + 10 * startup)
+        if active >= memory.shed_workers:
+            if t - memory.shed_t > startup + 2 * settle:  # the removal was not applied
+                return Decision(
+                    target=current, reason=f"{figures} -> hold {current}", memory=cleared
+                )
+            return Decision(
+                target=current,
+                reason=f"{figures}; waiting for the removal -> hold {current}",
+                memory=memory,
+            )
+        if t - memory.shed_t < 2 * settle:
+            return Decision(
+                target=current,
+                reason=f"{figures}; {active} of {memory.shed_workers} workers: measuring what "
+                f"they make -> hold {current}",
+                memory=memory,
+            )
+        removed = 1 - active / memory.shed_workers
+        kept = production / memory.shed_seqs_s if memory.shed_seqs_s > 0 else 0.0
+        saturated = replace(cleared, saturated_workers=current, saturated_until_t=t + 10 * startup)
+        if kept >= 1 - removed / 2:
+            return Decision(
+                target=current,
+                reason=f"{figures}; {active} workers make {production:.1f} seq/s, "
+                f"{memory.shed_workers} made {memory.shed_seqs_s:.1f}: the shared inference "
+                f"saturates, holding {current} workers",
+                memory=saturated,
+            )
+        # Production fell with the workers: back to the last count found saturated, or to the
+        # maximum (the trainer simply wants more than the pool can make).
+        last = memory.saturated_workers if t < memory.saturated_until_t else None
+        target = max(current, last if last is not None else context.max_workers)
+        return Decision(
+            target=target,
+            reason=f"{figures}; {active} workers make {production:.1f} seq/s, "
+            f"{memory.shed_workers} made {memory.shed_seqs_s:.1f}: not saturated -> {target}",
+            memory=cleared,
         )
 
     def _production_settle_s(self, memory: BufferMemory, batch: int) -> float:
@@ -602,6 +699,10 @@ class BufferPolicy:
             changes["production_seen_s"] = min(
                 memory.production_seen_s + dt, self.production_window_s
             )
+            if memory.production_seen_s >= settle:  # not the first noisy intervals
+                p = changes["per_worker_seqs_s"]
+                assert isinstance(p, float)
+                changes["best_per_worker_seqs_s"] = max(memory.best_per_worker_seqs_s, p)
             changes.update(self._spread(memory, t, produced, throughout * dt))
         return replace(memory, **changes)
 

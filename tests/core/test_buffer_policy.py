@@ -318,3 +318,35 @@ def test_properties(
             assert queued > band_top
             assert after.demand_seqs_s is not None
         memory = after
+
+
+def test_starving_at_the_maximum_tries_fewer_workers_when_production_per_worker_fell() -> None:
+    # At the maximum (20), starving, p 2.0 against a best of 4.0: a quarter fewer, to see
+    # whether production falls with them.
+    memory = settled(
+        queue_seqs=8.0,
+        last_queued_seqs=8,
+        hungry_share=1.0,
+        per_worker_seqs_s=2.0,
+        best_per_worker_seqs_s=4.0,
+        production_seqs_s=40.0,
+        last_active=20,
+        last_desired=20,
+    )
+    decision = probe(memory, 20, queued=8, max_workers=20)
+    assert decision.target == 15, decision.reason
+    assert "whether the shared inference saturates" in decision.reason
+    after = decision.memory
+    assert after.shed_workers == 20
+    assert after.shed_seqs_s == pytest.approx(40.0, rel=0.05)  # this sample folded in
+    # 200 s later 15 workers still make 39 seq/s: saturated, the pool stays at 15.
+    held = replace(after, last_t=300.0, last_advance_t=300.0, production_seqs_s=39.0)
+    judged = probe(held, 15, queued=8, active=15, max_workers=20, desired=15)
+    assert judged.target == 15, judged.reason
+    assert judged.memory.saturated_workers == 15
+    assert "saturates, holding 15 workers" in judged.reason
+    # Had production fallen with the workers (30 seq/s), it goes back to the maximum.
+    fell = probe(replace(held, production_seqs_s=30.0), 15, queued=8, active=15,
+                 max_workers=20, desired=15)  # fmt: skip
+    assert fell.target == 20, fell.reason
+    assert fell.memory.saturated_workers is None
