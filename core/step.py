@@ -476,7 +476,13 @@ class Step:
     # --- scaling decisions -----------------------------------------------------------------------
 
     def set_desired(
-        self, pool: PoolState, target: int, source: DecisionSource, why: str
+        self,
+        pool: PoolState,
+        target: int,
+        source: DecisionSource,
+        why: str,
+        *,
+        stabilize: bool = True,
     ) -> PoolState:
         spec = pool.spec
         target = min(max(target, spec.min_workers), spec.max_workers)
@@ -499,7 +505,7 @@ class Step:
             )
         )
         changes: dict[str, Any] = {"desired": target}
-        if policy and target > pool.desired:
+        if policy and stabilize and target > pool.desired:
             changes["last_scale_up_t"] = self.t
         self.dirty_pools.add(spec.name)
         return replace(pool, **changes)
@@ -535,12 +541,19 @@ class Step:
                 max_workers=pool.spec.max_workers,
                 queue=changes.get("queue", pool.queue),
                 load=changes.get("load", pool.load),
+                desired=pool.desired,
             ),
             pool.policy_memory,
         )
         pool = replace(pool, policy_memory=decision.memory, **changes)
         if not (self.paused_all or pool.paused or pool.pinned is not None or pool.removed):
-            pool = self.set_desired(pool, decision.target, DecisionSource.POLICY, decision.reason)
+            pool = self.set_desired(
+                pool,
+                decision.target,
+                DecisionSource.POLICY,
+                decision.reason,
+                stabilize=decision.stabilize,
+            )
         self.put_pool(pool)
 
     def check_backlog(self, spec: PoolSpec, sample: e.QueueSampled) -> None:

@@ -31,6 +31,9 @@ class PolicyContext:
     max_workers: int
     queue: QueueSampled | None = None
     load: LoadSampled | None = None
+    #: The count in force before this decision: the previous decisions as the reducer applied
+    #: them (after bounds and the stabilization window). None where unknown.
+    desired: int | None = None
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -40,6 +43,9 @@ class Decision:
     target: int
     reason: str
     memory: Any = None
+    #: False for a guess made before anything was measured (a cold start): a scale-up that does
+    #: not open the stabilization window, so it can be corrected once rates are known.
+    stabilize: bool = True
 
 
 class Policy(Protocol):

@@ -6,49 +6,78 @@ group size) and the trainer's batch size B in sequences.
 Why a band. The trainer starves when a step ends with less than a batch queued, and every batch
 queued ahead of a sequence is a step of off-policy lag. With whole workers, production rarely
 equals demand, so the count alternates between neighbours and the queue drifts between the edges
-of ``target_batches +- band_batches``; the rules below keep those alternations minutes apart.
+of ``target +- band_batches``; the rules below keep those alternations minutes apart.
 
-Estimates, updated on every sample (exponential averages over a window; the exact running mean
-until the window has been filled once, so first estimates are not noise):
+Everything the rules need is measured from the samples, so one set of defaults serves a trainer
+stepping every 0.3 s and one stepping every minute, workers that start in 5 s and in 3 minutes:
 
-* Q, the queue, over ``rate_window_s / 2`` (the saw-tooth of batches taken is noise);
-* demand D (seq/s): batches taken x B between samples where the trainer step advanced (per
-  sample, the step cadence would add a ripple of a batch), over ``rate_window_s``. An estimate
-  over a sixth of that window replaces it when 25% higher (a trainer that sped up). The highest
-  D of the last ``5 x rate_window_s`` is kept as the recent peak;
+* the step time s = B / D and the demand D (seq/s): batches taken x B between trainer advances,
+  averaged over 30 steps (at most ``rate_window_s``); an estimate over 3 steps replaces it when
+  25% higher or lower (a trainer that changed speed). A span without an advance while a batch
+  waited for more than four steps is a pause (evaluation, checkpoint, restart): demand is
+  measured afresh after it, and nothing is removed until it has been;
+* the queue Q, smoothed over two steps (the saw-tooth of batches taken is noise);
 * per-worker production p (seq/s/worker): what entered the queue (its change plus what the
-  trainer took) over the workers active throughout the interval, over ``production_window_s``;
-  only below 0.8 x ``max_batches_offpolicy`` batches, as envs hold back near atroposlib's limit.
-  At that limit a queue that stays full proves p >= D / active, which is used when higher.
+  trainer took) over the workers active throughout the interval, over ``production_window_s``,
+  only below 0.8 x ``max_batches_offpolicy`` batches and a few steps after the queue was last
+  there (envs hold back near atroposlib's limit and take a group latency to produce at full rate
+  again), and a few steps after workers came (their first groups are all in generation). At the
+  limit a queue that stays full proves p >= D / active, which is used when higher;
+* the start-up time T: from the sample at which a worker was first counted to the one at which it
+  was first active (``startup_prior_s`` until one has been seen, or the age of the oldest worker
+  still starting when longer);
+* how hungry the trainer was: the share of the samples over the last start-up that found less
+  than half a batch queued;
+* the spread of production over a start-up: how much what the pool makes per worker over one
+  start-up-long span differs from the next (heavy-tailed group latencies make it large). With
+  ``target_batches`` 0 (the default), the target is 1 batch plus ``spread_k`` spreads, so a
+  steady load keeps a short queue (little lag) and a bursty one a deeper buffer, never past
+  ``max_batches_offpolicy - 1`` (atroposlib discards older groups);
+* saturation: while the trainer starves the pool grows in steps (below); when a step's workers are
+  active and the total production rose by less than half of what they should have added, the
+  shared inference service is the bottleneck: the pool is held at the count that makes that
+  production, and tried again only after 10 start-ups. Starving at the pool's maximum with
+  production per worker below 70% of its best, a quarter of the pool is removed to see: if
+  production holds up (falls by less than half as much), the pool stays there (saturated);
+  otherwise it goes back to the maximum, and the test waits 10 start-ups.
+
+The count the policy works from is the one the reducer applied: ``PolicyContext.desired``
+tells, on the next call, whether the last decision was applied or dropped (stabilization window,
+bounds), and only an applied change restarts the policy's timers.
 
 The model is feed-forward plus PI on the error e = target - Q (anti-windup: the integral is
-frozen while the count is pinned at a bound, and clamped):
+frozen while the count is pinned at a bound, and clamped); the proportional time R is
+``refill_s`` or, by default (0), 2 x (T + 4 s); balance is ceil(D / p):
 
-    n = ceil((D + (e + I / integral_s) / refill_s) / p)
+    n = ceil((D + (e + I / integral_s) / R) / p)
 
-Rules, in order (lead_s = refill_s / 2, about a worker's start-up; hold_s = 1.75 x refill_s):
+Rules, in order:
 
 1. Cold start: until D and p are known, a pool whose queue is short of the target starts every
-   worker it may (the fastest way to a first batch; the excess is shed once both are known), and
-   otherwise holds.
-2. Not refilling: lead_s after the last addition, a queue nearly empty (under half a batch) or
-   below the band for lead_s means the trainer waits, and what it takes is only what the envs
-   make, so D reads low: grow by ``max_up_fraction`` (at least one worker).
-3. Add: a queue below the target that, projected lead_s ahead with the workers already counted
-   (requested ones included), would empty, or stays below the band: up to max(n, count + 1).
-   Smaller drifts inside the band are left alone: the rates are too noisy to act on them. Within
-   hold_s of a removal (judged safe for that long), only a queue below the band adds workers.
-4. Hold up to the band's top, and while a batch waits but the trainer takes none for three step
-   times (a pause for evaluation or a checkpoint, or a slowdown: the next step tells).
-5. Remove above the band: to max(n, safe, count - max_down_fraction x count), where safe is the
-   fewest workers that keep the projected queue inside the band for hold_s at the expected
-   demand (the recent peak while D is below 80% of it: a pause ends), at most once per
-   ``down_cooldown_s`` (per lead_s at the limit, where p rests on its lower bound).
+   worker it may (the fastest way to a first batch; not a scale-up for the stabilization window,
+   so the excess is shed as soon as both are known), and otherwise holds.
+2. Starving: Q under 0.6 batch and no sample of the last two reaching a batch: the trainer waits
+   and takes only what the envs make, so demand is at least that. Once a start-up has passed
+   since the last applied addition, grow by 1 + (``max_up_factor`` - 1) x the hungry share (a
+   dip in the jitter adds a worker or two; a trainer that sped up unseen doubles the pool per
+   start-up), unless the shared inference saturates (or the pool is at its maximum).
+3. Add: a queue below the target that, projected a start-up ahead (workers still starting count
+   half-way through it), would empty, or stays below the band: up to max(n, balance, count + 1)
+   (not the + 1 while workers are still starting).
+   Within a start-up of a removal only a queue below the band adds workers.
+4. Hold up to the band's top, while a batch waits but the trainer takes none for four steps (a
+   pause, or a slowdown: the next step tells), and until demand has been measured after a pause.
+5. Remove when both Q and the latest sample are above the band: to max(balance, safe, count -
+   ``max_down_fraction`` x count), where safe is the fewest workers that keep the queue inside the
+   band for a start-up at the measured demand; at the off-policy limit (where p rests on its
+   bound) a twentieth of the pool at a time. At most once per max(``down_cooldown_s``, T,
+   min(4 steps, 2 T)): each removal shows in the queue before the next.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import ClassVar
 
 import attrs
@@ -59,6 +88,16 @@ from core.policies.base import Decision, PolicyContext
 from core.records import replace, replaceable
 
 __all__ = ["BufferMemory", "BufferPolicy"]
+
+#: Steps the demand estimate spans, and the quick estimate that catches a speed-up.
+_DEMAND_STEPS = 30.0
+_FAST_STEPS = 3.0
+#: Steps without an advance, with a batch waiting, that make a pause.
+_PAUSE_STEPS = 4.0
+
+
+def _floats(value: Iterable[float]) -> tuple[float, ...]:
+    return tuple(float(v) for v in value)
 
 
 @replaceable
@@ -71,23 +110,60 @@ class BufferMemory:
     last_active: int = 0
     queue_seqs: float = 0.0
     demand_seqs_s: float | None = None
-    #: The same over a sixth of the window: a trainer that speeds up is believed at once.
+    #: The same over three steps: a trainer that speeds up is believed at once.
     fast_demand_seqs_s: float | None = None
     #: When the trainer step was last seen to advance (None: never).
     last_advance_t: float | None = None
-    #: The highest demand estimate of the last peak window, and when it was seen.
-    peak_demand_seqs_s: float = 0.0
-    peak_t: float = 0.0
+    #: When the trainer took a batch again after a pause (None: no pause seen).
+    resumed_t: float | None = None
     per_worker_seqs_s: float | None = None
+    #: Share of the samples of the last start-up that found less than half a batch queued.
+    hungry_share: float = 0.0
+    #: Everything that entered the queue (seq/s), over the demand window.
+    production_seqs_s: float | None = None
     #: Seconds of measurement behind each estimate, up to its window (the warm-up weights).
     queue_seen_s: float = 0.0
     demand_seen_s: float = 0.0
     production_seen_s: float = 0.0
     integral_seqs_s: float = 0.0
-    #: Since when the smoothed queue has been below the band (None: it is not).
-    low_since_t: float | None = None
+    #: The count in force at the last sample, and when the last applied change went each way.
+    last_desired: int | None = None
     last_up_t: float | None = None
     last_down_t: float | None = None
+    #: When each worker still starting was first counted, oldest first.
+    pending_t: tuple[float, ...] = attrs.field(default=(), converter=_floats)
+    startup_s: float | None = None
+    startups_seen: int = 0
+    #: When the active count last rose (a worker's first groups are still in generation).
+    active_changed_t: float = 0.0
+    #: When the queue was last near the off-policy limit (envs held back; they take a group
+    #: latency to produce at full rate again).
+    limit_t: float | None = None
+    #: Production's departure from p x workers summed since ``spread_since_t``, and the mean
+    #: square of those sums over start-up-long spans.
+    spread_sum_seqs: float = 0.0
+    spread_worker_s: float = 0.0
+    spread_since_t: float | None = None
+    #: The last span's production per worker (seq/s).
+    spread_rate_seqs_s: float | None = None
+    spread_var_seqs2: float | None = None
+    spreads_seen: int = 0
+    #: The last growth while starving: active workers and total production before it.
+    probe_workers: int = 0
+    probe_seqs_s: float = 0.0
+    probe_t: float = 0.0
+    #: The highest per-worker production measured (inference not yet shared by many).
+    best_per_worker_seqs_s: float = 0.0
+    #: A removal made to see whether production falls with it (at the maximum, starving):
+    #: active workers and their production before it, and when.
+    shed_workers: int = 0
+    shed_seqs_s: float = 0.0
+    shed_t: float = 0.0
+    #: No such removal before this time.
+    no_shed_until_t: float = 0.0
+    #: The count the shared inference saturates at, and until when that holds.
+    saturated_workers: int | None = None
+    saturated_until_t: float = 0.0
 
 
 def _average(
@@ -103,81 +179,118 @@ def _average(
 @attrs.frozen(slots=True, kw_only=True)
 class BufferPolicy:
     reacts_to: ClassVar[type[QueueSampled]] = QueueSampled
-    target_batches: float = 1.25
-    #: Seconds over which a buffer error is to be made up (proportional gain 1/refill_s).
-    refill_s: float = 120.0
+    #: The queue to hold, in batches (0: 1 batch plus the measured spread of production).
+    target_batches: float = 0.0
+    #: Seconds over which a buffer error is to be made up (0: 2 x (start-up + 4 s)).
+    refill_s: float = 0.0
     #: Integral time: how slowly a persistent error is integrated away.
     integral_s: float = 1800.0
-    #: Window of the demand estimate (and, halved, of the queue's smoothing).
-    rate_window_s: float = 60.0
+    #: The longest window of the demand estimate (it spans 30 trainer steps when shorter).
+    rate_window_s: float = 300.0
     #: Window of the per-worker production estimate.
     production_window_s: float = 300.0
     #: atroposlib's max_batches_offpolicy: envs stop producing once this many batches are queued.
     max_batches_offpolicy: float = 3.0
     #: The queue is held within target +- band_batches.
     band_batches: float = 0.5
-    #: While the queue stays nearly empty, the pool grows by this fraction per lead_s.
-    max_up_fraction: float = 0.25
+    #: With no target given: how many measured spreads of production the buffer covers.
+    spread_k: float = 1.0
+    #: A worker's start-up time until one has been measured.
+    startup_prior_s: float = 30.0
+    #: While starving, the pool grows by up to this factor per start-up.
+    max_up_factor: float = 2.0
     max_down_fraction: float = 0.25
-    down_cooldown_s: float = 30.0
+    #: At least this long between removals (they are also spaced by a start-up).
+    down_cooldown_s: float = 0.0
 
     def __attrs_post_init__(self) -> None:
         for key in (
-            "target_batches",
-            "refill_s",
             "integral_s",
             "rate_window_s",
             "production_window_s",
             "max_batches_offpolicy",
-            "max_up_fraction",
+            "startup_prior_s",
         ):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"policy.{key} must be > 0, got {getattr(self, key)!r}")
+        for key in ("target_batches", "refill_s"):
+            value = getattr(self, key)
+            if not value >= 0:
+                raise ConfigError(f"policy.{key} must be >= 0 (0: measured), got {value!r}")
+        if not self.max_up_factor > 1:
+            raise ConfigError(f"policy.max_up_factor must be > 1, got {self.max_up_factor!r}")
+        if not self.spread_k >= 0:
+            raise ConfigError(f"policy.spread_k must be >= 0, got {self.spread_k!r}")
         if not 0 < self.max_down_fraction <= 1:
             raise ConfigError(
                 f"policy.max_down_fraction must be in (0, 1], got {self.max_down_fraction}"
             )
-        if not 0 <= self.band_batches < self.target_batches:
+        lowest_target = self.target_batches or 1.0
+        if not 0 <= self.band_batches < lowest_target:
             raise ConfigError(
                 f"policy.band_batches must be in [0, target_batches), got {self.band_batches}"
             )
         if self.down_cooldown_s < 0:
             raise ConfigError(f"policy.down_cooldown_s must be >= 0, got {self.down_cooldown_s}")
 
-    @property
-    def lead_s(self) -> float:
-        """How far ahead the queue is projected before adding workers (refill_s / 2)."""
-        return self.refill_s / 2
-
-    @property
-    def hold_s(self) -> float:
-        """How long a removal must keep the projected queue inside the band (1.75 x refill_s:
-        a little longer than a lead_s plus deo's default stabilization window of 120 s)."""
-        return 1.75 * self.refill_s
-
-    @property
-    def peak_window_s(self) -> float:
-        """Removals respect the highest demand seen this long (5 x rate_window_s)."""
-        return 5 * self.rate_window_s
-
     def initial_target(self, min_workers: int, max_workers: int) -> int:
         return min_workers
+
+    # --- measured parameters ---------------------------------------------------------------------
+
+    def startup(self, memory: BufferMemory) -> float:
+        """The start-up time: measured, or the prior (the oldest worker still starting when
+        older than either: a start-up is at least that long)."""
+        measured = memory.startup_s if memory.startup_s is not None else self.startup_prior_s
+        oldest = memory.last_t - memory.pending_t[0] if memory.pending_t else 0.0
+        return max(measured, oldest if memory.startup_s is None else 0.0)
+
+    def target(self, memory: BufferMemory, batch: int) -> float:
+        """The queue to hold, in batches."""
+        if self.target_batches:
+            return self.target_batches
+        spread = 0.0
+        if memory.spread_var_seqs2 is not None and memory.spreads_seen >= 2:
+            spread = math.sqrt(memory.spread_var_seqs2) / batch
+        ceiling = max(self.max_batches_offpolicy - 1.0, 1.0)
+        return min(1.0 + self.spread_k * spread, ceiling)
+
+    @staticmethod
+    def in_force(context: PolicyContext) -> int:
+        """The count the pool is being brought to (workers not yet requested included)."""
+        return context.current if context.desired is None else context.desired
+
+    @staticmethod
+    def step_s(memory: BufferMemory, batch: int) -> float | None:
+        demand = memory.demand_seqs_s
+        return batch / demand if demand else None
+
+    def _demand_window_s(self, step_s: float | None) -> float:
+        if step_s is None:
+            return self.rate_window_s
+        return min(max(_DEMAND_STEPS * step_s, 4.0), self.rate_window_s)
+
+    # --- deciding --------------------------------------------------------------------------------
 
     def decide(self, context: PolicyContext, memory: BufferMemory | None) -> Decision:
         sample = context.queue
         assert sample is not None  # the reducer asks only with a queue sample
-        t, current = context.t, context.current
+        t, current = context.t, self.in_force(context)
         batch = sample.batch_size_seqs
+        raw = sample.queued_sequences
         if memory is None:
-            queued = sample.queued_sequences
             memory = BufferMemory(
                 last_t=t,
-                last_queued_seqs=queued,
+                last_queued_seqs=raw,
                 last_step=sample.trainer_step,
                 last_active=context.active,
-                queue_seqs=float(queued),
+                queue_seqs=float(raw),
+                last_desired=context.current if context.desired is None else context.desired,
+                active_changed_t=t,
+                pending_t=(t,) * max(context.current - context.active, 0),
             )
-            return self._without_rates(context, memory, queued / batch)
+            return self._without_rates(context, memory, raw / batch)
+        previous_raw = memory.last_queued_seqs
         dt = max(t - memory.last_t, 0.0)
         memory = self._measure(context, memory)
         demand, per_worker = memory.demand_seqs_s, memory.per_worker_seqs_s
@@ -191,67 +304,81 @@ class BufferPolicy:
         if not per_worker or demand is None:  # not measured yet (or nothing produced)
             return self._without_rates(context, memory, queue / batch)
 
-        target_seqs = self.target_batches * batch
+        startup = self.startup(memory)
+        step_s = batch / demand if demand > 0 else math.inf
+        refill = self.refill_s or 2 * (startup + 4.0)
+        target_batches = self.target(memory, batch)
+        target_seqs = target_batches * batch
         error = target_seqs - queue
         # PI on the buffer error with conditional integration (anti-windup).
         integral = memory.integral_seqs_s
         candidate = integral + error * dt
         limit = 2 * target_seqs * self.integral_s
         candidate = min(max(candidate, -limit), limit)
-        raw = (demand + (error + candidate / self.integral_s) / self.refill_s) / per_worker
-        saturated_high = raw > context.max_workers and error > 0
-        saturated_low = raw < context.min_workers and error < 0
+        raw_n = (demand + (error + candidate / self.integral_s) / refill) / per_worker
+        saturated_high = raw_n > context.max_workers and error > 0
+        saturated_low = raw_n < context.min_workers and error < 0
         if not (saturated_high or saturated_low):
             integral = candidate
-        wanted_rate = demand + (error + integral / self.integral_s) / self.refill_s
+        wanted_rate = demand + (error + integral / self.integral_s) / refill
         workers = max(math.ceil(wanted_rate / per_worker - 1e-9), 0)
         memory = replace(memory, integral_seqs_s=integral)
+        cap = memory.saturated_workers if t < memory.saturated_until_t else None
+        # Feed-forward alone: the count that makes what the trainer takes.
+        balanced = max(math.ceil(demand / per_worker - 1e-9), 0)
+        if cap is not None:
+            workers, balanced = min(workers, cap), min(balanced, cap)
 
         figures = (
-            f"queue {queue / batch:.2f} batches vs target {self.target_batches:g}; demand "
-            f"{demand:.2f} seq/s, {per_worker:.2f} seq/s per worker"
+            f"queue {queue / batch:.2f} batches (last {raw / batch:.2f}) vs target "
+            f"{target_batches:.2f}; demand {demand:.1f} seq/s (a step per {step_s:.1f}s), "
+            f"{per_worker:.2f} seq/s per worker, start-up {startup:.0f}s"
         )
-        low_seqs = (self.target_batches - self.band_batches) * batch
-        high_seqs = (self.target_batches + self.band_batches) * batch
+        low_seqs = (target_batches - self.band_batches) * batch
+        high_seqs = (target_batches + self.band_batches) * batch
         since_up = math.inf if memory.last_up_t is None else t - memory.last_up_t
         since_down = math.inf if memory.last_down_t is None else t - memory.last_down_t
-        low_since = memory.low_since_t if queue < low_seqs else None
-        if queue < low_seqs and low_since is None:
-            low_since = t
-        memory = replace(memory, low_since_t=low_since)
-        short_for = 0.0 if low_since is None else t - low_since
-        if since_up >= self.lead_s and (queue < 0.5 * batch or short_for >= self.lead_s):
-            # Nearly empty, or below the band for lead_s whatever was added: the trainer waits,
-            # and what it takes is only what the envs make, so demand reads low (a trainer that
-            # sped up unseen). Grow multiplicatively until the queue refills.
-            grown = current + max(1, math.ceil(current * self.max_up_fraction))
-            target = max(workers, grown)
+        # Fed, the queue holds a batch or more before each step; starving, it never reaches one
+        # and averages about half of one.
+        starving = max(raw, previous_raw) < batch and queue < 0.6 * batch
+        if cap is not None and current > cap:
             return Decision(
-                target=target,
-                reason=f"{figures}; queue not refilling -> {target} workers",
-                memory=replace(memory, last_up_t=t),
+                target=cap,
+                reason=f"{figures}; the shared inference saturates near {cap} workers -> {cap}",
+                memory=memory,
             )
+        if memory.shed_workers:
+            # A removal made to test for saturation: nothing else moves the pool until judged.
+            settle = self._production_settle_s(memory, batch)
+            return self._judge_shed(context, memory, figures, settle, startup)
+        if starving and since_up >= startup:
+            return self._grow(context, memory, figures, workers, batch)
         if measurable and queue < target_seqs:
-            drift = current * per_worker - demand  # seq/s the queue gains at this count
-            projected = queue + drift * self.lead_s
-            # Below the band and not refilling within lead_s with the workers already counted
-            # (requested ones included), or emptying within lead_s: add workers. (The rates are
-            # too noisy to act on a small drift while the queue is still inside the band.)
-            # A removal was judged safe for hold_s: within it, only a queue below the band
+            # Workers still starting produce only once started: credit them for the part of
+            # the horizon after half a start-up (they are, on average, half-way there).
+            starting = max(context.current - context.active, 0)
+            drift = context.active * per_worker - demand
+            projected = queue + drift * startup + starting * per_worker * startup / 2
+            # A removal was judged safe for a start-up: within it, only a queue below the band
             # (not a projection, which rests on noisy rates) brings workers back.
-            trusted = since_down >= self.hold_s
+            trusted = since_down >= startup
             if (projected < 0 and trusted) or (queue < low_seqs and projected < low_seqs):
-                target = max(workers, current + 1)
-                return Decision(
-                    target=target,
-                    reason=f"{figures}; {projected / batch:.2f} batches in {self.lead_s:g}s "
-                    f"-> {target} workers",
-                    memory=replace(memory, last_up_t=t),
-                )
-        if queue <= high_seqs:
+                # One more worker at a time while none is starting; while some are, only what
+                # the rates ask for (the ones starting are not in the queue yet).
+                target = max(workers, balanced, current + 1 if not starting else current)
+                if cap is not None:
+                    target = min(target, max(cap, current))
+                if target > current:
+                    return Decision(
+                        target=target,
+                        reason=f"{figures}; {projected / batch:.2f} batches in {startup:.0f}s "
+                        f"-> {target} workers",
+                        memory=memory,
+                    )
+        if queue <= high_seqs or raw <= high_seqs:
             return Decision(target=current, reason=f"{figures} -> hold {current}", memory=memory)
         last_advance = memory.last_advance_t
-        if demand > 0 and last_advance is not None and t - last_advance > 3 * batch / demand:
+        if last_advance is not None and t - last_advance > _PAUSE_STEPS * step_s:
             # A batch is waiting but the trainer takes none: a pause (evaluation, checkpoint)
             # or a slowdown, told apart when the next step comes; remove nothing until then.
             return Decision(
@@ -259,25 +386,198 @@ class BufferPolicy:
                 reason=f"{figures}; no trainer step for {t - last_advance:.0f}s -> hold {current}",
                 memory=memory,
             )
-        cooldown, why = self.down_cooldown_s, ""
-        if not measurable:
-            # Removals at the limit rest on the lower bound of p: wait lead_s between them, so
-            # that each one shows in the queue before the next.
-            cooldown, why = self.lead_s, "queue at the off-policy limit, "
-        # The fewest workers that keep the queue inside the band for hold_s. A demand well below
-        # its recent peak may be a pause (an evaluation, a checkpoint): assume it comes back.
-        peak = memory.peak_demand_seqs_s
-        expected = peak if demand < 0.8 * peak else demand
-        safe = math.ceil((expected - (queue - low_seqs) / self.hold_s) / per_worker - 1e-9)
+        window = self._demand_window_s(step_s)
+        if memory.resumed_t is not None and memory.demand_seen_s < window:
+            return Decision(
+                target=current,
+                reason=f"{figures}; demand measured for {memory.demand_seen_s:.0f}s since the "
+                f"trainer resumed, {window:.0f}s needed -> hold {current}",
+                memory=memory,
+            )
+        # A removal shows in the queue once the workers' last groups are in: a start-up (the
+        # time to bring one back if it was wrong) before the next.
+        cooldown = max(self.down_cooldown_s, startup, min(4 * step_s, 2 * startup))
+        why = "" if measurable else "queue at the off-policy limit, "
+        # The fewest workers that keep the queue inside the band for a start-up (the time it
+        # takes to bring one back if this was wrong).
+        horizon = startup + 4 * step_s
+        safe = math.ceil((demand - (queue - low_seqs) / horizon) / per_worker - 1e-9)
         step = max(1, math.floor(current * self.max_down_fraction))
-        target = max(workers, safe, current - step, 0)
+        if measurable:
+            # At balance the excess drains as the jitter allows; further would only empty it.
+            target = max(safe, balanced, current - step, 0)
+        else:
+            # At the limit the envs hold back and p rests on its lower bound (every estimate
+            # reads high): step down by a twentieth until the queue leaves the limit.
+            step = max(1, math.floor(current / 20))
+            target = max(min(balanced, current - 1), current - step, 0)
         if target < current and since_down >= cooldown:
             return Decision(
                 target=target,
                 reason=f"{figures} -> {workers} workers; {why}stepping down to {target}",
-                memory=replace(memory, last_down_t=t),
+                memory=memory,
             )
         return Decision(target=current, reason=f"{figures} -> hold {current}", memory=memory)
+
+    def _grow(
+        self,
+        context: PolicyContext,
+        memory: BufferMemory,
+        figures: str,
+        workers: int,
+        batch: int,
+    ) -> Decision:
+        """Rule 2: the trainer starves. Grow by up to ``max_up_factor`` (per start-up), unless
+        the last growth showed the shared inference saturated."""
+        t, current, active = context.t, self.in_force(context), context.active
+        # What the active workers make at the measured p (intervals near the off-policy limit and
+        # just after workers came are left out of p).
+        production = (memory.per_worker_seqs_s or 0.0) * active
+        # Production is averaged over a settle time: two of them after the last worker came,
+        # it shows what the workers added make (to 86%).
+        settle = self._production_settle_s(memory, batch)
+        settled = t - memory.active_changed_t >= 2 * settle
+        startup = self.startup(memory)
+        probing = (
+            memory.probe_workers > 0
+            and active >= max(1.2 * memory.probe_workers, memory.probe_workers + 2)
+            and t - memory.probe_t <= 3 * startup + 3 * settle
+        )
+        if probing and settled:
+            added = (active - memory.probe_workers) / memory.probe_workers
+            gained = production / memory.probe_seqs_s - 1 if memory.probe_seqs_s > 0 else added
+            if gained < added / 2:
+                per_worker = memory.probe_seqs_s / memory.probe_workers
+                cap = max(memory.probe_workers, math.ceil(production / per_worker - 1e-9))
+                cap = max(cap, context.min_workers)
+                until = t + 10 * startup
+                return Decision(
+                    target=cap,
+                    reason=f"{figures}; {active} workers make {production:.1f} seq/s, "
+                    f"{memory.probe_workers} made {memory.probe_seqs_s:.1f}: the shared "
+                    f"inference saturates, holding {cap} workers",
+                    memory=replace(
+                        memory, probe_workers=0, saturated_workers=cap, saturated_until_t=until
+                    ),
+                )
+        elif probing:
+            return Decision(
+                target=current,
+                reason=f"{figures}; trainer starving, the last workers added are still "
+                f"warming up -> hold {current}",
+                memory=memory,
+            )
+        if t < memory.saturated_until_t and memory.saturated_workers is not None:
+            cap = memory.saturated_workers
+            return Decision(
+                target=min(current, cap) if current > cap else current,
+                reason=f"{figures}; trainer starving, but the shared inference saturates near "
+                f"{cap} workers -> hold {min(current, cap)}",
+                memory=memory,
+            )
+        if current >= context.max_workers:
+            return self._at_maximum(context, memory, figures, startup)
+        # In proportion to how much of the last start-up the trainer went hungry: a dip in the
+        # jitter adds a little, a trainer that sped up unseen doubles the pool per start-up.
+        factor = 1 + (self.max_up_factor - 1) * memory.hungry_share
+        grown = max(current + 1, math.ceil(current * factor - 1e-9))
+        target = max(workers, grown)
+        return Decision(
+            target=target,
+            reason=f"{figures}; trainer starving, what it takes is only what the envs make: "
+            f"growing x{factor:.2f} -> {target} workers",
+            memory=replace(memory, probe_workers=active, probe_seqs_s=production, probe_t=t),
+        )
+
+    def _at_maximum(
+        self,
+        context: PolicyContext,
+        memory: BufferMemory,
+        figures: str,
+        startup: float,
+    ) -> Decision:
+        """Starving at the pool's maximum. If production per worker has fallen well below its
+        best, the shared inference may be saturated: remove a quarter and see whether production
+        falls with them (judged by :meth:`_judge_shed`)."""
+        t, current, active = context.t, self.in_force(context), context.active
+        p, best = memory.per_worker_seqs_s or 0.0, memory.best_per_worker_seqs_s
+        # Starving, the queue never reaches the limit: all the pool makes is in this estimate.
+        production = memory.production_seqs_s or 0.0
+        since_up = math.inf if memory.last_up_t is None else t - memory.last_up_t
+        since_down = math.inf if memory.last_down_t is None else t - memory.last_down_t
+        quiet = min(since_up, since_down) >= 2 * startup and t >= memory.no_shed_until_t
+        if quiet and active >= 4 and 0 < p < 0.7 * best:
+            target = current - max(1, current // 4)
+            return Decision(
+                target=target,
+                reason=f"{figures}; trainer starving at the pool's maximum, production per worker "
+                f"fell from {best:.2f} to {p:.2f} seq/s: trying {target} workers to see whether "
+                f"the shared inference saturates",
+                memory=replace(memory, shed_workers=active, shed_seqs_s=production, shed_t=t),
+            )
+        return Decision(
+            target=current,
+            reason=f"{figures}; trainer starving at the pool's maximum -> hold {current}",
+            memory=memory,
+        )
+
+    def _judge_shed(
+        self,
+        context: PolicyContext,
+        memory: BufferMemory,
+        figures: str,
+        settle: float,
+        startup: float,
+    ) -> Decision:
+        """After a removal made at the maximum: production that held up means saturation (keep
+        the smaller pool); production that fell with the workers means the trainer simply wants
+        more than the pool can make (back to the maximum, and no such removal for a while)."""
+        t, current, active = context.t, self.in_force(context), context.active
+        production = memory.production_seqs_s or 0.0
+        cleared = replace(memory, shed_workers=0, no_shed_until_t=t + 10 * startup)
+        if active >= memory.shed_workers:
+            if t - memory.shed_t > startup + 2 * settle:  # the removal was not applied
+                return Decision(
+                    target=current, reason=f"{figures} -> hold {current}", memory=cleared
+                )
+            return Decision(
+                target=current,
+                reason=f"{figures}; waiting for the removal -> hold {current}",
+                memory=memory,
+            )
+        if t - memory.shed_t < 2 * settle:
+            return Decision(
+                target=current,
+                reason=f"{figures}; {active} of {memory.shed_workers} workers: measuring what "
+                f"they make -> hold {current}",
+                memory=memory,
+            )
+        removed = 1 - active / memory.shed_workers
+        kept = production / memory.shed_seqs_s if memory.shed_seqs_s > 0 else 0.0
+        saturated = replace(cleared, saturated_workers=current, saturated_until_t=t + 10 * startup)
+        if kept >= 1 - removed / 2:
+            return Decision(
+                target=current,
+                reason=f"{figures}; {active} workers make {production:.1f} seq/s, "
+                f"{memory.shed_workers} made {memory.shed_seqs_s:.1f}: the shared inference "
+                f"saturates, holding {current} workers",
+                memory=saturated,
+            )
+        # Production fell with the workers: back to the last count found saturated, or to the
+        # maximum (the trainer simply wants more than the pool can make).
+        last = memory.saturated_workers if t < memory.saturated_until_t else None
+        target = max(current, last if last is not None else context.max_workers)
+        return Decision(
+            target=target,
+            reason=f"{figures}; {active} workers make {production:.1f} seq/s, "
+            f"{memory.shed_workers} made {memory.shed_seqs_s:.1f}: not saturated -> {target}",
+            memory=cleared,
+        )
+
+    def _production_settle_s(self, memory: BufferMemory, batch: int) -> float:
+        """How long after the active count changes production reflects it."""
+        step = self.step_s(memory, batch)
+        return max(self._demand_window_s(step), 10.0)
 
     def _offpolicy_seqs(self, batch: int) -> float:
         """From this queue length on envs may hold back (atroposlib's limit, with a margin)."""
@@ -295,48 +595,100 @@ class BufferPolicy:
             "last_step": sample.trainer_step,
             "last_active": context.active,
         }
+        # What the reducer applied of the last decision (not told: the count shows it).
+        desired = context.current if context.desired is None else context.desired
+        if desired is not None and memory.last_desired is not None:
+            if desired > memory.last_desired:
+                changes["last_up_t"] = memory.last_t
+            elif desired < memory.last_desired:
+                changes["last_down_t"] = memory.last_t
+        changes["last_desired"] = desired
+        # Start-up: the oldest workers still starting are the ones that became active.
+        pending = list(memory.pending_t)
+        # Counted since the previous sample (requested then at the latest), before any is popped:
+        # a worker may be requested and become active between two samples.
+        counted_before = memory.last_active + len(pending)
+        pending.extend([memory.last_t] * max(context.current - counted_before, 0))
+        became = max(context.active - memory.last_active, 0)
+        startup, seen = memory.startup_s, memory.startups_seen
+        for _ in range(min(became, len(pending))):
+            age = t - pending.pop(0)
+            seen += 1
+            startup = age if startup is None else startup + (age - startup) / min(seen, 8)
+        starting = max(context.current - context.active, 0)
+        del pending[starting:]  # cancelled or failed: the newest go first
+        pending.extend([memory.last_t] * (starting - len(pending)))
+        changes.update(pending_t=tuple(pending), startup_s=startup, startups_seen=seen)
+        if context.active > memory.last_active:
+            changes["active_changed_t"] = t
         if dt <= 0:
             return replace(memory, **changes)
-        queue_window = self.rate_window_s / 2
+        step_s = self.step_s(memory, batch)
+        hungry = 1.0 if queued < 0.5 * batch else 0.0
+        weight = 1.0 - math.exp(-dt / max(self.startup(memory), dt))
+        changes["hungry_share"] = memory.hungry_share + weight * (hungry - memory.hungry_share)
+        queue_window = min(max(2 * (step_s or 0.0), dt), self.rate_window_s / 2)
         changes["queue_seqs"] = _average(
             memory.queue_seqs, queued, memory.queue_seen_s, dt, queue_window
         )
         changes["queue_seen_s"] = min(memory.queue_seen_s + dt, queue_window)
         steps = max(sample.trainer_step - memory.last_step, 0)
         consumed = steps * batch
+        demand_window = self._demand_window_s(step_s)
         if steps:
             changes["last_advance_t"] = t
         if steps and memory.last_advance_t is not None:
             # From one advance to the next: sampling at arbitrary phases of a step would add a
             # ripple of a whole batch per sample to the estimate.
             span = t - memory.last_advance_t
-            rate = consumed / span
-            demand = _average(
-                memory.demand_seqs_s, rate, memory.demand_seen_s, span, self.rate_window_s
+            # (Right after a pause, a second long span is a slower trainer.)
+            paused = (
+                step_s is not None
+                and span > _PAUSE_STEPS * step_s + dt
+                and memory.last_queued_seqs >= batch
+                and (memory.resumed_t is None or memory.demand_seen_s > 0)
             )
-            fast = _average(
-                memory.fast_demand_seqs_s,
-                rate,
-                memory.demand_seen_s,
-                span,
-                self.rate_window_s / 6,
-            )
-            if fast > 1.25 * demand:  # a sustained speed-up, not step-timing noise
-                demand = fast
-            changes["demand_seqs_s"] = demand
-            changes["fast_demand_seqs_s"] = fast
-            changes["demand_seen_s"] = min(memory.demand_seen_s + span, self.rate_window_s)
-            # The recent peak: replaced when it has not been approached for a peak window.
-            if memory.demand_seen_s >= self.rate_window_s:  # not from warm-up noise
-                peak = memory.peak_demand_seqs_s
-                if demand >= peak or t - memory.peak_t > self.peak_window_s:
-                    changes["peak_demand_seqs_s"] = demand
-                    changes["peak_t"] = t
-                elif demand >= 0.9 * peak:
-                    changes["peak_t"] = t
+            if paused:
+                # The trainer took nothing while a batch waited: a pause. What it takes now is
+                # measured afresh (the demand before it may not hold after a restart).
+                changes.update(resumed_t=t, demand_seen_s=0.0, fast_demand_seqs_s=None)
+            else:
+                rate = consumed / span
+                demand = _average(
+                    memory.demand_seqs_s, rate, memory.demand_seen_s, span, demand_window
+                )
+                fast = _average(
+                    memory.fast_demand_seqs_s,
+                    rate,
+                    memory.demand_seen_s,
+                    span,
+                    min(_FAST_STEPS * (step_s or span), demand_window),
+                )
+                if not 0.75 * demand <= fast <= 1.25 * demand:
+                    demand = fast  # the trainer sped up or slowed down (not step-timing noise)
+                elif not 0.9 * demand <= fast <= 1.1 * demand:
+                    demand = (demand + fast) / 2  # and it is still settling
+                changes["demand_seqs_s"] = demand
+                changes["fast_demand_seqs_s"] = fast
+                changes["demand_seen_s"] = min(memory.demand_seen_s + span, demand_window)
+        produced = max(queued - memory.last_queued_seqs + consumed, 0)
+        changes["production_seqs_s"] = _average(
+            memory.production_seqs_s, produced / dt, memory.production_seen_s, dt, demand_window
+        )
         throughout = min(context.active, memory.last_active)
-        if throughout > 0 and max(queued, memory.last_queued_seqs) < self._offpolicy_seqs(batch):
-            produced = max(queued - memory.last_queued_seqs + consumed, 0)
+        # Workers that just started make less than they will (their first groups are all still
+        # in generation): p is measured once the pool has settled (the first time, at once).
+        # A few steps: p reads a little low for a group latency after workers come, but it must
+        # keep up with a pool that grows and shrinks.
+        settle = max(4 * (step_s or 0.0), 10.0)
+        near_limit = max(queued, memory.last_queued_seqs) >= self._offpolicy_seqs(batch)
+        if near_limit:
+            changes["limit_t"] = t
+        settled = not memory.per_worker_seqs_s or (
+            t - memory.active_changed_t >= settle
+            and (memory.limit_t is None or t - memory.limit_t >= settle)
+        )
+        if throughout > 0 and settled and not near_limit:
             changes["per_worker_seqs_s"] = _average(
                 memory.per_worker_seqs_s,
                 produced / dt / throughout,
@@ -347,27 +699,61 @@ class BufferPolicy:
             changes["production_seen_s"] = min(
                 memory.production_seen_s + dt, self.production_window_s
             )
+            if memory.production_seen_s >= settle:  # not the first noisy intervals
+                p = changes["per_worker_seqs_s"]
+                assert isinstance(p, float)
+                changes["best_per_worker_seqs_s"] = max(memory.best_per_worker_seqs_s, p)
+            changes.update(self._spread(memory, t, produced, throughout * dt))
         return replace(memory, **changes)
+
+    def _spread(
+        self, memory: BufferMemory, t: float, produced: float, worker_s: float
+    ) -> dict[str, object]:
+        """Fold one interval into the start-up-long spans: the spread is how much the production
+        of the pool over a start-up changes from one span to the next (slow drifts cancel)."""
+        if memory.spread_since_t is None:
+            return {"spread_sum_seqs": 0.0, "spread_worker_s": 0.0, "spread_since_t": t}
+        total, worker_total = memory.spread_sum_seqs + produced, memory.spread_worker_s + worker_s
+        span = t - memory.spread_since_t
+        if span < self.startup(memory) or worker_total <= 0:
+            return {"spread_sum_seqs": total, "spread_worker_s": worker_total}
+        rate = total / worker_total
+        changes: dict[str, object] = {
+            "spread_sum_seqs": 0.0,
+            "spread_worker_s": 0.0,
+            "spread_since_t": t,
+            "spread_rate_seqs_s": rate,
+        }
+        if memory.spread_rate_seqs_s is not None:
+            # The pool's production over the span, had it kept this span's workers.
+            square = ((rate - memory.spread_rate_seqs_s) * worker_total) ** 2 / 2
+            seen = memory.spreads_seen + 1
+            var = memory.spread_var_seqs2
+            var = square if var is None else var + (square - var) / min(seen, 10)
+            changes.update(spread_var_seqs2=var, spreads_seen=seen)
+        return changes
 
     def _without_rates(
         self, context: PolicyContext, memory: BufferMemory, queued_batches: float
     ) -> Decision:
-        current = context.current
-        if queued_batches < self.target_batches:
+        current = self.in_force(context)
+        target_batches = self.target(memory, 1)
+        if queued_batches < target_batches:
             # A cold pool: every worker it may have reaches the first batch soonest.
             target = max(current, context.max_workers)
             return Decision(
                 target=target,
                 reason=(
-                    f"queue {queued_batches:.2f} batches < target {self.target_batches:g}; "
+                    f"queue {queued_batches:.2f} batches < target {target_batches:g}; "
                     f"rates not measured yet -> {target} workers"
                 ),
                 memory=memory,
+                stabilize=False,
             )
         return Decision(
             target=current,
             reason=(
-                f"queue {queued_batches:.2f} batches >= target {self.target_batches:g}; "
+                f"queue {queued_batches:.2f} batches >= target {target_batches:g}; "
                 f"rates not measured yet -> hold {current}"
             ),
             memory=memory,

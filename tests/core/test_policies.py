@@ -6,7 +6,6 @@ Policies never clamp to the pool's bounds (the reducer does), so targets here ma
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
@@ -20,9 +19,7 @@ from core.events import LoadSampled, QueueSampled
 from core.policies import (
     BUILT_INS,
     POLICIES,
-    BufferMemory,
     BufferPolicy,
-    Decision,
     HpaMemory,
     HpaPolicy,
     PolicyCatalog,
@@ -111,8 +108,11 @@ def queue_ctx(
         ("threshold", {"stability_s": -1}, "policy.stability_s"),
         ("threshold", {"scale_up_cooldown_s": -1}, "policy.scale_up_cooldown_s"),
         ("threshold", {"scale_down_cooldown_s": -1}, "policy.scale_down_cooldown_s"),
-        ("buffer", {"target_batches": 0}, "policy.target_batches"),
-        ("buffer", {"refill_s": 0}, "policy.refill_s"),
+        ("buffer", {"target_batches": -1}, "policy.target_batches"),
+        ("buffer", {"refill_s": -1}, "policy.refill_s"),
+        ("buffer", {"startup_prior_s": 0}, "policy.startup_prior_s"),
+        ("buffer", {"max_up_factor": 1.0}, "policy.max_up_factor"),
+        ("buffer", {"spread_k": -1}, "policy.spread_k"),
         ("buffer", {"integral_s": -1}, "policy.integral_s"),
         ("buffer", {"rate_window_s": 0}, "policy.rate_window_s"),
         ("buffer", {"max_batches_offpolicy": 0}, "policy.max_batches_offpolicy"),
@@ -120,9 +120,9 @@ def queue_ctx(
         ("buffer", {"max_down_fraction": 1.5}, "policy.max_down_fraction"),
         ("buffer", {"down_cooldown_s": -1}, "policy.down_cooldown_s"),
         ("buffer", {"production_window_s": 0}, "policy.production_window_s"),
-        ("buffer", {"max_up_fraction": 0}, "policy.max_up_fraction"),
         ("buffer", {"band_batches": -0.1}, "policy.band_batches"),
-        ("buffer", {"band_batches": 1.25}, "policy.band_batches"),  # not below the target 1.25
+        ("buffer", {"band_batches": 1.0}, "policy.band_batches"),  # not below the least target 1
+        ("buffer", {"target_batches": 1.5, "band_batches": 1.5}, "policy.band_batches"),
     ],
 )
 def test_build_errors_name_the_key(name: str, params: dict[str, Any], key: str) -> None:
@@ -569,393 +569,6 @@ def test_hpa_properties(
         # within tolerance the count holds
         if current and abs(in_flight / (current * target_per_worker) - 1) <= tolerance:
             assert latest == current
-
-
-# --- buffer -------------------------------------------------------------------------------------
-
-# Batch 64 sequences; defaults: target 1.25 batches = 80 seq, band +-0.5 -> [48, 112] seq,
-# refill_s 120 (lead_s 60, hold_s 210), rate window 60 s (queue smoothed over 30 s), production
-# window 300 s, off-policy limit 0.8 x 3 x 64 = 153.6 seq.
-
-
-def settled(**changes: Any) -> BufferMemory:
-    """A memory whose windows are full: D = 32 seq/s, p = 4 seq/s/worker (n = 8), Q = 80."""
-    fields: dict[str, Any] = {
-        "last_t": 100.0,
-        "last_queued_seqs": 80,
-        "last_step": 50,
-        "last_active": 0,  # nothing measured from the probe sample (see probe())
-        "queue_seqs": 80.0,
-        "demand_seqs_s": 32.0,
-        "fast_demand_seqs_s": 32.0,
-        "last_advance_t": 99.0,
-        "peak_demand_seqs_s": 32.0,
-        "peak_t": 99.0,
-        "per_worker_seqs_s": 4.0,
-        "queue_seen_s": 30.0,
-        "demand_seen_s": 60.0,
-        "production_seen_s": 300.0,
-    }
-    fields.update(changes)
-    if "queue_seqs" in changes and "last_queued_seqs" not in changes:
-        fields["last_queued_seqs"] = round(changes["queue_seqs"])
-    return BufferMemory(**fields)
-
-
-def probe(
-    memory: BufferMemory, current: int, *, policy: BufferPolicy | None = None, **ctx: Any
-) -> Decision:
-    """Decide at t = 102 on a sample that changes no estimate: the queue as smoothed, no step,
-    no worker active at the previous sample (so production is not measured)."""
-    return (policy or BufferPolicy()).decide(
-        queue_ctx(102.0, round(memory.queue_seqs), memory.last_step, current=current, **ctx),
-        memory,
-    )
-
-
-@pytest.mark.parametrize(
-    ("current", "max_workers", "expected"),
-    [
-        (0, 10, 10),  # nothing measured, queue short: every worker the pool may have
-        (3, 10, 10),
-        (12, 10, 12),  # never below the current count (the reducer clamps to the bounds)
-    ],
-)
-def test_buffer_cold_start_starts_every_worker(
-    current: int, max_workers: int, expected: int
-) -> None:
-    # 32 queued < 80 target
-    ctx = queue_ctx(100.0, 32, 10, current=current, active=0, max_workers=max_workers)
-    decision = BufferPolicy().decide(ctx, None)
-    assert decision.target == expected
-    assert "not measured yet" in decision.reason
-    assert decision.memory == BufferMemory(
-        last_t=100.0, last_queued_seqs=32, last_step=10, last_active=0, queue_seqs=32.0
-    )
-
-
-@pytest.mark.parametrize("queued", [80, 100, 500])  # >= 80 target sequences
-def test_buffer_cold_start_with_a_full_queue_holds(queued: int) -> None:
-    decision = BufferPolicy().decide(queue_ctx(100.0, queued, 3, current=5, active=2), None)
-    assert decision.target == 5
-    assert "hold 5" in decision.reason
-
-
-def test_buffer_hand_computed_first_estimates() -> None:
-    policy = BufferPolicy()
-    first = policy.decide(queue_ctx(100.0, 32, 10, current=4), None)
-    # t=102: 48 queued, one step (the first advance: no demand yet), 4 workers active throughout.
-    second = policy.decide(queue_ctx(102.0, 48, 11, current=4), first.memory)
-    memory = second.memory
-    assert memory.queue_seqs == 48.0  # the first smoothed value is the sample itself
-    assert memory.last_advance_t == 102.0
-    assert memory.demand_seqs_s is None
-    assert memory.per_worker_seqs_s == pytest.approx(10.0)  # (48 - 32 + 64) / 2 s / 4 = 10
-    assert second.target == 100  # still cold: every worker (max_workers 100 in queue_ctx)
-
-    # t=106: 40 queued, two steps since the advance at 102.
-    third = policy.decide(queue_ctx(106.0, 40, 13, current=4), memory)
-    memory = third.memory
-    # Running means while the windows fill: weights dt / (seen + dt).
-    assert memory.queue_seqs == pytest.approx(48 + 4 / 6 * (40 - 48))  # 42.67
-    assert memory.demand_seqs_s == pytest.approx(2 * 64 / 4)  # 32 seq/s over the 4 s span
-    produced = (40 - 48 + 128) / 4 / 4  # 7.5 seq/s/worker
-    assert memory.per_worker_seqs_s == pytest.approx(10 + 4 / 6 * (produced - 10))  # 8.33
-    # e = 80 - 42.67 = 37.33; I = 37.33 x 4 s = 149.3; n = ceil((32 + (37.33 + 149.3 / 1800)
-    # / 120) / 8.33) = ceil(3.88) = 4. The queue is below the band (48) but 4 x 8.33 - 32 =
-    # +1.33 seq/s refills it (42.67 + 80 in 60 s): hold.
-    assert memory.integral_seqs_s == pytest.approx((80 - 128 / 3) * 4)
-    assert third.target == 4
-    assert third.reason.endswith("-> hold 4")
-    assert "demand 32.00 seq/s, 8.33 seq/s per worker" in third.reason
-    assert "queue 0.67 batches vs target 1.25" in third.reason
-
-
-def test_buffer_demand_comes_from_step_advances_without_sampling_ripple() -> None:
-    # A trainer stepping every 5 s, sampled every 2 s: advances are seen after 4 or 6 s, yet
-    # the estimate (a running mean over the spans while the window fills) is exactly 64 / 5.
-    policy = BufferPolicy()
-    memory = None
-    for k in range(0, 26):
-        t = 2.0 * k
-        step = int(t // 5)
-        memory = policy.decide(queue_ctx(t, 200, step, current=4), memory).memory
-    assert memory is not None
-    # First advance seen at t=6 (step 1), last at t=50 (step 10): 9 steps over 44 s.
-    assert memory.demand_seqs_s == pytest.approx(9 * 64 / 44)
-    # A sample without an advance leaves it alone.
-    same = policy.decide(queue_ctx(51.0, 200, 10, current=4), memory).memory
-    assert same.demand_seqs_s == memory.demand_seqs_s
-
-
-def test_buffer_a_trainer_that_speeds_up_is_believed_quickly() -> None:
-    policy = BufferPolicy()
-    memory = settled(demand_seqs_s=12.8, fast_demand_seqs_s=12.8, last_advance_t=100.0)
-    t, step = 100.0, 50
-    history = []
-    for _ in range(3):  # now a step every 2 s: 32 seq/s
-        t, step = t + 2.0, step + 1
-        memory = policy.decide(queue_ctx(t, 80, step, current=8), memory).memory
-        history.append(memory.demand_seqs_s)
-    # The 60 s window alone would move 12.8 -> 14.5 in three samples (alpha 1 - e^(-2/60));
-    # the 10 s window passes 1.25 x it by the second and replaces it.
-    slow = 12.8
-    for _ in range(3):
-        slow += (1 - math.exp(-2 / 60)) * (32 - slow)
-    assert history[-1] > 1.25 * slow
-
-
-def test_buffer_recent_peak_of_demand() -> None:
-    # Steps every 2 s keep the demand at 64 / 2 = 32 seq/s.
-    def next_memory(memory: BufferMemory) -> BufferMemory:
-        t = memory.last_t + 2.0
-        ctx = queue_ctx(t, 80, memory.last_step + 1, current=8)
-        after: BufferMemory = BufferPolicy().decide(ctx, memory).memory
-        return after
-
-    now = {"last_t": 102.0, "last_advance_t": 102.0}
-    # 32 < 0.9 x 40: the peak stays, and so does its time
-    step = next_memory(settled(peak_demand_seqs_s=40.0, peak_t=50.0, **now))
-    assert step.demand_seqs_s == pytest.approx(32.0)
-    assert (step.peak_demand_seqs_s, step.peak_t) == (40.0, 50.0)
-    # 32 >= 0.9 x 34: approached again, the peak's time is refreshed
-    step = next_memory(settled(peak_demand_seqs_s=34.0, peak_t=50.0, **now))
-    assert (step.peak_demand_seqs_s, step.peak_t) == (34.0, 104.0)
-    # not approached for more than 5 x 60 = 300 s: today's demand is the peak
-    late = {"last_t": 358.0, "last_advance_t": 358.0}
-    step = next_memory(settled(peak_demand_seqs_s=40.0, peak_t=50.0, **late))
-    assert step.peak_t == 360.0
-    assert step.peak_demand_seqs_s == pytest.approx(32.0)
-
-
-def test_buffer_does_not_measure_production_near_the_offpolicy_limit() -> None:
-    # batch 10; limit 0.8 x 5 x 10 = 40 seq: not measured when either end reaches it
-    policy = BufferPolicy(max_batches_offpolicy=5.0)
-    steps = [
-        (100.0, 45, 0, None),  # first sample: nothing measured
-        (110.0, 40, 1, None),  # max(40, 45) = 45 >= 40: not measured
-        (120.0, 42, 2, None),  # max(42, 40) = 42 >= 40
-        (130.0, 39, 3, None),  # max(39, 42) = 42 >= 40: the interval started near the limit
-        (140.0, 39, 4, 1.0),  # max(39, 39) < 40: (39 - 39 + 10) / 10 / 1 = 1.0 seq/s/worker
-    ]
-    memory = None
-    for t, queued, step, per_worker in steps:
-        decision = policy.decide(queue_ctx(t, queued, step, current=1, batch=10), memory)
-        memory = decision.memory
-        assert memory.per_worker_seqs_s == per_worker, f"t={t}"
-    assert memory is not None
-    assert memory.demand_seqs_s == pytest.approx(1.0)  # one 10-seq step per 10 s
-
-
-def test_buffer_does_not_measure_production_without_workers_active_throughout() -> None:
-    policy = BufferPolicy()
-    first = policy.decide(queue_ctx(100.0, 0, 0, current=2, active=0), None)
-    second = policy.decide(queue_ctx(110.0, 10, 0, current=2, active=2), first.memory)
-    assert second.memory.per_worker_seqs_s is None  # none was active at t=100
-    third = policy.decide(queue_ctx(120.0, 30, 0, current=2, active=2), second.memory)
-    assert third.memory.per_worker_seqs_s == pytest.approx(1.0)  # (30 - 10) / 10 s / 2
-
-
-@pytest.mark.parametrize(
-    ("queue", "current", "expected", "why"),
-    [
-        # n* = 32 / 4 = 8 workers
-        (80.0, 8, 8, "hold 8"),  # at the target
-        (60.0, 8, 8, "hold 8"),  # below the target, refilling at 8 x 4 - 32 = 0 seq/s: holds
-        (110.0, 12, 12, "hold 12"),  # above the target, inside the band (<= 112)
-        # below the band, 8 workers only hold it there: n = ceil((32 + (40 + 80 / 1800) / 120)
-        # / 4) = ceil(8.08) = 9
-        (40.0, 8, 9, "-> 9 workers"),
-        # inside the band but emptying: 60 + (7 x 4 - 32) x 60 = -180 < 0 -> max(ceil(8.04), 8)
-        (60.0, 7, 9, "-> 9 workers"),
-        # above the band: n = ceil((32 + (-70 - 140 / 1800) / 120) / 4) = ceil(7.85) = 8; safe =
-        # ceil((32 - (150 - 48) / 210) / 4) = ceil(7.88) = 8; step max(1, floor(10 x .25)) = 2
-        (150.0, 10, 8, "stepping down to 8"),
-        (150.0, 20, 15, "stepping down to 15"),  # step floor(20 x .25) = 5 -> max(8, 8, 15)
-        (150.0, 8, 8, "hold 8"),  # already at n
-    ],
-)
-def test_buffer_band_decisions(queue: float, current: int, expected: int, why: str) -> None:
-    decision = probe(settled(queue_seqs=queue), current)
-    assert decision.target == expected, decision.reason
-    assert why in decision.reason
-
-
-def test_buffer_removal_keeps_the_queue_in_the_band_for_hold_s() -> None:
-    # 150 queued, demand 32, p 4: with 7 workers the queue loses 4 seq/s and would leave the
-    # band (48) after 102 / 4 = 25.5 s < 210 s: safe = ceil((32 - 102 / 210) / 4) = 8
-    policy = BufferPolicy(max_down_fraction=1.0)
-    decision = probe(settled(queue_seqs=150.0), 10, policy=policy)
-    assert decision.target == 8  # n says 8 too
-    deep = probe(settled(queue_seqs=150.0, integral_seqs_s=-1_000_000.0), 10, policy=policy)
-    # a large negative integral asks for ceil((32 + (-70 - 555.6) / 120) / 4) = 7: safe wins
-    assert deep.target == 8
-
-
-def test_buffer_after_a_removal_only_a_queue_below_the_band_adds_workers() -> None:
-    # 60 queued with 7 workers: 60 + (7 x 4 - 32) x 60 = -180 < 0 would add (see the table),
-    # but a removal 52 s ago (< hold_s 210) was judged safe: the projection alone is not enough.
-    recent = settled(queue_seqs=60.0, last_down_t=50.0)
-    assert probe(recent, 7).target == 7
-    # Below the band (40 < 48) it is: n = ceil((32 + (40 + 80 / 1800) / 120) / 4) = 9.
-    assert probe(settled(queue_seqs=40.0, last_down_t=50.0), 7).target == 9
-    # And a removal 210 s ago no longer counts.
-    assert probe(settled(queue_seqs=60.0, last_down_t=-108.0), 7).target == 9
-
-
-def test_buffer_removal_cooldown() -> None:
-    memory = settled(queue_seqs=150.0, last_down_t=75.0)  # 27 s ago < 30
-    assert probe(memory, 10).target == 10
-    memory = settled(queue_seqs=150.0, last_down_t=72.0)  # 30 s ago
-    decision = probe(memory, 10)
-    assert decision.target == 8
-    assert decision.memory.last_down_t == 102.0
-
-
-def test_buffer_holds_while_the_trainer_pauses_and_after_it() -> None:
-    # A batch waits, but no step for 102 - 80 = 22 s > 3 x 64 / 32 = 6 s: a pause or slowdown
-    paused = probe(settled(queue_seqs=150.0, last_advance_t=80.0), 10)
-    assert paused.target == 10
-    assert "no trainer step for 22s" in paused.reason
-    # When steps resume, a demand fallen below 80% of its recent peak (the pause folded into
-    # it) is not trusted for removals: safe = ceil((32 - 102 / 210) / 4) = 8 at the peak 32,
-    # but with demand now 16: n = ceil((16 - 0.58) / 4) = 4 while safe stays 8.
-    after = settled(queue_seqs=150.0, demand_seqs_s=16.0, fast_demand_seqs_s=16.0)
-    decision = probe(after, 10, policy=BufferPolicy(max_down_fraction=1.0))
-    assert decision.target == 8
-    unprotected = settled(
-        queue_seqs=150.0, demand_seqs_s=16.0, fast_demand_seqs_s=16.0, peak_demand_seqs_s=16.0
-    )
-    assert probe(unprotected, 10, policy=BufferPolicy(max_down_fraction=1.0)).target == 4
-
-
-def test_buffer_at_the_offpolicy_limit_production_has_a_lower_bound() -> None:
-    # 180 queued >= 153.6: p cannot be measured. A stale p of 2 says n = 16 (> 10 active), but
-    # a full queue proves p >= 32 / 10 = 3.2: n = ceil((32 + (-100 - 200 / 1800) / 120) / 3.2)
-    # = ceil(9.74) = 10, safe = ceil((32 - 132 / 210) / 3.2) = ceil(9.80) = 10: hold.
-    stale = probe(settled(queue_seqs=180.0, per_worker_seqs_s=2.0), 10)
-    assert stale.target == 10
-    assert "3.20 seq/s per worker" in stale.reason
-    # With p 4: n = ceil(7.79) = 8, safe = ceil(7.84) = 8, step 2 -> 8; at the limit removals
-    # wait lead_s (60 s), not down_cooldown_s.
-    decision = probe(settled(queue_seqs=180.0), 10)
-    assert decision.target == 8
-    assert "off-policy limit" in decision.reason
-    assert probe(settled(queue_seqs=180.0, last_down_t=60.0), 10).target == 10  # 42 s ago
-    assert probe(settled(queue_seqs=180.0, last_down_t=40.0), 10).target == 8  # 62 s ago
-    # Even before p is measured at all, the bound lets a cold start shed workers: 400 queued,
-    # p >= 32 / 20 = 1.6: n = ceil((32 + (-320 - 640 / 1800) / 120) / 1.6) = ceil(18.33) = 19,
-    # safe = ceil((32 - 352 / 210) / 1.6) = ceil(18.95) = 19
-    cold = probe(settled(queue_seqs=400.0, per_worker_seqs_s=None), 20)
-    assert cold.target == 19
-
-
-@pytest.mark.parametrize(
-    ("changes", "current", "expected"),
-    [
-        # nearly empty (20 < 32): grow by max(1, ceil(10 x 0.25)) = 3 -> max(ceil(8.13), 13)
-        ({"queue_seqs": 20.0}, 10, 13),
-        # below the band (40 < 48) for 102 - 30 = 72 s >= 60 s, last addition 72 s ago
-        ({"queue_seqs": 40.0, "low_since_t": 30.0, "last_up_t": 30.0}, 10, 13),
-        # the last addition only 22 s ago: its workers are still starting; 10 x 4 - 32 = +8
-        # seq/s refills the band within lead_s: hold
-        ({"queue_seqs": 40.0, "low_since_t": 30.0, "last_up_t": 80.0}, 10, 10),
-    ],
-)
-def test_buffer_grows_when_the_queue_does_not_refill(
-    changes: dict[str, Any], current: int, expected: int
-) -> None:
-    decision = probe(settled(**changes), current)
-    assert decision.target == expected, decision.reason
-    if expected > current:
-        assert "not refilling" in decision.reason
-        assert decision.memory.last_up_t == 102.0
-
-
-def _anti_windup_run(max_workers: int, samples: int) -> list[float]:
-    """The queue stays empty while the trainer takes one 64-seq batch every 10 s from 1 worker
-    producing exactly that: D = p = 6.4 seq/s, e = 80, so I grows 80 x 10 = 800 per sample
-    unless frozen. raw = 1 + (80 + I / 1800) / (120 x 6.4) = 1.10 + I / 1382400 > 1."""
-    policy = BufferPolicy()
-    memory = settled(
-        queue_seqs=0.0,
-        last_queued_seqs=0,
-        demand_seqs_s=6.4,
-        fast_demand_seqs_s=6.4,
-        peak_demand_seqs_s=6.4,
-        per_worker_seqs_s=6.4,
-        last_active=1,
-        last_t=0.0,
-        last_advance_t=0.0,
-    )
-    integrals = []
-    for k in range(1, samples + 1):
-        ctx = queue_ctx(10.0 * k, 0, 50 + k, current=1, max_workers=max_workers)
-        memory = policy.decide(ctx, memory).memory
-        assert memory.demand_seqs_s == pytest.approx(6.4)
-        integrals.append(memory.integral_seqs_s)
-    return integrals
-
-
-def test_buffer_anti_windup_freezes_the_integral_while_saturated() -> None:
-    # max 1: raw > 1 from the first sample: I never leaves 0
-    assert _anti_windup_run(max_workers=1, samples=20) == [0.0] * 20
-    # unbounded: I grows 800 per sample up to the clamp 2 x 80 x 1800 = 288000 (k = 360)
-    free = _anti_windup_run(max_workers=1000, samples=370)
-    assert free[:3] == pytest.approx([800.0, 1600.0, 2400.0])
-    assert free[359] == pytest.approx(288_000.0)
-    assert free[360:] == [288_000.0] * 10
-
-
-@settings(max_examples=150, deadline=None)
-@given(
-    fraction=st.sampled_from([0.05, 0.1, 0.5, 1.0]),
-    cooldown=st.sampled_from([0.0, 30.0]),
-    batch=st.integers(min_value=1, max_value=128),
-    samples=st.lists(
-        st.tuples(
-            st.floats(min_value=0.5, max_value=60.0),  # seconds since the previous sample
-            st.integers(min_value=0, max_value=1000),  # queued sequences
-            st.integers(min_value=0, max_value=3),  # trainer steps taken
-            st.integers(min_value=0, max_value=40),  # current
-            st.integers(min_value=0, max_value=40),  # active (capped at current)
-        ),
-        min_size=1,
-        max_size=30,
-    ),
-)
-def test_buffer_properties(
-    fraction: float,
-    cooldown: float,
-    batch: int,
-    samples: list[tuple[float, int, int, int, int]],
-) -> None:
-    policy = BufferPolicy(max_down_fraction=fraction, down_cooldown_s=cooldown)
-    memory, t, step = None, 0.0, 0
-    limit = 2 * policy.target_batches * batch * policy.integral_s
-    for dt, queued, steps, current, active in samples:
-        t, step = t + dt, step + steps
-        ctx = queue_ctx(t, queued, step, current=current, active=min(active, current), batch=batch)
-        decision = policy.decide(ctx, memory)
-        after = decision.memory
-        assert decision.target >= 0
-        # removals never move more than max(1, floor(current x fraction)) at once, only from
-        # above the band, and never sooner than the cooldown after the previous one
-        assert decision.target >= current - max(1, math.floor(current * fraction))
-        if decision.target < current:
-            band_top = (policy.target_batches + policy.band_batches) * batch
-            assert after.queue_seqs > band_top
-            assert after.last_down_t == t
-            if memory is not None and memory.last_down_t is not None:
-                assert t - memory.last_down_t >= cooldown
-        # additions only while the smoothed queue is short of the target
-        if decision.target > current:
-            assert after.queue_seqs < policy.target_batches * batch
-        # without a demand estimate the policy never shrinks the pool
-        if after.demand_seqs_s is None:
-            assert decision.target >= current
-        assert abs(after.integral_seqs_s) <= limit
-        memory = after
 
 
 def test_a_catalog_extended_with_an_outside_policy_builds_it_and_leaves_the_built_ins() -> None:

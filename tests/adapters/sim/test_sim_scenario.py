@@ -188,7 +188,7 @@ def test_trainer_mistakes_name_the_key(tmp_path: Path, extra: str, message: str)
         ("require_ready = 1", "pools.envs.require_ready: expected true or false, got 1"),
         ("min_workers = 5\nmax_workers = 2", "pools.envs.max_workers (2) must be >= min_workers"),
         ("policy = { name = 'nope' }", "pools.envs.policy.name: unknown policy 'nope'"),
-        ("policy = { target_batches = 0 }", "pools.envs.policy.target_batches must be > 0"),
+        ("policy = { target_batches = -1 }", "pools.envs.policy.target_batches must be >= 0"),
         ("policy = { target = 2 }", "pools.envs.policy.target: 'buffer' has no such parameter"),
         ("policy = 'buffer'", "pools.envs.policy: expected a table, got 'buffer'"),
         ("crash_loop = { early_exit_s = 0 }", "pools.envs.crash_loop.early_exit_s must be > 0"),

@@ -1,0 +1,352 @@
+"""core.policies.buffer: deo's default policy, from its measurements to its decisions.
+
+Batch 64 sequences throughout. Each test drives the policy with samples as the reducer would
+(``desired`` is the count the reducer applied) and checks what it measured or decided.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core.events import QueueSampled
+from core.policies import BufferMemory, BufferPolicy, Decision, PolicyContext
+from core.records import replace
+
+BATCH = 64
+
+
+def ctx(
+    t: float,
+    queued: int,
+    step: int,
+    *,
+    current: int,
+    active: int | None = None,
+    desired: int | None = None,
+    max_workers: int = 100,
+    batch: int = BATCH,
+) -> PolicyContext:
+    return PolicyContext(
+        t=t,
+        pool="p",
+        current=current,
+        active=current if active is None else active,
+        min_workers=0,
+        max_workers=max_workers,
+        desired=current if desired is None else desired,
+        queue=QueueSampled(
+            t=t, pool="p", queued_sequences=queued, batch_size_seqs=batch, trainer_step=step
+        ),
+    )
+
+
+def settled(**changes: Any) -> BufferMemory:
+    """Windows full: D = 32 seq/s (a step per 2 s), p = 4 seq/s/worker (n = 8), Q = 80 seq,
+    start-up 20 s measured, a production spread of 0 (target 1 batch, band [32, 96] seq)."""
+    fields: dict[str, Any] = {
+        "last_t": 100.0,
+        "last_queued_seqs": 80,
+        "last_step": 50,
+        "last_active": 8,
+        "queue_seqs": 80.0,
+        "demand_seqs_s": 32.0,
+        "fast_demand_seqs_s": 32.0,
+        "last_advance_t": 100.0,
+        "per_worker_seqs_s": 4.0,
+        "production_seqs_s": 32.0,
+        "queue_seen_s": 4.0,
+        "demand_seen_s": 60.0,
+        "production_seen_s": 120.0,
+        "last_desired": 8,
+        "startup_s": 20.0,
+        "startups_seen": 8,
+        "probe_t": 1.0,
+    }
+    fields.update(changes)
+    if "queue_seqs" in changes and "last_queued_seqs" not in changes:
+        fields["last_queued_seqs"] = round(changes["queue_seqs"])
+    return BufferMemory(**fields)
+
+
+def probe(
+    memory: BufferMemory,
+    count: int,
+    *,
+    queued: int | None = None,
+    steps: int = 1,
+    policy: BufferPolicy | None = None,
+    **extra: Any,
+) -> Decision:
+    """Decide 2 s after ``memory`` on a sample of ``queued`` (default: the smoothed queue)."""
+    queued = round(memory.queue_seqs) if queued is None else queued
+    return (policy or BufferPolicy()).decide(
+        ctx(memory.last_t + 2.0, queued, memory.last_step + steps, current=count, **extra),
+        memory,
+    )
+
+
+# --- cold start ----------------------------------------------------------------------------------
+
+
+def test_cold_start_starts_every_worker_without_opening_the_stabilization_window() -> None:
+    decision = BufferPolicy().decide(ctx(0.0, 0, 0, current=1, max_workers=12), None)
+    assert decision.target == 12
+    assert decision.stabilize is False  # the excess is shed as soon as the rates are known
+    assert "rates not measured yet" in decision.reason
+
+
+def test_cold_start_with_a_full_queue_holds() -> None:
+    decision = BufferPolicy().decide(ctx(0.0, 200, 0, current=5, active=2), None)
+    assert (decision.target, decision.stabilize) == (5, True)
+    assert "hold 5" in decision.reason
+
+
+# --- what was applied ----------------------------------------------------------------------------
+
+
+def test_the_timers_follow_what_the_reducer_applied() -> None:
+    policy = BufferPolicy(max_down_fraction=1.0)
+    high = settled(queue_seqs=150.0, demand_seqs_s=16.0, fast_demand_seqs_s=16.0)
+    removal = probe(high, 8, policy=policy)
+    assert removal.target < 8
+    # The reducer dropped it (stabilization): desired still 8 at the next sample.
+    dropped = probe(removal.memory, 8, policy=policy)
+    assert dropped.memory.last_down_t is None
+    # Applied: desired fell; the removal is dated to the sample that asked for it.
+    applied = policy.decide(ctx(104.0, 150, 52, current=8, desired=removal.target), removal.memory)
+    assert applied.memory.last_down_t == 102.0
+    # An addition clamped away (desired unchanged) is no addition either.
+    assert probe(settled(queue_seqs=10.0), 8).memory.last_up_t is None
+
+
+# --- measurements --------------------------------------------------------------------------------
+
+
+def test_demand_comes_from_step_advances_without_sampling_ripple() -> None:
+    # A trainer stepping every 5 s, sampled every 2 s: advances are seen after 4 or 6 s, yet
+    # the estimate (a running mean over the spans while the window fills) is exactly 64 / 5.
+    policy = BufferPolicy()
+    memory = None
+    for k in range(26):
+        t = 2.0 * k
+        memory = policy.decide(ctx(t, 100, int(t // 5), current=4), memory).memory
+    assert memory is not None
+    # First advance seen at t=6 (step 1), last at t=50 (step 10): 9 steps over 44 s.
+    assert memory.demand_seqs_s == pytest.approx(9 * 64 / 44)
+
+
+@pytest.mark.parametrize("step_s", [0.5, 6.0])  # 4x faster or 3x slower than 2 s
+def test_a_trainer_that_changes_speed_is_believed_within_a_few_steps(step_s: float) -> None:
+    policy = BufferPolicy()
+    memory = settled(demand_seqs_s=32.0, fast_demand_seqs_s=32.0, demand_seen_s=60.0)
+    t, step, progress = 100.0, 50, 0.0
+    for _ in range(10 if step_s > 2 else 3):
+        progress += 2.0 / step_s
+        taken = int(progress) - (step - 50)
+        t, step = t + 2.0, step + taken
+        memory = policy.decide(ctx(t, 80, step, current=8), memory).memory
+    assert memory.demand_seqs_s is not None
+    assert memory.demand_seqs_s == pytest.approx(64 / step_s, rel=0.35)
+
+
+def test_start_up_is_measured_from_counted_to_active() -> None:
+    policy = BufferPolicy()
+    memory = policy.decide(ctx(0.0, 0, 0, current=4, active=0), None).memory
+    assert memory.pending_t == (0.0,) * 4
+    memory = policy.decide(ctx(2.0, 0, 0, current=6, active=0), memory).memory
+    assert memory.pending_t == (0.0,) * 4 + (0.0,) * 2  # counted since the previous sample
+    memory = policy.decide(ctx(32.0, 0, 0, current=6, active=3), memory).memory
+    assert memory.startup_s == pytest.approx(32.0)
+    assert memory.pending_t == (0.0,) * 3
+    assert policy.startup(memory) == pytest.approx(32.0)
+    # Before any is seen, the oldest still starting sets a floor under the prior (30 s).
+    cold = policy.decide(ctx(50.0, 0, 0, current=2, active=0), None).memory
+    cold = policy.decide(ctx(95.0, 0, 0, current=2, active=0), cold).memory
+    assert policy.startup(cold) == pytest.approx(45.0)
+
+
+def test_production_is_not_measured_near_the_limit_nor_just_after_workers_came() -> None:
+    # batch 10, limit 0.8 x 5 x 10 = 40 seq
+    policy = BufferPolicy(max_batches_offpolicy=5.0)
+    memory = policy.decide(ctx(100.0, 0, 0, current=1, batch=10), None).memory
+    memory = policy.decide(ctx(110.0, 10, 0, current=1, batch=10), memory).memory
+    assert memory.per_worker_seqs_s == pytest.approx(1.0)  # the first: (10 - 0) / 10 s / 1
+    memory = policy.decide(ctx(120.0, 45, 0, current=1, batch=10), memory).memory
+    assert memory.per_worker_seqs_s == pytest.approx(1.0)  # 45 >= 40: the envs held back
+    memory = policy.decide(ctx(130.0, 35, 1, current=2, batch=10), memory).memory
+    assert memory.per_worker_seqs_s == pytest.approx(1.0)  # a worker just came
+    assert memory.active_changed_t == 130.0
+
+
+# --- decisions -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("queue", "count", "expected", "why"),
+    [
+        (64.0, 8, 8, "hold 8"),  # at the target
+        (90.0, 12, 12, "hold 12"),  # above the target, inside the band (<= 96)
+        # below the band and not refilling (8 x 4 - 32 = 0 seq/s): one more worker
+        (20.0, 8, 9, "-> 9 workers"),
+        # above the band: to balance (32 / 4 = 8), at most a quarter at once
+        (130.0, 10, 8, "stepping down to 8"),
+        (130.0, 20, 15, "stepping down to 15"),
+        (130.0, 8, 8, "hold 8"),
+    ],
+)
+def test_band_decisions(queue: float, count: int, expected: int, why: str) -> None:
+    decision = probe(settled(queue_seqs=queue), count)
+    assert decision.target == expected, decision.reason
+    assert why in decision.reason
+
+
+def test_never_removes_while_the_latest_sample_is_not_above_the_band() -> None:
+    # The smoothed queue reads 2 batches (above the band top 96), the sample just drained.
+    decision = probe(settled(queue_seqs=130.0), 10, queued=16)
+    assert decision.target == 10
+    assert "last 0.25" in decision.reason
+
+
+def test_a_pause_holds_and_demand_is_measured_afresh_after_it() -> None:
+    # A batch waits but no step for 102 - 80 = 22 s > 4 steps of 2 s: a pause (or a slowdown).
+    paused = probe(settled(queue_seqs=150.0, last_advance_t=80.0), 10, steps=0)
+    assert paused.target == 10
+    assert "no trainer step for 22s" in paused.reason
+    # The trainer steps again: the span was a pause, not a slower trainer; until demand is
+    # measured again, nothing is removed.
+    resumed = probe(settled(queue_seqs=150.0, last_advance_t=80.0), 10)
+    assert resumed.memory.resumed_t == 102.0
+    assert resumed.memory.demand_seen_s == 0.0
+    assert resumed.memory.demand_seqs_s == 32.0  # the span was not folded in
+    assert resumed.target == 10
+    assert "since the trainer resumed" in resumed.reason
+
+
+def test_a_starving_trainer_grows_the_pool_in_proportion_to_how_long_it_waited() -> None:
+    # The queue always under half a batch for the last start-up: double.
+    always = settled(queue_seqs=8.0, last_queued_seqs=8, hungry_share=1.0, last_desired=10)
+    decision = probe(always, 10, queued=8)
+    assert decision.target == 20, decision.reason
+    assert "trainer starving" in decision.reason
+    # A quarter of the samples: x1.25.
+    some = settled(queue_seqs=20.0, last_queued_seqs=20, hungry_share=0.25, last_desired=10)
+    assert probe(some, 10, queued=20).target >= 13
+    # Within a start-up of an applied addition it waits for the added workers.
+    recent = settled(
+        queue_seqs=8.0, last_queued_seqs=8, hungry_share=1.0, last_up_t=90.0, last_desired=10
+    )
+    assert probe(recent, 10, queued=8).target < 20
+
+
+def test_saturation_stops_growth_and_sheds() -> None:
+    # The last growth went from 10 active workers making 40 seq/s to 20 active, and p fell
+    # to 2.1: 42 seq/s. Inference, not workers, is the limit: hold what makes that, 11.
+    memory = settled(
+        queue_seqs=8.0,
+        last_queued_seqs=8,
+        hungry_share=1.0,
+        per_worker_seqs_s=2.1,
+        last_active=20,
+        probe_workers=10,
+        probe_seqs_s=40.0,
+        probe_t=40.0,
+        active_changed_t=-100.0,  # two settle times (2 x 30 steps of 2 s) ago
+        last_desired=20,
+    )
+    decision = probe(memory, 20, queued=8)
+    assert decision.target == 11, decision.reason
+    assert "saturates" in decision.reason
+    after = decision.memory
+    assert after.saturated_workers == 11
+    # While it holds, a starving trainer adds nothing.
+    later = replace(after, last_t=200.0, last_advance_t=200.0)
+    assert probe(later, 11, queued=8, desired=11).target == 11
+
+
+def test_an_explicit_target_is_kept() -> None:
+    policy = BufferPolicy(target_batches=2.0)
+    assert policy.target(settled(spread_var_seqs2=1e9, spreads_seen=5), BATCH) == 2.0
+    auto = BufferPolicy()
+    assert auto.target(settled(), BATCH) == 1.0
+    # A spread of a batch over a start-up: a deeper buffer, never past the limit minus 1.
+    assert auto.target(settled(spread_var_seqs2=64.0**2, spreads_seen=5), BATCH) == 2.0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    fraction=st.sampled_from([0.05, 0.25, 1.0]),
+    batch=st.integers(min_value=1, max_value=128),
+    samples=st.lists(
+        st.tuples(
+            st.floats(min_value=0.5, max_value=60.0),  # seconds since the previous sample
+            st.integers(min_value=0, max_value=1000),  # queued sequences
+            st.integers(min_value=0, max_value=3),  # trainer steps taken
+            st.integers(min_value=0, max_value=40),  # counted workers
+            st.integers(min_value=0, max_value=40),  # active (capped at counted)
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+)
+def test_properties(
+    fraction: float, batch: int, samples: list[tuple[float, int, int, int, int]]
+) -> None:
+    policy = BufferPolicy(max_down_fraction=fraction)
+    memory, t, step = None, 0.0, 0
+    for dt, queued, steps, current, active in samples:
+        t, step = t + dt, step + steps
+        context = ctx(t, queued, step, current=current, active=min(active, current), batch=batch)
+        decision = policy.decide(context, memory)
+        after = decision.memory
+        assert decision.target >= 0
+        assert decision.reason
+        if decision.target < current and "saturates" in decision.reason:
+            # shedding what the shared inference cannot serve: to the count measured to make
+            # what the pool makes, never below it
+            assert after.saturated_workers == decision.target
+        elif decision.target < current:
+            # removals: at most a quarter (or the fraction) at once, only from above the band
+            # as smoothed and as last sampled, never without a demand estimate
+            assert decision.target >= current - max(1, math.floor(current * fraction))
+            band_top = (policy.target(after, batch) + policy.band_batches) * batch
+            assert after.queue_seqs > band_top
+            assert queued > band_top
+            assert after.demand_seqs_s is not None
+        memory = after
+
+
+def test_starving_at_the_maximum_tries_fewer_workers_when_production_per_worker_fell() -> None:
+    # At the maximum (20), starving, p 2.0 against a best of 4.0: a quarter fewer, to see
+    # whether production falls with them.
+    memory = settled(
+        queue_seqs=8.0,
+        last_queued_seqs=8,
+        hungry_share=1.0,
+        per_worker_seqs_s=2.0,
+        best_per_worker_seqs_s=4.0,
+        production_seqs_s=40.0,
+        last_active=20,
+        last_desired=20,
+    )
+    decision = probe(memory, 20, queued=8, max_workers=20)
+    assert decision.target == 15, decision.reason
+    assert "whether the shared inference saturates" in decision.reason
+    after = decision.memory
+    assert after.shed_workers == 20
+    assert after.shed_seqs_s == pytest.approx(40.0, rel=0.05)  # this sample folded in
+    # 200 s later 15 workers still make 39 seq/s: saturated, the pool stays at 15.
+    held = replace(after, last_t=300.0, last_advance_t=300.0, production_seqs_s=39.0)
+    judged = probe(held, 15, queued=8, active=15, max_workers=20, desired=15)
+    assert judged.target == 15, judged.reason
+    assert judged.memory.saturated_workers == 15
+    assert "saturates, holding 15 workers" in judged.reason
+    # Had production fallen with the workers (30 seq/s), it goes back to the maximum.
+    fell = probe(replace(held, production_seqs_s=30.0), 15, queued=8, active=15,
+                 max_workers=20, desired=15)  # fmt: skip
+    assert fell.target == 20, fell.reason
+    assert fell.memory.saturated_workers is None
