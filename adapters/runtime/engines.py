@@ -11,7 +11,10 @@ The routes, per engine (see docs/engines.md):
 - vLLM (launched with ``VLLM_SERVER_DEV_MODE=1``, which deo sets, and ``--enable-sleep-mode``):
   sleep is ``POST /reset_prefix_cache`` then ``POST /sleep?level=N``, wake ``POST /wake_up``;
   both are confirmed by ``GET /is_sleeping``, which is also how an engine adopted after a restart
-  is asked whether it sleeps.
+  is asked whether it sleeps. A call that fails (an error, or no answer within its timeout) is
+  checked the same way before it is reported failed: an engine that slept (or woke) though its
+  answer was lost is reported asleep (awake), so the core never retries or replaces an engine
+  over a late answer, nor sends a second call (after a restart) that finds the work done.
 - SGLang (launched with ``--enable-memory-saver``): sleep is ``POST /flush_cache`` then ``POST
   /release_memory_occupation``; wake is ``POST /resume_memory_occupation``. ``/flush_cache``
   refuses while requests run (a drain that timed out): generation is then paused, aborting them,
@@ -128,6 +131,23 @@ async def wake_engine(client: httpx.AsyncClient, command: WakeEngine) -> None:
     await _call(client, "POST", f"{base}/continue_generation", json={})
 
 
+async def _confirm(
+    client: httpx.AsyncClient, command: SleepEngine | WakeEngine, why: str
+) -> tuple[bool, str]:
+    """After a failed sleep or wake call, ask the engine (vLLM: ``/is_sleeping``) whether the
+    call's work was done anyway: True if it was, else False and the failure's description with
+    what the engine said added."""
+    wanted = isinstance(command, SleepEngine)
+    try:
+        asleep = await _is_sleeping(client, engine_url(command.port))
+    except (httpx.HTTPError, EngineCallFailed, ValueError) as exc:
+        return False, f"{why}; /is_sleeping: {_describe(exc)}"
+    if asleep is wanted:
+        log.info("%s: %s, but /is_sleeping says the call's work is done", command.worker_id, why)
+        return True, why
+    return False, f"{why}; /is_sleeping says {'awake' if wanted else 'asleep'}"
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, EngineCallFailed):
         return str(exc)
@@ -193,6 +213,12 @@ class EngineControl:
             except (httpx.HTTPError, EngineCallFailed, ValueError) as exc:
                 why = _describe(exc)
                 log.warning("%s: %s failed: %s", worker_id, type(command).__name__, why)
+                if isinstance(command, SleepEngine | WakeEngine) and command.engine == "vllm":
+                    done, why = await _confirm(call, command, why)
+                    if done:
+                        event = EngineAsleep if isinstance(command, SleepEngine) else EngineAwake
+                        self._emit(event(t=t(), worker_id=worker_id))
+                        return
                 if isinstance(command, SleepEngine):
                     self._emit(EngineSleepFailed(t=t(), worker_id=worker_id, error=why))
                 elif isinstance(command, WakeEngine):
