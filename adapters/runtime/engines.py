@@ -151,7 +151,7 @@ async def _confirm(
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, EngineCallFailed):
         return str(exc)
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, httpx.TimeoutException | TimeoutError):
         return f"no answer in time ({type(exc).__name__})"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
@@ -197,24 +197,33 @@ class EngineControl:
     async def _carry_out(self, command: _Control) -> None:
         t = self._clock
         worker_id = command.worker_id
-        # Its own client: every call of this command gives up after the command's timeout.
+        # Its own client: the command's calls together give up after its timeout, and the check
+        # of a failed one after half as long again, within the core's deadline (twice the
+        # timeout) for the answer.
         async with httpx.AsyncClient(timeout=httpx.Timeout(command.timeout_s)) as call:
             try:
-                if isinstance(command, SleepEngine):
-                    await sleep_engine(call, command)
-                    self._emit(EngineAsleep(t=t(), worker_id=worker_id))
-                elif isinstance(command, WakeEngine):
-                    await wake_engine(call, command)
-                    self._emit(EngineAwake(t=t(), worker_id=worker_id))
-                elif command.engine == "vllm":
-                    asleep = await _is_sleeping(call, engine_url(command.port))
-                    event = EngineAsleep if asleep else EngineAwake
-                    self._emit(event(t=t(), worker_id=worker_id))
-            except (httpx.HTTPError, EngineCallFailed, ValueError) as exc:
+                with anyio.fail_after(command.timeout_s):
+                    if isinstance(command, SleepEngine):
+                        await sleep_engine(call, command)
+                        done_event: Event = EngineAsleep(t=t(), worker_id=worker_id)
+                    elif isinstance(command, WakeEngine):
+                        await wake_engine(call, command)
+                        done_event = EngineAwake(t=t(), worker_id=worker_id)
+                    elif command.engine == "vllm":
+                        asleep = await _is_sleeping(call, engine_url(command.port))
+                        said = EngineAsleep if asleep else EngineAwake
+                        done_event = said(t=t(), worker_id=worker_id)
+                    else:
+                        return
+                self._emit(done_event)
+            except (httpx.HTTPError, EngineCallFailed, ValueError, TimeoutError) as exc:
                 why = _describe(exc)
                 log.warning("%s: %s failed: %s", worker_id, type(command).__name__, why)
                 if isinstance(command, SleepEngine | WakeEngine) and command.engine == "vllm":
-                    done, why = await _confirm(call, command, why)
+                    failed, done = why, False
+                    why = f"{failed}; /is_sleeping: no answer in time"
+                    with anyio.move_on_after(command.timeout_s / 2):
+                        done, why = await _confirm(call, command, failed)
                     if done:
                         event = EngineAsleep if isinstance(command, SleepEngine) else EngineAwake
                         self._emit(event(t=t(), worker_id=worker_id))
