@@ -402,6 +402,22 @@ def a_restart_repeats_pending_calls_and_asks_the_sleepers() -> None:
     assert [(w.worker_id, w.attempt) for w in of(woken, c.WakeEngine)] == [("gen-1", 1)]
 
 
+def a_call_repeated_after_a_long_restart_gets_its_own_deadline() -> None:
+    pool = Engines()
+    pool.up("gen-0", "gen-1")
+    pool.put_to_sleep("gen-1", 1)
+    pool.pin(2)
+    assert pool.state("gen-1") is S.WAKING
+    later = pool.t + 600.0  # deo was down far longer than the wake's deadline
+    woken = pool.feed(WorkerAdopted(t=later, worker_id="gen-1"))
+    assert [w.worker_id for w in of(woken, c.WakeEngine)] == ["gen-1"]
+    assert pool.reducer.state.workers["gen-1"].deadline_t == later + 10.0
+    commands = pool.feed(Tick(t=later + 1.0))
+    assert not of(commands, c.TerminateWorker) and pool.state("gen-1") is S.WAKING
+    pool.awake("gen-1")
+    assert pool.state("gen-1") is S.ACTIVE
+
+
 def ports_run_out() -> None:
     pool = Engines(
         ports=(18000, 18001), max_workers=2, max_asleep=1, policy=PolicySpec(name="static")
@@ -512,6 +528,7 @@ SCENARIOS: list[Callable[[], None]] = [
     draining_a_waking_engine,
     removing_the_pool_stops_its_sleepers,
     a_restart_repeats_pending_calls_and_asks_the_sleepers,
+    a_call_repeated_after_a_long_restart_gets_its_own_deadline,
     ports_run_out,
     engine_events_for_a_worker_pool_are_refused,
     a_gpu_lost_under_a_sleeping_engine_stops_it,
