@@ -412,8 +412,7 @@ def repeat_control(step: Step, worker: Worker) -> None:
     if worker.state in (S.FALLING_ASLEEP, S.WAKING):
         # The repeated call gets its own time to answer: the old deadline may have passed while
         # deo was down, and would stop (or replace) an engine whose call was never answered.
-        worker = replace(worker, deadline_t=step.t + call_deadline_s(spec))
-        step.put_worker(worker)
+        step.put_worker(replace(worker, deadline_t=step.t + call_deadline_s(spec)))
     if worker.state is S.FALLING_ASLEEP:
         step.commands.append(
             c.SleepEngine(
