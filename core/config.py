@@ -330,10 +330,13 @@ class PoolSpec:
         _positive(f"{where}.control_timeout_s", self.control_timeout_s)
         if self.control_attempts < 1:
             raise ConfigError(f"{where}.control_attempts must be >= 1, got {self.control_attempts}")
-        if self.policy.name == "threshold" and "capacity_per_worker" not in self.policy.params:
-            # The policy's capacity is the engine's: one number to set, in the pool's terms.
-            params = {**self.policy.params, "capacity_per_worker": self.capacity_per_engine}
-            object.__setattr__(self, "policy", PolicySpec(name=self.policy.name, params=params))
+        if self.policy.name == "threshold":
+            # The policy's capacity is the engine's: one number to set, in the pool's terms; and
+            # engines on their way (minutes for a cold start) count as capacity.
+            defaults = {"capacity_per_worker": self.capacity_per_engine, "count_starting": True}
+            params = {**defaults, **self.policy.params}
+            if params != self.policy.params:
+                object.__setattr__(self, "policy", PolicySpec(name=self.policy.name, params=params))
 
     @property
     def is_engine(self) -> bool:

@@ -41,6 +41,7 @@ __all__ = [
     "release",
     "repeat_control",
     "shrink",
+    "victims",
     "wake_for",
 ]
 
@@ -64,23 +65,21 @@ def free_port(step: Step, spec: PoolSpec) -> int | None:
 
 
 def _sleep(step: Step, worker: Worker, why: str) -> None:
-    """An active engine leaves routing; the sleep call goes once nothing is in flight."""
+    """An active engine leaves routing; the sleep call goes once a count reported after that
+    says nothing is in flight (a count from while it was routed is forgotten with the
+    transition: the router may have sent it requests since), or at the drain timeout."""
     spec = step.pools[worker.pool].spec
     worker = step.transition(
         worker, Trigger.SLEEP, deadline_t=step.t + spec.drain_timeout_s, control_attempts=0
     )
-    if worker.in_flight_requests == 0:
-        release(step, worker, f"{why}; nothing in flight: sleep call sent")
-    else:
-        in_flight = "unknown" if worker.in_flight_requests is None else worker.in_flight_requests
-        step.commands.append(
-            c.DrainEngine(
-                worker_id=worker.worker_id,
-                deadline_t=step.t + spec.drain_timeout_s,
-                reason=f"{why}: {worker.worker_id} to sleep once its in-flight requests "
-                f"({in_flight}) finish, at most {spec.drain_timeout_s:g}s",
-            )
+    step.commands.append(
+        c.DrainEngine(
+            worker_id=worker.worker_id,
+            deadline_t=step.t + spec.drain_timeout_s,
+            reason=f"{why}: {worker.worker_id} to sleep once its in-flight requests finish, at "
+            f"most {spec.drain_timeout_s:g}s",
         )
+    )
     step.dirty_pools.add(worker.pool)
 
 
@@ -117,6 +116,37 @@ def _oldest_sleeping(asleep: list[Worker]) -> Worker | None:
     if not sleeping:
         return None
     return min(sleeping, key=lambda w: (w.asleep_t or 0.0, w.index))
+
+
+def _can_sleep(step: Step, pool: PoolState) -> bool:
+    """Whether an active engine of ``pool`` scaled down now would go to sleep (not exit)."""
+    spec = pool.spec
+    if pool.removed or spec.max_asleep == 0:
+        return False
+    asleep = _asleep_of(step, spec.name)
+    return len(asleep) < spec.max_asleep or _oldest_sleeping(asleep) is not None
+
+
+def victims(
+    step: Step,
+    pool: PoolState,
+    counted: list[Worker],
+    excess: int,
+    order: Callable[[Worker], tuple[int, ...]],
+) -> list[Worker]:
+    """The ``excess`` engines to take out of service, in ``order`` (engines on cordoned GPUs,
+    then those not serving yet, newest first), except that while an active engine can go to
+    sleep, the active ones go before any starting or waking one: a sleep is undone in seconds,
+    a cold start thrown away costs minutes."""
+    ranked = sorted(counted, key=order)
+    if not _can_sleep(step, pool):
+        return ranked[:excess]
+
+    def on_cordoned(w: Worker) -> bool:
+        return any(step.gpus[g].causes for g in w.gpus if g in step.gpus)
+
+    ranked.sort(key=lambda w: (not on_cordoned(w), w.state is not S.ACTIVE))  # stable
+    return ranked[:excess]
 
 
 def shrink(step: Step, pool: PoolState, victims: list[Worker], why: str, cause: StopCause) -> None:
@@ -379,6 +409,10 @@ def repeat_control(step: Step, worker: Worker) -> None:
     if not spec.is_engine or worker.port is None or spec.engine is None:
         return
     why = f"{worker.worker_id} adopted while {worker.state}"
+    if worker.state in (S.FALLING_ASLEEP, S.WAKING):
+        # The repeated call gets its own time to answer: the old deadline may have passed while
+        # deo was down, and would stop (or replace) an engine whose call was never answered.
+        step.put_worker(replace(worker, deadline_t=step.t + call_deadline_s(spec)))
     if worker.state is S.FALLING_ASLEEP:
         step.commands.append(
             c.SleepEngine(

@@ -197,6 +197,11 @@ class Step:
             return replace(worker, state=state, **changes)
         if state is worker.state and not changes:
             return worker  # a row that keeps the state (a late READY) leaves nothing to record
+        if (worker.state is S.ACTIVE) is not (state is S.ACTIVE):
+            # An engine's in-flight count holds only for the routing it was taken under: one
+            # taken while it was routed is stale once it leaves (the router may have sent it more
+            # since), and one from before it was routed again says nothing of what it is sent.
+            changes.setdefault("in_flight_requests", None)
         updated = replace(worker, state=state, **changes)
         self.put_worker(updated)
         return updated
@@ -215,6 +220,7 @@ class Step:
         self.signal_drain(worker, why)
         self.dirty_pools.add(worker.pool)
         if spec.is_engine and worker.in_flight_requests == 0:
+            # A count reported after the engine left routing (a drain of one going to sleep).
             engines.drain_done(self, worker)
 
     def signal_drain(self, worker: Worker, why: str) -> None:
@@ -370,6 +376,7 @@ class Step:
         cause = StopCause.POOL_REMOVED if pool.removed else StopCause.SCALE_DOWN
         victims = sorted(counted, key=victim_order)[:excess]
         if pool.spec.is_engine:
+            victims = engines.victims(self, pool, counted, excess, victim_order)
             engines.shrink(self, pool, victims, why, cause)
             return
         for worker in victims:

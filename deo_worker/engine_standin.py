@@ -32,6 +32,9 @@ test can see a sleep free memory. How it follows the real servers:
 
 One route exists only here: ``POST /standin/fail_next`` with ``{"count": N, "status": 503}``
 makes the next N completion requests fail with that status before any body (to test retries).
+``POST /standin/slow_control`` with ``{"seconds": S}`` makes every sleep and wake route do its
+work and then wait S seconds before it answers (an engine whose answer is late though the work is
+done: a caller's timeout must not be taken for a failed call).
 Every completion names the stand-in that served it: ``system_fingerprint`` is
 ``"standin-<port>"`` and the ``x-standin-port`` header carries the port.
 """
@@ -128,6 +131,8 @@ class EngineStandin:
         #: vLLM: "awake", or the level it sleeps at; SGLang: "awake" or "released".
         self.sleep_state = "awake"
         self.fail_next: list[int] = []
+        #: Seconds each sleep or wake route waits, its work done, before it answers.
+        self.control_delay_s = 0.0
         self._slots = anyio.Semaphore(max_concurrency)
         # Requests start while _admit is set and generate while _run is set; closing a gate
         # swaps in an unset event, opening it sets the current one.
@@ -378,6 +383,17 @@ def build_app(standin: EngineStandin) -> Starlette:
         standin.fail_next.extend([status] * count)
         return JSONResponse({"fail_next": len(standin.fail_next)})
 
+    async def slow_control(request: Request) -> Response:
+        body = json.loads(await request.body() or b"{}")
+        standin.control_delay_s = float(body.get("seconds", 0.0))
+        return JSONResponse({"control_delay_s": standin.control_delay_s})
+
+    async def answered(response: Response) -> Response:
+        """``response`` to a sleep or wake call, once the configured delay has passed."""
+        if standin.control_delay_s > 0:
+            await anyio.sleep(standin.control_delay_s)
+        return response
+
     # -- vLLM --------------------------------------------------------------------------------
 
     async def sleep(request: Request) -> Response:
@@ -395,13 +411,13 @@ def build_app(standin: EngineStandin) -> Starlette:
         if level != "0":
             standin.memory.release()
         standin.sleep_state = level if level != "0" else "paused"
-        return Response(status_code=200)
+        return await answered(Response(status_code=200))
 
     async def wake_up(request: Request) -> Response:
         standin.memory.take()
         standin.sleep_state = "awake"
         standin.resume()
-        return Response(status_code=200)
+        return await answered(Response(status_code=200))
 
     async def is_sleeping(request: Request) -> Response:
         return JSONResponse({"is_sleeping": standin.sleep_state != "awake"})
@@ -417,14 +433,14 @@ def build_app(standin: EngineStandin) -> Starlette:
         await standin.wait_running()
         standin.memory.release()
         standin.sleep_state = "released"
-        return JSONResponse(None)
+        return await answered(JSONResponse(None))
 
     async def resume_memory(request: Request) -> Response:
         if (early := not_started()) is not None:
             return early
         standin.memory.take()
         standin.sleep_state = "awake"
-        return JSONResponse(None)
+        return await answered(JSONResponse(None))
 
     async def pause_generation(request: Request) -> Response:
         body = json.loads(await request.body() or b"{}")
@@ -452,6 +468,7 @@ def build_app(standin: EngineStandin) -> Starlette:
         Route("/v1/completions", completion(chat=False), methods=["POST"]),
         Route("/v1/chat/completions", completion(chat=True), methods=["POST"]),
         Route("/standin/fail_next", fail_next, methods=["POST"]),
+        Route("/standin/slow_control", slow_control, methods=["POST"]),
     ]
     if standin.engine == "vllm":
         routes += [

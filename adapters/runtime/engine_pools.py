@@ -190,30 +190,45 @@ async def _watch_drains(
     """Each draining engine's requests in flight, every ``DRAIN_WATCH_S``, whenever the core's
     count differs, so that its drain ends as soon as the last request is answered.
 
-    Only engines that had left routing when the router's counts were taken are reported: the
-    router sends such an engine nothing more, so its count can only fall, and a 0 is final. A
-    count taken while an engine still served would be stale by the time the core read it.
+    Only engines that had left routing when the router's counts were taken, and are still in
+    that same drain when the reading ends, are reported: the router sends such an engine nothing
+    more, so its count can only fall, and a 0 is final. A count taken while an engine still
+    served would be stale by the time the core read it, and so would one read across a drain
+    that was called off and begun again (routed in between): a drain is told from the next by
+    its deadline.
     """
     source = pool.source
     assert source is not None
     async with httpx.AsyncClient(timeout=source.timeout_s) as client:
         while True:
             now = state()
+            before = _drains(now, source.pool)
             engines = engine_endpoints(now, source.pool, _DRAINING)
             if engines:
-                ids = {engine.worker_id for engine in engines}
                 # Read after the state: every request the router sent them is counted here.
                 routed = pool.router.in_flight()
                 events = await sample_engine_metrics(client, source, engines, clock, routed)
-                known = {w.worker_id: w.in_flight_requests for w in state().workers_of(source.pool)}
+                after = state()
+                known = {w.worker_id: w.in_flight_requests for w in after.workers_of(source.pool)}
+                still = _drains(after, source.pool)
                 for event in events:
                     if (
                         isinstance(event, EngineLoadSampled)
-                        and event.worker_id in ids
+                        and event.worker_id in before
+                        and still.get(event.worker_id) == before[event.worker_id]
                         and known.get(event.worker_id, -1) != event.in_flight_requests
                     ):
                         emit(event)
             await anyio.sleep(DRAIN_WATCH_S)
+
+
+def _drains(state: State, pool: str) -> dict[str, tuple[WorkerState, float | None]]:
+    """The pool's engines out of routing, each with what tells its drain from a later one."""
+    return {
+        worker.worker_id: (worker.state, worker.deadline_t)
+        for worker in state.workers_of(pool)
+        if worker.state in _DRAINING
+    }
 
 
 async def run_engine_pools(

@@ -11,7 +11,10 @@ The routes, per engine (see docs/engines.md):
 - vLLM (launched with ``VLLM_SERVER_DEV_MODE=1``, which deo sets, and ``--enable-sleep-mode``):
   sleep is ``POST /reset_prefix_cache`` then ``POST /sleep?level=N``, wake ``POST /wake_up``;
   both are confirmed by ``GET /is_sleeping``, which is also how an engine adopted after a restart
-  is asked whether it sleeps.
+  is asked whether it sleeps. A call that fails (an error, or no answer within its timeout) is
+  checked the same way before it is reported failed: an engine that slept (or woke) though its
+  answer was lost is reported asleep (awake), so the core never retries or replaces an engine
+  over a late answer, nor sends a second call (after a restart) that finds the work done.
 - SGLang (launched with ``--enable-memory-saver``): sleep is ``POST /flush_cache`` then ``POST
   /release_memory_occupation``; wake is ``POST /resume_memory_occupation``. ``/flush_cache``
   refuses while requests run (a drain that timed out): generation is then paused, aborting them,
@@ -128,10 +131,27 @@ async def wake_engine(client: httpx.AsyncClient, command: WakeEngine) -> None:
     await _call(client, "POST", f"{base}/continue_generation", json={})
 
 
+async def _confirm(
+    client: httpx.AsyncClient, command: SleepEngine | WakeEngine, why: str
+) -> tuple[bool, str]:
+    """After a failed sleep or wake call, ask the engine (vLLM: ``/is_sleeping``) whether the
+    call's work was done anyway: True if it was, else False and the failure's description with
+    what the engine said added."""
+    wanted = isinstance(command, SleepEngine)
+    try:
+        asleep = await _is_sleeping(client, engine_url(command.port))
+    except (httpx.HTTPError, EngineCallFailed, ValueError) as exc:
+        return False, f"{why}; /is_sleeping: {_describe(exc)}"
+    if asleep is wanted:
+        log.info("%s: %s, but /is_sleeping says the call's work is done", command.worker_id, why)
+        return True, why
+    return False, f"{why}; /is_sleeping says {'awake' if wanted else 'asleep'}"
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, EngineCallFailed):
         return str(exc)
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, httpx.TimeoutException | TimeoutError):
         return f"no answer in time ({type(exc).__name__})"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
@@ -177,22 +197,37 @@ class EngineControl:
     async def _carry_out(self, command: _Control) -> None:
         t = self._clock
         worker_id = command.worker_id
-        # Its own client: every call of this command gives up after the command's timeout.
+        # Its own client: the command's calls together give up after its timeout, and the check
+        # of a failed one after half as long again, within the core's deadline (twice the
+        # timeout) for the answer.
         async with httpx.AsyncClient(timeout=httpx.Timeout(command.timeout_s)) as call:
             try:
-                if isinstance(command, SleepEngine):
-                    await sleep_engine(call, command)
-                    self._emit(EngineAsleep(t=t(), worker_id=worker_id))
-                elif isinstance(command, WakeEngine):
-                    await wake_engine(call, command)
-                    self._emit(EngineAwake(t=t(), worker_id=worker_id))
-                elif command.engine == "vllm":
-                    asleep = await _is_sleeping(call, engine_url(command.port))
-                    event = EngineAsleep if asleep else EngineAwake
-                    self._emit(event(t=t(), worker_id=worker_id))
-            except (httpx.HTTPError, EngineCallFailed, ValueError) as exc:
+                with anyio.fail_after(command.timeout_s):
+                    if isinstance(command, SleepEngine):
+                        await sleep_engine(call, command)
+                        done_event: Event = EngineAsleep(t=t(), worker_id=worker_id)
+                    elif isinstance(command, WakeEngine):
+                        await wake_engine(call, command)
+                        done_event = EngineAwake(t=t(), worker_id=worker_id)
+                    elif command.engine == "vllm":
+                        asleep = await _is_sleeping(call, engine_url(command.port))
+                        said = EngineAsleep if asleep else EngineAwake
+                        done_event = said(t=t(), worker_id=worker_id)
+                    else:
+                        return
+                self._emit(done_event)
+            except (httpx.HTTPError, EngineCallFailed, ValueError, TimeoutError) as exc:
                 why = _describe(exc)
                 log.warning("%s: %s failed: %s", worker_id, type(command).__name__, why)
+                if isinstance(command, SleepEngine | WakeEngine) and command.engine == "vllm":
+                    failed, done = why, False
+                    why = f"{failed}; /is_sleeping: no answer in time"
+                    with anyio.move_on_after(command.timeout_s / 2):
+                        done, why = await _confirm(call, command, failed)
+                    if done:
+                        event = EngineAsleep if isinstance(command, SleepEngine) else EngineAwake
+                        self._emit(event(t=t(), worker_id=worker_id))
+                        return
                 if isinstance(command, SleepEngine):
                     self._emit(EngineSleepFailed(t=t(), worker_id=worker_id, error=why))
                 elif isinstance(command, WakeEngine):

@@ -7,6 +7,12 @@ When stable, a ratio above ``scale_up_threshold`` adds ``step`` workers (if more
 ``scale_up_cooldown_s`` has passed since the last scale-up) and one below ``scale_down_threshold``
 removes ``step`` (more than ``scale_down_cooldown_s`` since the last scale-down). These are verl's
 rules and defaults (ElasticConfig: 0.8 / 0.5, 30 s / 60 s, 10 s, variance 0.1, one worker).
+
+``count_starting = true`` divides by the workers on their way as well (requested, starting and,
+for engines, waking): capacity already asked for, so that a scale-up is not repeated while it
+starts (a cold start takes minutes). While any is on its way the policy does not scale down: the
+capacity that makes the ratio low does not serve yet. Engine pools set it unless their policy says
+otherwise; ``false`` (the default elsewhere) is verl's rule as published.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class ThresholdPolicy:
     stability_s: float = 10.0
     max_variance: float = 0.1
     step: int = 1
+    count_starting: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not self.capacity_per_worker > 0:
@@ -80,11 +87,16 @@ class ThresholdPolicy:
         t, current, active = context.t, context.current, max(context.active, 1)
         assert context.load is not None  # the reducer asks only with a load sample
         in_flight = context.load.in_flight_requests
+        workers = f"{active}"
+        if self.count_starting and context.current > context.active:
+            # Starting (or waking) workers are capacity on the way: counted, as if active.
+            workers = f"({context.active} active + {context.current - context.active} starting)"
+            active = max(context.current, 1)
         ratio = in_flight / (self.capacity_per_worker * active)
         recent = tuple((ts, r) for ts, r in mem.recent if t - ts <= self.stability_s)
         recent += ((t, ratio),)
         mem = replace(mem, recent=recent, samples_seen=mem.samples_seen + 1)
-        figures = f"load {in_flight} / ({self.capacity_per_worker:g} x {active}) = {ratio:.2f}"
+        figures = f"load {in_flight} / ({self.capacity_per_worker:g} x {workers}) = {ratio:.2f}"
         variance = statistics.pvariance([r for _, r in recent]) if len(recent) >= 2 else None
         stable = mem.samples_seen >= 3 and variance is not None and variance < self.max_variance
         if ratio > self.scale_up_threshold:
@@ -98,6 +110,15 @@ class ThresholdPolicy:
             why = "cooldown" if stable else "not stable yet"
             return Decision(target=current, reason=f"{figures} high; waiting ({why})", memory=mem)
         if ratio < self.scale_down_threshold and current > 0:
+            arriving = context.current - context.active
+            if self.count_starting and arriving > 0:
+                # The capacity that makes the ratio low does not serve yet: a dip now says
+                # nothing about the pool once it does.
+                return Decision(
+                    target=current,
+                    reason=f"{figures} low; waiting ({arriving} starting)",
+                    memory=mem,
+                )
             if stable and _since(t, mem.last_down_t) > self.scale_down_cooldown_s:
                 target = max(current - self.step, 0)
                 return Decision(

@@ -95,6 +95,12 @@ def test_the_threshold_policy_takes_the_engine_capacity_unless_given_its_own() -
     assert own.policy.params["capacity_per_worker"] == 4
 
 
+def test_an_engine_pools_threshold_policy_counts_starting_engines_unless_told_not_to() -> None:
+    assert engine(policy=PolicySpec(name="threshold")).policy.params["count_starting"] is True
+    verl = engine(policy=PolicySpec(name="threshold", params={"count_starting": False}))
+    assert verl.policy.params["count_starting"] is False
+
+
 def test_a_worker_pool_is_unchanged_by_the_engine_settings() -> None:
     spec = PoolSpec(name="envs", argv=("env",))
     assert spec.kind == "worker" and not spec.is_engine and not spec.awaits_ready

@@ -192,10 +192,10 @@ def a_sleep_called_off_before_its_call() -> None:
 def the_drain_before_sleep_times_out() -> None:
     pool = Engines()
     pool.up("gen-0", "gen-1")
-    pool.load("gen-1", 5)
     pool.pin(1)
     deadline = pool.reducer.state.workers["gen-1"].deadline_t
     assert deadline == pool.t + 30.0
+    pool.load("gen-1", 5)
     commands = pool.feed(Tick(t=deadline))
     assert [s.worker_id for s in of(commands, c.SleepEngine)] == ["gen-1"]
     assert "5 request(s) in flight" in of(commands, c.SleepEngine)[0].reason
@@ -282,10 +282,11 @@ def past_max_asleep_while_one_is_on_its_way_the_next_exits() -> None:
 def max_asleep_zero_always_stops() -> None:
     pool = Engines(max_asleep=0)
     pool.up("gen-0", "gen-1")
-    pool.load("gen-1", 0)
     commands = pool.pin(1)
-    assert pool.state("gen-1") is S.STOPPING  # nothing in flight: stopped at once
+    assert pool.state("gen-1") is S.DRAINING
     assert [d.worker_id for d in of(commands, c.DrainEngine)] == ["gen-1"]
+    pool.load("gen-1", 0)
+    assert pool.state("gen-1") is S.STOPPING  # nothing in flight: stopped
 
 
 def a_lower_max_asleep_stops_the_extra_sleepers() -> None:
@@ -401,6 +402,22 @@ def a_restart_repeats_pending_calls_and_asks_the_sleepers() -> None:
     assert [(w.worker_id, w.attempt) for w in of(woken, c.WakeEngine)] == [("gen-1", 1)]
 
 
+def a_call_repeated_after_a_long_restart_gets_its_own_deadline() -> None:
+    pool = Engines()
+    pool.up("gen-0", "gen-1")
+    pool.put_to_sleep("gen-1", 1)
+    pool.pin(2)
+    assert pool.state("gen-1") is S.WAKING
+    later = pool.t + 600.0  # deo was down far longer than the wake's deadline
+    woken = pool.feed(WorkerAdopted(t=later, worker_id="gen-1"))
+    assert [w.worker_id for w in of(woken, c.WakeEngine)] == ["gen-1"]
+    assert pool.reducer.state.workers["gen-1"].deadline_t == later + 10.0
+    commands = pool.feed(Tick(t=later + 1.0))
+    assert not of(commands, c.TerminateWorker) and pool.state("gen-1") is S.WAKING
+    pool.awake("gen-1")
+    assert pool.state("gen-1") is S.ACTIVE
+
+
 def ports_run_out() -> None:
     pool = Engines(
         ports=(18000, 18001), max_workers=2, max_asleep=1, policy=PolicySpec(name="static")
@@ -440,7 +457,58 @@ def a_gpu_lost_under_a_sleeping_engine_stops_it() -> None:
     assert reducer.state("gen-1") is S.STOPPING
 
 
+def a_count_taken_while_routed_is_forgotten_when_the_engine_leaves_routing() -> None:
+    pool = Engines(policy=PolicySpec(name="static", params={"count": 3}))
+    pool.up("gen-0", "gen-1", "gen-2")
+    pool.load("gen-2", 0)  # taken while routed: the router may send it more right after
+    pool.load("gen-1", 0)
+    commands = pool.pin(2)
+    assert pool.state("gen-2") is S.GOING_TO_SLEEP
+    assert not of(commands, c.SleepEngine)  # no sleep call on a count from while it was routed
+    assert pool.reducer.state.workers["gen-2"].in_flight_requests is None
+    assert not of(pool.load("gen-2", 2), c.SleepEngine)  # reported after it left routing
+    assert [s.worker_id for s in of(pool.load("gen-2", 0), c.SleepEngine)] == ["gen-2"]
+    commands = pool.feed(DrainRequested(t=pool.at(), worker_id="gen-1"))
+    assert pool.state("gen-1") is S.DRAINING  # not stopped on its stale 0
+    assert not of(commands, c.TerminateWorker)
+    stop = pool.load("gen-1", 0)
+    assert [t.worker_id for t in of(stop, c.TerminateWorker)] == ["gen-1"]
+
+
+def a_count_from_before_a_cancelled_sleep_is_forgotten() -> None:
+    pool = Engines()
+    pool.up("gen-0", "gen-1")
+    pool.pin(1)
+    pool.load("gen-1", 2)  # reported while going to sleep
+    pool.pin(2)  # called back: routed again, so that count says nothing any more
+    assert pool.state("gen-1") is S.ACTIVE
+    assert pool.reducer.state.workers["gen-1"].in_flight_requests is None
+
+
+def scale_down_puts_an_active_engine_to_sleep_rather_than_stop_a_starting_one() -> None:
+    pool = Engines(policy=PolicySpec(name="static", params={"count": 3}))
+    pool.up("gen-0", "gen-1")
+    pool.pid += 1
+    pool.feed(WorkerStarted(t=pool.at(), worker_id="gen-2", pid=pool.pid, start_time=pool.pid))
+    commands = pool.pin(2)
+    assert pool.state("gen-2") is S.STARTING  # its cold start goes on
+    assert pool.state("gen-1") is S.GOING_TO_SLEEP  # the newest active one sleeps instead
+    assert not of(commands, c.TerminateWorker)
+
+
+def with_nowhere_to_sleep_a_starting_engine_goes_first() -> None:
+    pool = Engines(max_asleep=0, policy=PolicySpec(name="static", params={"count": 3}))
+    pool.up("gen-0", "gen-1")
+    pool.pin(2)  # gen-2 still requested
+    assert pool.state("gen-2") is S.STOPPING
+    assert (pool.state("gen-0"), pool.state("gen-1")) == (S.ACTIVE, S.ACTIVE)
+
+
 SCENARIOS: list[Callable[[], None]] = [
+    scale_down_puts_an_active_engine_to_sleep_rather_than_stop_a_starting_one,
+    with_nowhere_to_sleep_a_starting_engine_goes_first,
+    a_count_taken_while_routed_is_forgotten_when_the_engine_leaves_routing,
+    a_count_from_before_a_cancelled_sleep_is_forgotten,
     spawns_on_the_lowest_free_ports,
     scale_down_sleeps_and_scale_up_wakes,
     a_sleep_called_off_before_its_call,
@@ -460,6 +528,7 @@ SCENARIOS: list[Callable[[], None]] = [
     draining_a_waking_engine,
     removing_the_pool_stops_its_sleepers,
     a_restart_repeats_pending_calls_and_asks_the_sleepers,
+    a_call_repeated_after_a_long_restart_gets_its_own_deadline,
     ports_run_out,
     engine_events_for_a_worker_pool_are_refused,
     a_gpu_lost_under_a_sleeping_engine_stops_it,
@@ -491,8 +560,8 @@ def test_the_scenarios_take_every_engine_row_of_the_lifecycle_table(
 def test_a_drained_engine_still_busy_at_its_deadline_is_stopped() -> None:
     pool = Engines()
     pool.up("gen-0", "gen-1")
-    pool.load("gen-0", 3)
     pool.feed(DrainRequested(t=pool.at(), worker_id="gen-0"))
+    pool.load("gen-0", 3)
     deadline = pool.reducer.state.workers["gen-0"].deadline_t
     assert deadline is not None
     commands = pool.feed(Tick(t=deadline))

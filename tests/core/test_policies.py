@@ -264,6 +264,20 @@ def test_threshold_capacity_counts_active_workers_only() -> None:
     assert "load 17 / (8 x 2)" in decision.reason
 
 
+def test_threshold_counting_starting_workers_divides_by_the_capacity_on_its_way() -> None:
+    # 4 counted, 2 active, 17 in flight: 17 / (8 x 4) = 0.53, within the band: no third worker
+    # while two start (verl's rule, above, would add one).
+    policy = attrs.evolve(INSTANT, count_starting=True)
+    decision = third_decision(policy, load_ctx(100.0, 4, 17, active=2))
+    assert decision.target == 4
+    assert "load 17 / (8 x (2 active + 2 starting)) = 0.53" in decision.reason
+    # 4 counted, 2 active, 12 in flight: 12 / 32 = 0.38 < 0.5, but two do not serve yet: held.
+    low = third_decision(policy, load_ctx(100.0, 4, 12, active=2))
+    assert low.target == 4 and "waiting (2 starting)" in low.reason
+    # Once they serve, the same load scales down.
+    assert third_decision(policy, load_ctx(100.0, 4, 12, active=4)).target == 3
+
+
 #: Sequences under verl's defaults: stable = >= 3 samples seen, >= 2 in the last 10 s, variance
 #: of their ratios < 0.1; cooldowns strict (more than 30 s up, 60 s down since the last one).
 #: Each step: (t, current, in_flight, expected target).

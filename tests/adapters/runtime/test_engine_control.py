@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import anyio
+import attrs
 import httpx
 import pytest
 from engine_standins import Standin
@@ -72,12 +73,12 @@ def sleep(engine: Standin, timeout_s: float = 10.0) -> SleepEngine:
     )
 
 
-def wake(engine: Standin, port: int | None = None) -> WakeEngine:
+def wake(engine: Standin, port: int | None = None, timeout_s: float = 2.0) -> WakeEngine:
     return WakeEngine(
         worker_id="gen-0",
         engine=engine.engine,
         port=port or engine.port,
-        timeout_s=2.0,
+        timeout_s=timeout_s,
         attempt=1,
         reason="test",
     )
@@ -170,3 +171,25 @@ async def test_a_starting_engine_is_reported_ready_once_its_health_answers() -> 
         reducer.step(WorkerStarted(t=0.5, worker_id="gen-0", pid=engine.pid, start_time=1))
         events = await carry_out([None], reducer)  # one event expected, from the watcher
         assert events == [WorkerReady(t=1.0, worker_id="gen-0")]
+
+
+@pytest.mark.anyio
+async def test_a_call_whose_answer_is_late_is_confirmed_before_it_counts_as_failed() -> None:
+    # The engine sleeps (wakes) at once but answers after the call's timeout: /is_sleeping says
+    # the work was done, so the outcome is asleep (awake), not a failure to retry or replace.
+    with Standin("vllm", memory_mib=16) as engine:
+        httpx.post(engine.url + "/standin/slow_control", json={"seconds": 5.0}, timeout=10)
+        [asleep] = await carry_out([sleep(engine, timeout_s=1.0)])
+        assert isinstance(asleep, EngineAsleep)
+        assert httpx.get(engine.url + "/is_sleeping", timeout=10).json()["is_sleeping"] is True
+        [awake] = await carry_out([wake(engine, timeout_s=1.0)])
+        assert isinstance(awake, EngineAwake)
+
+
+@pytest.mark.anyio
+async def test_a_call_that_failed_says_what_the_engine_reports() -> None:
+    with Standin("vllm", memory_mib=16) as engine:
+        refused = attrs.evolve(sleep(engine), level=7)  # the engine refuses the level: awake
+        [failed] = await carry_out([refused])
+        assert isinstance(failed, EngineSleepFailed)
+        assert "HTTP 400" in failed.error and "/is_sleeping says awake" in failed.error
