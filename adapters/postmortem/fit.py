@@ -60,6 +60,7 @@ from core.policies import PolicyCatalog
 __all__ = [
     "FitError",
     "Fitted",
+    "calibrated",
     "Observed",
     "RunFacts",
     "fit_scenario",
@@ -552,13 +553,15 @@ def fit_pool(facts: RunFacts, intervals: list[Interval], trainer: TrainerFit) ->
         [*changes, *(t for t, q, _, _ in facts.queue if q >= (offpolicy - 0.5) * batch)]
     )
 
-    def steady(settle_s: float) -> list[tuple[float, float, int, float, float | None]]:
+    def steady(
+        settle_s: float, limit_seqs: float = (offpolicy - 1) * batch
+    ) -> list[tuple[float, float, int, float, float | None]]:
         # (t, dt, producing workers, sequences produced, groups in flight)
         out: list[tuple[float, float, int, float, float | None]] = []
         for interval in intervals:
             if _pause_overlap(trainer.pauses, interval.start, interval.end) > 0:
                 continue
-            if max(interval.q_start, interval.q_end) > (offpolicy - 1) * batch:
+            if max(interval.q_start, interval.q_end) > limit_seqs:
                 continue  # near the limit: groups in generation may be discarded
             k = bisect.bisect_right(changes, interval.end)
             if k and changes[k - 1] > interval.start - settle_s:
@@ -571,6 +574,8 @@ def fit_pool(facts: RunFacts, intervals: list[Interval], trainer: TrainerFit) ->
         return out
 
     per_worker = steady(0.0)
+    if not per_worker:  # always near the limit: a rough first reading, calibrated below
+        per_worker = steady(0.0, math.inf)
     settled_enough = False
     if per_worker:
         first = sum(x[3] for x in per_worker) / sum(x[1] * x[2] for x in per_worker)
@@ -580,8 +585,8 @@ def fit_pool(facts: RunFacts, intervals: list[Interval], trainer: TrainerFit) ->
                 per_worker, settled_enough = settled, True
     if not per_worker:
         raise FitError(
-            f"{facts.path}: no stretch of the run had producing workers held back by neither "
-            f"the off-policy limit nor a pause: production per worker cannot be measured"
+            f"{facts.path}: no worker produced outside a pause: production per worker cannot "
+            f"be measured"
         )
     worker_s = sum(dt * n for _, dt, n, _, _ in per_worker)
     rate = sum(seqs for *_, seqs, _ in per_worker) / worker_s  # sequences/s per worker
@@ -769,9 +774,10 @@ def fit_scenario(
     """Fit a scenario to the run in ``facts``; :class:`FitError` when the log is too short.
 
     With ``calibrate`` the group latency is then refined by simulation: the fitted scenario runs
-    under the recorded policy and the latency is moved until the simulated run's production per
-    producing worker-second, read from its log the same way, matches the recorded one (discards
-    at the off-policy limit hide the latency from any direct reading).
+    under the recorded policy and the latency is moved until the simulated run reads, from its
+    log, what the recorded one reads: groups in generation per group completed per second where
+    the log has in-flight samples, else production per producing worker-second. (Discards at the
+    off-policy limit hide the latency from any direct reading.)
     """
     if len(facts.queue) < MIN_SAMPLES or facts.duration_s < MIN_DURATION_S:
         raise FitError(
@@ -847,9 +853,15 @@ def fit_scenario(
             f"the run was reconfigured {facts.reconfigured} time(s); the fit keeps its first "
             f"configuration"
         )
-    if calibrate:
-        scenario = _calibrate(facts, scenario, policies, notes)
-    return Fitted(scenario=scenario, observed=observed, notes=tuple(notes))
+    fitted = Fitted(scenario=scenario, observed=observed, notes=tuple(notes))
+    return calibrated(facts, fitted, policies) if calibrate else fitted
+
+
+def calibrated(facts: RunFacts, fitted: Fitted, policies: PolicyCatalog) -> Fitted:
+    """``fitted`` with its group latency calibrated by simulation (see :func:`fit_scenario`)."""
+    notes = list(fitted.notes)
+    scenario = _calibrate(facts, fitted.scenario, policies, notes)
+    return attrs.evolve(fitted, scenario=scenario, notes=tuple(notes))
 
 
 def production_per_worker_s(facts: RunFacts, start: float = 0.0, end: float = math.inf) -> float:
@@ -869,7 +881,23 @@ def production_per_worker_s(facts: RunFacts, start: float = 0.0, end: float = ma
 
 #: Simulated runs the latency calibration may take, and how close it must come.
 CALIBRATION_RUNS = 8
-CALIBRATION_TOLERANCE = 0.02
+CALIBRATION_TOLERANCE = 0.03
+CALIBRATION_SEEDS = 2
+
+
+def apparent_latency_s(facts: RunFacts, group_size: int) -> float:
+    """Groups in generation over groups completed per second, the whole run (0 without
+    in-flight samples). Not the latency itself: groups discarded at the off-policy limit count
+    as in flight and never complete. It grows with the latency, and a simulated run shows it the
+    same way, which is what calibration needs."""
+    load = dict(facts.load)
+    in_flight_s = completed = 0.0
+    for interval in _intervals(facts):
+        groups = load.get(interval.start)
+        if groups is not None:
+            in_flight_s += groups * interval.dt
+            completed += interval.produced / group_size
+    return in_flight_s / completed if completed > 0 else 0.0
 
 
 def _calibrate(
@@ -877,22 +905,43 @@ def _calibrate(
 ) -> Scenario:
     from adapters.sim.driver import simulate  # the simulator is only needed here
 
-    target = production_per_worker_s(facts)
+    pool = scenario.pools[0]
+    # The reading to match, and whether it rises (True) or falls with the latency.
+    if facts.load:
+        what = "groups in generation per group completed per second"
+        unit = "s"
+
+        def reading(run: RunFacts) -> float:
+            return apparent_latency_s(run, pool.group_size)
+
+        rising = True
+    else:
+        what = "sequences per producing worker-second"
+        unit = ""
+
+        def reading(run: RunFacts) -> float:
+            return production_per_worker_s(run)
+
+        rising = False
+    target = reading(facts)
     if target <= 0:
         return scenario
-    pool = scenario.pools[0]
 
     def with_latency(latency: float) -> Scenario:
         return attrs.evolve(scenario, pools=(attrs.evolve(pool, latency_mean_s=latency),))
 
     def measured(latency: float) -> float:
+        values = []
         with tempfile.TemporaryDirectory(prefix="deo-fit-") as tmp:
-            log = Path(tmp) / "fit.jsonl"
-            simulate(with_latency(latency), log_path=log, policies=policies)
-            return production_per_worker_s(read_run(log, policies))
+            for seed in range(1, CALIBRATION_SEEDS + 1):
+                log = Path(tmp) / f"fit{seed}.jsonl"
+                run = attrs.evolve(with_latency(latency), seed=seed)
+                simulate(run, log_path=log, policies=policies)
+                values.append(reading(read_run(log, policies)))
+        return statistics.fmean(values)
 
-    # Production per worker falls as latency grows: bisect on a log scale.
-    low, high = pool.latency_mean_s * 0.1, pool.latency_mean_s * 2.0
+    # Bisect on a log scale.
+    low, high = pool.latency_mean_s * 0.2, pool.latency_mean_s * 2.0
     best, best_error = pool.latency_mean_s, math.inf
     latency = pool.latency_mean_s
     for _ in range(CALIBRATION_RUNS):
@@ -902,16 +951,16 @@ def _calibrate(
             best, best_error = latency, error
         if abs(error) <= CALIBRATION_TOLERANCE:
             break
-        if error > 0:
-            low = latency  # produces too much: groups take longer
-        else:
+        if (error > 0) == rising:
             high = latency
+        else:
+            low = latency
         latency = math.sqrt(low * high)
     best = round(best, 3)
     notes.append(
         f"group latency calibrated to {best:.2f} s mean: the fitted run under the recorded policy "
-        f"then produces {target * (1 + best_error):.3f} sequences per producing worker-second "
-        f"against the recorded {target:.3f}"
+        f"({CALIBRATION_SEEDS} seeds) then reads {target * (1 + best_error):.3f}{unit} {what} "
+        f"against the recorded {target:.3f}{unit}"
     )
     return with_latency(best)
 

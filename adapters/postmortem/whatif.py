@@ -24,6 +24,7 @@ from adapters.postmortem.fit import (
     FitError,
     Fitted,
     Observed,
+    calibrated,
     fit_scenario,
     observe,
     read_run,
@@ -123,7 +124,7 @@ def _apply(change: Change, scenario: Scenario) -> Scenario:
         baselines = baseline_specs(
             group_size=pool.group_size,
             groups_in_flight=pool.groups_in_flight,
-            max_workers=pool.max_workers,
+            max_workers=_whole(change.pool.get("max_workers", pool.max_workers)),
         )
         if change.policy in baselines:
             spec, overrides = baselines[change.policy]
@@ -151,6 +152,12 @@ def _apply(change: Change, scenario: Scenario) -> Scenario:
     except (ConfigError, TypeError, ValueError) as exc:
         raise WhatIfError(f"--what-if {' '.join(change.text)}: {exc}") from None
     return attrs.evolve(scenario, pools=(changed,))
+
+
+def _whole(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise WhatIfError(f"--what-if max_workers={value!r}: expected a whole number >= 1")
+    return value
 
 
 def describe_policy(pool: EnvPool) -> str:
@@ -210,7 +217,9 @@ def run_what_if(
     if seeds < 1:
         raise WhatIfError(f"--what-if-seeds {seeds}: at least 1")
     facts = read_run(path, CATALOG)
-    fitted = fit_scenario(facts, f"{path.stem}-fitted", CATALOG)
+    fitted = fit_scenario(facts, f"{path.stem}-fitted", CATALOG, calibrate=False)
+    _apply(change, fitted.scenario)  # a change that does not apply fails before the simulations
+    fitted = calibrated(facts, fitted, CATALOG)
     changed = _apply(change, fitted.scenario)
     target = fitted_out if fitted_out is not None else path.with_name(f"{path.stem}.fitted.toml")
     _write_scenario(fitted, target, path)
