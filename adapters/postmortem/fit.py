@@ -8,24 +8,24 @@ saying what it was fitted from.
 
 What a log shows, and how each value is read from it:
 
-* Trainer demand: ``QueueSampled.trainer_step`` advancing. Where a batch was queued at both ends of
-  a sample interval the trainer was busy throughout (it takes a batch the moment one is there), so
-  its step time is that time over the steps it took; per window, merged into phases where it moves
-  by more than a quarter. While it starves its demand is hidden: a window with no such interval
-  keeps its phase's step time, at most the time it ran over the steps it took.
+* Trainer demand: ``QueueSampled.trainer_step`` advancing. From one step start to the next with a
+  batch queued at every sample in between, the trainer was fed, so that span is its step time;
+  per window, merged into phases where it moves by more than a quarter. While it starves its
+  demand is hidden: such a window only bounds the step time (the time it ran over the steps it
+  took), and keeps its phase unless that bound says the trainer got faster.
 * Pauses: a batch queued and no step for far longer than a step takes.
 * Starvation: non-paused time less the time the steps it took kept it busy.
 * Group size: the greatest common divisor of the sequences produced between samples (groups reach
-  the queue whole). Production per worker: sequences produced over worker-seconds of producing
-  workers, where the queue left every worker its full concurrency. Group latency: Little's law
-  with ``LoadSampled`` (groups in generation over groups completed per second); without it,
-  groups in flight per worker times group size over production per worker.
-* Latency spread: the variance of the number of groups completed per window (a renewal process
-  of ``n`` slots completes, per window, a count of variance ``n * window * CV^2 / mean``).
+  the queue whole). Groups in flight per worker: ``LoadSampled`` over producing workers, else the
+  policy's ``capacity_per_worker``, else assumed. Group latency: Little's law where the queue
+  stayed a batch below the off-policy limit with the same workers for a while (no pipeline
+  filling, no discards), else production per producing worker; then calibrated by simulation
+  (:func:`fit_scenario`). Latency growth: the same reading in the first and last thirds. Its
+  spread is not visible in samples of a queue: lognormal sigma 0.8 is assumed.
 * Start-up: SpawnWorker to WorkerReady (``require_ready``) or WorkerStarted.
 * Faults: a worker exit deo did not ask for (no drain or stop before it) is a crash; exits within
   the configuration's ``early_exit_s`` of the start are a crash loop; ``GpuLost`` a lost GPU;
-  ``SourceDown`` a source outage.
+  ``SourceDown`` a source outage. Throttling and inference saturation are not fitted.
 """
 
 from __future__ import annotations
