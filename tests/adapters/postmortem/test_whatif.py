@@ -16,10 +16,10 @@ import attrs
 import pytest
 from conftest import deo_command, write_simulated_log
 
-from adapters.postmortem.fit import FitError, fit_scenario, read_run
+from adapters.postmortem.fit import FitError, Fitted, fit_scenario, read_run
 from adapters.postmortem.whatif import WhatIfError, parse_changes
 from adapters.sim.driver import simulate
-from adapters.sim.scenario import load_scenario
+from adapters.sim.scenario import Scenario, load_scenario
 from bench.baselines import CATALOG
 
 REPO = Path(__file__).resolve().parents[3]
@@ -43,19 +43,23 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # --- fitting ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("name", "duration_s"),
-    [("steady", 900), ("eval_checkpoint_pauses", 1200), ("crash_loop", 1500)],
-)
-def test_the_fitted_scenario_reproduces_a_simulated_run(
-    tmp_path: Path, name: str, duration_s: int
-) -> None:
+def simulated_fit(
+    tmp_path: Path, name: str, duration_s: int, *, calibrate: bool
+) -> tuple[Scenario, Fitted]:
     truth = load_scenario(
         SCENARIOS / f"{name}.toml", {"duration_s": str(duration_s)}, policies=CATALOG
     )
     log = tmp_path / "run.jsonl"
     simulate(truth, log_path=log, policies=CATALOG)
-    fitted = fit_scenario(read_run(log, CATALOG), "fitted", CATALOG)
+    return truth, fit_scenario(read_run(log, CATALOG), "fitted", CATALOG, calibrate=calibrate)
+
+
+@pytest.mark.parametrize(
+    ("name", "duration_s"),
+    [("steady", 900), ("eval_checkpoint_pauses", 1200), ("crash_loop", 1500)],
+)
+def test_the_fit_reads_what_the_log_shows(tmp_path: Path, name: str, duration_s: int) -> None:
+    truth, fitted = simulated_fit(tmp_path, name, duration_s, calibrate=False)
     scenario = fitted.scenario
     pool, true_pool = scenario.pools[0], truth.pools[0]
     # What the log shows directly.
@@ -74,6 +78,16 @@ def test_the_fitted_scenario_reproduces_a_simulated_run(
         # run started none there (its replacement was drained first): the log cannot show it.
         (crash,) = scenario.faults
         assert (crash.kind, crash.at_s, crash.count) == ("worker_crash", 1200.0, 1), crash
+
+
+@pytest.mark.parametrize(
+    ("name", "duration_s"), [("steady", 900), ("eval_checkpoint_pauses", 1200)]
+)
+def test_the_fitted_scenario_reproduces_a_simulated_run(
+    tmp_path: Path, name: str, duration_s: int
+) -> None:
+    _, fitted = simulated_fit(tmp_path, name, duration_s, calibrate=True)
+    scenario = fitted.scenario
     # Under the recorded policy, the fitted scenario gives back the run's figures.
     seeds = [simulate(attrs.evolve(scenario, seed=s), policies=CATALOG) for s in (1, 2)]
     hours = statistics.fmean(r.metrics.worker_hours for r in seeds)
