@@ -598,8 +598,8 @@ def render_section(
         + (
             f" Each scenario runs under {seeds} seeds (its own and the next ones): every figure "
             "is the mean over the seeds and, in brackets, the worst seed's (for the oracle and "
-            "the bound: the largest); a target is met only if it is met on every seed. The plot "
-            "shows the first seed."
+            "the bound: the largest; the reversals column gives reversals per hour); a target "
+            "is met only if it is met on every seed. The plot shows the first seed."
             if seeds > 1
             else ""
         ),
