@@ -1,8 +1,10 @@
 """``deo bench``: every shipped scenario under deo and every published baseline, side by side.
 
-Runs each scenario of ``--scenarios`` (default ``bench/scenarios``) under deo's default policy,
-the baselines (the Atropos DEO proposal, Ray Serve, verl, the Kubernetes HPA, a static pool),
-the reactive oracle and the lower bound; prints one line per scenario and policy; writes its
+Runs each scenario of ``--scenarios`` (default ``bench/scenarios``) under ``--seeds`` seeds
+(default 3: tables give the mean and the worst seed, targets must hold on every seed), under
+deo's default policy, the baselines (the Atropos DEO proposal, Ray Serve, verl, the Kubernetes
+HPA, a static pool), the reactive oracle and the lower bound; prints one line per scenario and
+policy; writes its
 section of ``--out`` (between ``<!-- deo_bench:start -->`` and ``<!-- deo_bench:end -->``, the
 rest of the file untouched) and one PNG per scenario into ``--plots``.
 
@@ -69,12 +71,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="markdown file whose deo_bench section is rewritten; default: docs/benchmarks.md",
     )
     parser.add_argument(
+        "--seeds",
+        type=_seeds,
+        default=DEFAULT_SEEDS,
+        metavar="N",
+        help=f"run every scenario under N seeds (its own and the next ones); tables give the "
+        f"mean and the worst, targets are judged on every seed; default {DEFAULT_SEEDS}",
+    )
+    parser.add_argument(
         "--plots",
         type=Path,
         default=harness.DEFAULT_PLOTS,
         metavar="DIR",
         help="directory for one PNG per scenario; default: docs/bench",
     )
+
+
+#: Seeds per scenario unless --seeds says otherwise.
+DEFAULT_SEEDS = 3
+
+
+def _seeds(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"at least 1, got {value}")
+    return value
 
 
 def _shown(path: Path) -> str:
@@ -96,6 +120,8 @@ def command_line(args: argparse.Namespace) -> str:
     ):
         if Path(value).resolve() != default.resolve():
             words += [flag, _shown(Path(value))]
+    if args.seeds != DEFAULT_SEEDS:
+        words += ["--seeds", str(args.seeds)]
     if args.only:
         words += ["--only", *args.only]
     return shlex.join(words)
@@ -119,6 +145,7 @@ def main(args: argparse.Namespace) -> int:
             plots_dir=args.plots,
             command=command_line(args),
             progress=progress,
+            seeds=args.seeds,
         )
     except harness.BenchError as exc:
         print(f"deo bench: error: {exc}", file=sys.stderr)

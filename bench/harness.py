@@ -55,6 +55,7 @@ __all__ = [
     "PolicyRun",
     "ScenarioReport",
     "Series",
+    "check_every_seed",
     "check_targets",
     "find_scenarios",
     "is_jitter_only",
@@ -64,6 +65,7 @@ __all__ = [
     "replace_section",
     "run_bench",
     "run_scenario",
+    "run_seeds",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,6 +173,15 @@ class ScenarioReport:
     #: The trainer's pauses [start, end) and the faults (time, what), for the plots.
     pauses: tuple[tuple[float, float], ...] = ()
     faults: tuple[tuple[float, str], ...] = ()
+    #: The seed this report's runs had, and the reports of the same scenario under the other
+    #: seeds of a ``--seeds`` run (empty: one seed).
+    seed: int = 1
+    seeds: tuple[ScenarioReport, ...] = ()
+
+    @property
+    def every_seed(self) -> tuple[ScenarioReport, ...]:
+        """This report and those of the other seeds, in seed order."""
+        return (self, *self.seeds)
 
     @property
     def deo(self) -> PolicyRun:
@@ -348,11 +359,28 @@ def run_scenario(
         baseline_source=source,
         oracle=oracle_run,
         runs=tuple(runs),
+        seed=scenario.seed,
         pauses=tuple((p.at_s, p.end_s) for p in scenario.trainer.pauses),
         faults=tuple(
             (f.at_s, f.kind if f.gpu is None else f"{f.kind} {f.gpu}") for f in scenario.faults
         ),
     )
+
+
+def run_seeds(
+    path: Path, scenario: Scenario, seeds: int, *, progress: Callable[[str], None] = print
+) -> ScenarioReport:
+    """:func:`run_scenario` under ``seeds`` seeds: the scenario's own, then the next ones; the
+    first seed's report, holding the others' in ``seeds``."""
+    reports = []
+    for k in range(seeds):
+        seeded = attrs.evolve(scenario, seed=scenario.seed + k)
+
+        def tagged(line: str, seed: int = seeded.seed) -> None:
+            progress(f"{line}  [seed {seed}]" if seeds > 1 else line)
+
+        reports.append(run_scenario(path, seeded, progress=tagged))
+    return attrs.evolve(reports[0], seeds=tuple(reports[1:]))
 
 
 # --- deo's targets -------------------------------------------------------------------------------
@@ -426,6 +454,29 @@ def check_targets(report: ScenarioReport) -> tuple[Check, ...]:
     return tuple(checks)
 
 
+def check_every_seed(report: ScenarioReport) -> tuple[Check, ...]:
+    """deo's targets judged on every seed of ``report``: one is met only where it is met on
+    each; the value shown is the first seed's, or that of the first seed that missed it."""
+    per_seed = [check_targets(r) for r in report.every_seed]
+    if len(per_seed) == 1:
+        return per_seed[0]
+    seeds = [r.seed for r in report.every_seed]
+    combined = []
+    for i, first in enumerate(per_seed[0]):
+        checks = [checks[i] for checks in per_seed]
+        missed = [k for k, check in enumerate(checks) if not check.ok]
+        if not missed:
+            value = f"{first.value} (seed {seeds[0]}); met on all {len(seeds)} seeds"
+        else:
+            names = ", ".join(str(seeds[k]) for k in missed)
+            value = (
+                f"missed on {len(missed)} of {len(seeds)} seeds ({names}); seed "
+                f"{seeds[missed[0]]}: {checks[missed[0]].value}"
+            )
+        combined.append(Check(target=first.target, value=value, ok=not missed))
+    return tuple(combined)
+
+
 # --- the report ----------------------------------------------------------------------------------
 
 _HEADER = (
@@ -475,6 +526,54 @@ def _run_row(run: PolicyRun, oracle_hours: float) -> str:
     )
 
 
+def _mean_worst(values: Sequence[float], show: Callable[[float], str], worst: str = "max") -> str:
+    """``mean (worst)`` over seeds; NaN (nothing trained) is the worst of all."""
+    if any(math.isnan(v) for v in values):
+        return f"{show(math.nan)} ({show(math.nan)})"
+    pick = max(values) if worst == "max" else min(values)
+    return f"{show(sum(values) / len(values))} ({show(pick)})"
+
+
+def _hours(value: float) -> str:
+    return f"{value:.2f}"
+
+
+def _seeded_rows(report: ScenarioReport) -> list[str]:
+    """The table's rows over every seed: per figure the mean and, in brackets, the worst."""
+    reports = report.every_seed
+    oracles = [r.oracle for r in reports]
+    oracle_hours = [o.worker_hours for o in oracles]
+
+    def ratio(hours: float, reference: float) -> float:
+        return hours / reference if reference > 0 else math.inf
+
+    rows = [
+        f"| oracle (reactive) | "
+        f"{_mean_worst([o.unavoidable_starvation_share for o in oracles], _pct)} | "
+        f"{_mean_worst(oracle_hours, _hours)} | 1.00 | - | - | - | - | - |",
+        f"| lower bound (clairvoyant) | "
+        f"{_mean_worst([o.bound_starvation_share for o in oracles], _pct)} | "
+        f"{_mean_worst([o.bound_worker_hours for o in oracles], _hours)} | "
+        f"{_mean_worst([ratio(o.bound_worker_hours, o.worker_hours) for o in oracles], _hours)}"
+        " | - | - | - | - | - |",
+    ]
+    for i, run in enumerate(report.runs):
+        ms = [r.runs[i].metrics for r in reports]
+        name = f"**{run.name}**" if run.name == DEO else run.name
+        ratios = [ratio(m.worker_hours, h) for m, h in zip(ms, oracle_hours, strict=True)]
+        rows.append(
+            f"| {name} | {_mean_worst([m.starvation_share for m in ms], _pct)} | "
+            f"{_mean_worst([m.worker_hours for m in ms], _hours)} | "
+            f"{_mean_worst(ratios, _hours)} | "
+            f"{_mean_worst([m.mean_lag_steps for m in ms], _steps)} | "
+            f"{_mean_worst([m.p95_lag_steps for m in ms], _steps)} | "
+            f"{_mean_worst([float(m.scale_actions) for m in ms], lambda v: f'{v:.0f}')} | "
+            f"{_mean_worst([m.reversals_per_hour for m in ms], lambda v: f'{v:.1f}')} | "
+            f"{_mean_worst([float(m.groups_discarded) for m in ms], lambda v: f'{v:.0f}')} |"
+        )
+    return rows
+
+
 def render_section(
     reports: Sequence[ScenarioReport],
     *,
@@ -486,7 +585,8 @@ def render_section(
     """The markdown between the markers: the command, then per scenario its table, deo's checks
     and its plot (linked relative to ``out_dir``, where the document lives)."""
     now = now or dt.datetime.now(dt.UTC)
-    met = sum(all(check.ok for check in check_targets(r)) for r in reports)
+    met = sum(all(check.ok for check in check_every_seed(r)) for r in reports)
+    seeds = max((len(r.every_seed) for r in reports), default=1)
     lines = [
         START_MARK,
         "## Controllers: deo against the published policies (`deo bench`)",
@@ -494,7 +594,15 @@ def render_section(
         f"- Command: `{command}`",
         f"- Date: {now:%Y-%m-%d %H:%M} UTC",
         f"- Scenarios: {len(reports)}; deo met every target on {met} of them.",
-        "- Every policy runs in the simulator through the real reducer, the same seed for all.",
+        "- Every policy runs in the simulator through the real reducer, the same seed for all."
+        + (
+            f" Each scenario runs under {seeds} seeds (its own and the next ones): every figure "
+            "is the mean over the seeds and, in brackets, the worst seed's (for the oracle and "
+            "the bound: the largest; the reversals column gives reversals per hour); a target "
+            "is met only if it is met on every seed. The plot shows the first seed."
+            if seeds > 1
+            else ""
+        ),
         "  Starvation: share of the non-paused time the trainer waited for a batch. "
         "Worker-hours: GPU-hours held (a CPU worker counts one an hour). Lag: trainer steps "
         "between a sequence being queued and trained on. Flaps: a scale-up undone within the "
@@ -523,23 +631,12 @@ def render_section(
             _HEADER,
             _RULE,
         ]
-        oracle_run = report.oracle
-        lines.append(
-            f"| oracle (reactive) | {_pct(oracle_run.unavoidable_starvation_share)} | "
-            f"{oracle_run.worker_hours:.2f} | 1.00 | - | - | - | - | - |"
-        )
-        bound_ratio = (
-            f"{oracle_run.bound_worker_hours / oracle_run.worker_hours:.2f}"
-            if oracle_run.worker_hours > 0
-            else "n/a"
-        )
-        lines.append(
-            f"| lower bound (clairvoyant) | {_pct(oracle_run.bound_starvation_share)} | "
-            f"{oracle_run.bound_worker_hours:.2f} | {bound_ratio} | - | - | - | - | - |"
-        )
-        lines += [_run_row(run, oracle_run.worker_hours) for run in report.runs]
+        if report.seeds:
+            lines += _seeded_rows(report)
+        else:
+            lines += _single_rows(report)
         lines += ["", "| deo target | value | result |", "|---|---|---|"]
-        for check in check_targets(report):
+        for check in check_every_seed(report):
             lines.append(f"| {check.target} | {check.value} | {'met' if check.ok else 'MISSED'} |")
         plot = plots.get(report.path.stem)
         if plot is not None:
@@ -549,6 +646,26 @@ def render_section(
             ]
     lines.append(END_MARK)
     return "\n".join(lines) + "\n"
+
+
+def _single_rows(report: ScenarioReport) -> list[str]:
+    """The table's rows for one seed."""
+    oracle_run = report.oracle
+    lines = [
+        f"| oracle (reactive) | {_pct(oracle_run.unavoidable_starvation_share)} | "
+        f"{oracle_run.worker_hours:.2f} | 1.00 | - | - | - | - | - |"
+    ]
+    bound_ratio = (
+        f"{oracle_run.bound_worker_hours / oracle_run.worker_hours:.2f}"
+        if oracle_run.worker_hours > 0
+        else "n/a"
+    )
+    lines.append(
+        f"| lower bound (clairvoyant) | {_pct(oracle_run.bound_starvation_share)} | "
+        f"{oracle_run.bound_worker_hours:.2f} | {bound_ratio} | - | - | - | - | - |"
+    )
+    lines += [_run_row(run, oracle_run.worker_hours) for run in report.runs]
+    return lines
 
 
 def replace_section(text: str, section: str, *, where: str = "document") -> str:
@@ -696,13 +813,17 @@ def run_bench(
     plots_dir: Path,
     command: str,
     progress: Callable[[str], None] = print,
+    seeds: int = 1,
 ) -> list[ScenarioReport]:
-    """Run every scenario of ``scenarios_dir`` (or those in ``only``), write the section of
-    ``out`` and one PNG per scenario into ``plots_dir``; the reports.
+    """Run every scenario of ``scenarios_dir`` (or those in ``only``) under ``seeds`` seeds (the
+    scenario's own and the next ones), write the section of ``out`` and one PNG per scenario
+    (its first seed) into ``plots_dir``; the reports (each holding its other seeds').
 
     Everything that can be wrong with the input (the directory, the names, a scenario file, the
     markers of ``out``) is checked before anything runs, and raises :class:`BenchError`.
     """
+    if seeds < 1:
+        raise BenchError(f"--seeds {seeds}: at least 1")
     scenarios = _load_all(find_scenarios(scenarios_dir, only))
     try:
         existing = out.read_text(encoding="utf-8") if out.exists() else ""
@@ -713,14 +834,14 @@ def run_bench(
     plots: dict[str, Path] = {}
     for i, (path, scenario) in enumerate(scenarios, 1):
         progress(f"[{i}/{len(scenarios)}] {scenario.name} ({path.name})")
-        report = run_scenario(path, scenario, progress=progress)
+        report = run_seeds(path, scenario, seeds, progress=progress)
         reports.append(report)
         plot_path = plots_dir / f"{path.stem}.png"
         plot_scenario(report, plot_path)
         plots[path.stem] = plot_path
-        missed = [c.target for c in check_targets(report) if not c.ok]
+        missed = [c.target for c in check_every_seed(report) if not c.ok]
         progress(
-            f"{scenario.name}: deo met every target"
+            f"{scenario.name}: deo met every target" + (" on every seed" if seeds > 1 else "")
             if not missed
             else f"{scenario.name}: deo missed {len(missed)}: {'; '.join(missed)}"
         )

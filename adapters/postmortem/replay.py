@@ -44,6 +44,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="replay under a changed configuration (e.g. pools.envs.max_workers=4); repeatable",
     )
     parser.add_argument(
+        "--what-if",
+        dest="what_if",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="closed loop: fit a scenario to the log and simulate it under this change beside "
+        "the recorded configuration (policy=NAME, a policy parameter, max_workers=N, ...); "
+        "repeatable",
+    )
+    parser.add_argument(
+        "--what-if-seeds",
+        dest="what_if_seeds",
+        type=int,
+        default=3,
+        metavar="N",
+        help="seeds each --what-if configuration is simulated under (default 3)",
+    )
+    parser.add_argument(
+        "--fitted-out",
+        dest="fitted_out",
+        type=Path,
+        metavar="FILE",
+        help="where --what-if writes the fitted scenario (default: LOG.fitted.toml beside it)",
+    )
+    parser.add_argument(
         "-q", "--quiet", action="store_true", help="no timeline: verify and summarize only"
     )
 
@@ -54,6 +79,27 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         print(f"deo replay: {path}: no such log file", file=sys.stderr)
         return 2
     problems: list[LogProblem] = []
+    if args.what_if:
+        if args.set:
+            print(
+                "deo replay: --set (open loop) and --what-if (closed loop) ask different "
+                "questions; give one",
+                file=sys.stderr,
+            )
+            return 2
+        from adapters.postmortem import whatif  # the simulator, only when asked for
+
+        try:
+            return whatif.run_what_if(
+                path,
+                args.what_if,
+                seeds=args.what_if_seeds,
+                fitted_out=args.fitted_out,
+                out=out,
+            )
+        except (whatif.WhatIfError, whatif.FitError) as exc:
+            print(f"deo replay: {exc}", file=sys.stderr)
+            return 2
     if args.set:
         try:
             transform = apply_settings([parse_setting(s) for s in args.set])

@@ -114,6 +114,32 @@ def test_demo_leaves_a_log_that_replays_and_no_process_behind(
     assert processes_mentioning(api.group(1)) == []
 
 
+def test_the_demo_log_answers_a_closed_loop_what_if(
+    demo_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    cwd, _ = demo_run
+    proc = deo(
+        "replay",
+        "tmp/x.jsonl",
+        "--what-if",
+        "policy=static",
+        "--what-if-seeds",
+        "1",
+        "--fitted-out",
+        "tmp/fitted.toml",
+        cwd=cwd,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    # Fitted from what a real run's log shows: batches of 32, groups of 8, no in-flight samples.
+    assert "trainer: batches of 32 sequences" in out
+    assert "groups of 8 sequences" in out
+    assert "(assumed: the log has no in-flight samples)" in out
+    assert re.search(r"^fit error \(.*\): starvation [-+]\d+\.\d\d points", out, re.M), out
+    assert "static (count=8)" in out
+    assert (cwd / "tmp" / "fitted.toml").is_file()
+
+
 def test_demo_refuses_a_too_short_run(tmp_path: Path) -> None:
     proc = deo("demo", "--duration-s", "3", cwd=tmp_path)
     assert proc.returncode == 2

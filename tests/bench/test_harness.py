@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from conftest import deo_command
 
@@ -25,6 +26,7 @@ from bench.harness import (
     PolicyRun,
     ScenarioReport,
     Series,
+    check_every_seed,
     check_targets,
     find_scenarios,
     is_jitter_only,
@@ -127,7 +129,12 @@ def test_bench_succeeds_and_prints_a_line_per_scenario_and_policy(
         for policy in (*POLICIES, "oracle"):
             pattern = rf"^{scenario}  {re.escape(policy)} +\d+\.\ds  starvation \d+\.\d\d%"
             lines = [line for line in done.stdout.splitlines() if re.match(pattern, line)]
-            assert len(lines) == 1, (scenario, policy, done.stdout)
+            # Three seeds by default: the scenario's own (1) and the next two.
+            assert [line.rsplit("[", 1)[-1] for line in lines] == [
+                "seed 1]",
+                "seed 2]",
+                "seed 3]",
+            ], (scenario, policy, done.stdout)
     assert "[1/2] speedup (speedup.toml)" in done.stdout  # files run in name order
     assert "[2/2] steady (steady.toml)" in done.stdout
 
@@ -149,7 +156,9 @@ def test_bench_appends_its_section_and_keeps_the_rest(
         block = block[: block.index("![")]
         for policy in POLICIES + REFERENCES:
             name = f"**{policy}**" if policy == DEO else policy
-            assert re.search(rf"^\| {re.escape(name)} \| \d+\.\d\d% \| ", block, re.M), (
+            # Mean over the seeds, and the worst seed's in brackets.
+            row = rf"^\| {re.escape(name)} \| \d+\.\d\d% \(\d+\.\d\d%\) \| "
+            assert re.search(row, block, re.M), (
                 scenario,
                 policy,
             )
@@ -413,3 +422,33 @@ def test_render_section_links_plots_relative_to_the_document(tmp_path: Path) -> 
     assert "| oracle (reactive) | 4.50% | 9.00 | 1.00 | - | - | - | - | - |" in text
     assert "| **deo** | 5.00% | 10.00 | 1.11 | 1.00 | 2.00 | 3 | 0 (0.0) | 0 |" in text
     assert "deo met every target on 1 of them" in text
+
+
+def seeded(*reports: ScenarioReport) -> ScenarioReport:
+    """One report holding the others as its further seeds (seeds 1, 2, ...)."""
+    numbered = [attrs.evolve(r, seed=i) for i, r in enumerate(reports, 1)]
+    return attrs.evolve(numbered[0], seeds=tuple(numbered[1:]))
+
+
+def test_a_target_is_met_only_if_met_on_every_seed() -> None:
+    good = make_report(metrics(), metrics(worker_hours=99.0))
+    lagging = make_report(metrics(mean_lag_steps=1.9), metrics(worker_hours=99.0))
+    checks = check_every_seed(seeded(good, lagging, good))
+    assert [c.ok for c in checks] == [True, True, False, True, True], checks
+    assert checks[2].value == "missed on 1 of 3 seeds (2); seed 2: 1.90"
+    assert checks[0].value.endswith("(seed 1); met on all 3 seeds")
+    # One seed: the checks of that seed, as they are.
+    assert check_every_seed(good) == check_targets(good)
+
+
+def test_seeded_tables_give_the_mean_and_the_worst_seed(tmp_path: Path) -> None:
+    report = seeded(
+        make_report(metrics(starvation_share=0.02, worker_hours=9.0), metrics(worker_hours=99.0)),
+        make_report(metrics(starvation_share=0.04, worker_hours=11.0), metrics(worker_hours=99.0)),
+    )
+    text = render_section([report], command="deo bench", out_dir=tmp_path, plots={})
+    # Oracle: 9.00 worker-hours on both seeds; deo: ratios 1.00 and 1.22.
+    assert "| oracle (reactive) | 4.50% (4.50%) | 9.00 (9.00) | 1.00 |" in text
+    assert "| **deo** | 3.00% (4.00%) | 10.00 (11.00) | 1.11 (1.22) | 1.00 (1.00) |" in text
+    assert "runs under 2 seeds" in text
+    assert "deo met every target on 0 of them" in text  # 1.22 x oracle on seed 2

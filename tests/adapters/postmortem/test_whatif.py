@@ -1,0 +1,206 @@
+"""``deo replay LOG --what-if``: fitting a scenario to a recorded run and simulating it closed loop.
+
+Logs come from the simulator (shipped scenarios, shortened) and from the conftest's simulated
+run; ``deo replay --what-if`` runs as a real executable. The real ``deo demo`` log is covered in
+``tests/adapters/test_cli.py`` beside the demo itself.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+from conftest import deo_command, write_simulated_log
+
+from adapters.postmortem.fit import FitError, Fitted, fit_scenario, read_run
+from adapters.postmortem.whatif import WhatIfError, parse_changes
+from adapters.sim.driver import simulate
+from adapters.sim.scenario import Scenario, load_scenario
+from bench.baselines import CATALOG
+
+REPO = Path(__file__).resolve().parents[3]
+SCENARIOS = REPO / "bench" / "scenarios"
+
+
+def deo(*args: Any, cwd: Path) -> subprocess.CompletedProcess[str]:
+    command, env = deo_command()
+    return subprocess.run(
+        [*command, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300, env=env
+    )
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("what-if") / "run.jsonl"
+    write_simulated_log(path)  # 15 minutes, a worker crash at 200 s
+    return path
+
+
+# --- fitting ---------------------------------------------------------------------------------
+
+
+def simulated_fit(
+    tmp_path: Path, name: str, duration_s: int, *, calibrate: bool
+) -> tuple[Scenario, Fitted]:
+    truth = load_scenario(
+        SCENARIOS / f"{name}.toml", {"duration_s": str(duration_s)}, policies=CATALOG
+    )
+    log = tmp_path / "run.jsonl"
+    simulate(truth, log_path=log, policies=CATALOG)
+    return truth, fit_scenario(read_run(log, CATALOG), "fitted", CATALOG, calibrate=calibrate)
+
+
+@pytest.mark.parametrize(
+    ("name", "duration_s"),
+    [("steady", 900), ("eval_checkpoint_pauses", 1200), ("crash_loop", 1500)],
+)
+def test_the_fit_reads_what_the_log_shows(tmp_path: Path, name: str, duration_s: int) -> None:
+    truth, fitted = simulated_fit(tmp_path, name, duration_s, calibrate=False)
+    scenario = fitted.scenario
+    pool, true_pool = scenario.pools[0], truth.pools[0]
+    # What the log shows directly.
+    assert scenario.trainer.batch_size_seqs == truth.trainer.batch_size_seqs
+    assert abs(scenario.trainer.step_s / truth.trainer.step_s - 1) < 0.05, scenario.trainer
+    assert pool.group_size == true_pool.group_size
+    assert pool.groups_in_flight == true_pool.groups_in_flight
+    assert abs(pool.startup_s - true_pool.startup_s) < 1.0
+    assert pool.policy.name == true_pool.policy.name
+    assert pool.max_workers == true_pool.max_workers
+    if name == "eval_checkpoint_pauses":  # the eval pause at 900-1080 s
+        (pause,) = scenario.trainer.pauses
+        assert abs(pause.at_s - 900) < 10 and abs(pause.end_s - 1080) < 10, pause
+    if name == "crash_loop":
+        # A crash at 1200 s. Every worker started in the next 300 s would crash too, but this
+        # run started none there (its replacement was drained first): the log cannot show it.
+        (crash,) = scenario.faults
+        assert (crash.kind, crash.at_s, crash.count) == ("worker_crash", 1200.0, 1), crash
+
+
+@pytest.mark.parametrize(
+    ("name", "duration_s"), [("steady", 900), ("eval_checkpoint_pauses", 1200)]
+)
+def test_the_fitted_scenario_reproduces_a_simulated_run(
+    tmp_path: Path, name: str, duration_s: int
+) -> None:
+    _, fitted = simulated_fit(tmp_path, name, duration_s, calibrate=True)
+    scenario = fitted.scenario
+    # Under the recorded policy, the fitted scenario gives back the run's figures.
+    seeds = [simulate(attrs.evolve(scenario, seed=s), policies=CATALOG) for s in (1, 2)]
+    hours = statistics.fmean(r.metrics.worker_hours for r in seeds)
+    starving = statistics.fmean(r.metrics.starvation_share for r in seeds)
+    observed = fitted.observed
+    assert abs(hours / observed.worker_hours - 1) <= 0.10, (hours, observed)
+    assert abs(starving - observed.starvation_share) <= 0.01, (starving, observed)
+
+
+def test_the_recorded_figures_are_the_simulators(recorded: Path) -> None:
+    scenario = attrs.evolve(
+        load_scenario(SCENARIOS / "steady.toml", {"duration_s": "900"}, policies=CATALOG)
+    )
+    log = recorded.with_name("steady.jsonl")
+    truth = simulate(scenario, log_path=log, policies=CATALOG).metrics
+    observed = fit_scenario(read_run(log, CATALOG), "x", CATALOG, calibrate=False).observed
+    assert observed.worker_hours == pytest.approx(truth.worker_hours, rel=1e-6)
+    assert abs(observed.starvation_share - truth.starvation_share) < 0.005
+    assert observed.scale_actions == truth.scale_actions
+
+
+def test_a_log_too_short_to_fit_says_so(tmp_path: Path) -> None:
+    scenario = load_scenario(SCENARIOS / "steady.toml", {"duration_s": "10"}, policies=CATALOG)
+    log = tmp_path / "short.jsonl"
+    simulate(scenario, log_path=log, policies=CATALOG)
+    with pytest.raises(FitError, match="too short to fit: 10 s and 5 queue samples"):
+        fit_scenario(read_run(log, CATALOG), "x", CATALOG)
+
+
+# --- the changes -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [
+        (["policy=nonsense"], "unknown policy 'nonsense' (policies: "),
+        (["max_workers"], "expected KEY=VALUE"),
+        (["=3"], "expected KEY=VALUE"),
+        (["policy=3"], "a policy is named by a string"),
+    ],
+)
+def test_bad_changes_are_named(items: list[str], message: str) -> None:
+    with pytest.raises(WhatIfError, match=message.replace("(", r"\(")):
+        parse_changes(items)
+
+
+def test_changes_parse() -> None:
+    change = parse_changes(["policy=k8s-hpa", "max_workers=12", "policy.tolerance=0.2"])
+    assert change.policy == "k8s-hpa"
+    assert change.pool == {"max_workers": 12}
+    assert change.params == {"tolerance": 0.2}
+
+
+# --- the command -------------------------------------------------------------------------------
+
+
+def test_what_if_prints_both_runs_beside_the_recorded_one(recorded: Path, tmp_path: Path) -> None:
+    fitted = tmp_path / "fitted.toml"
+    proc = deo(
+        "replay",
+        recorded,
+        "--what-if",
+        "policy=static",
+        "--what-if",
+        "max_workers=12",
+        "--what-if-seeds",
+        "2",
+        "--fitted-out",
+        fitted,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.startswith(f"what if policy=static max_workers=12: {recorded} (900 s")
+    assert "fitted from the log:" in out
+    assert "worker crash at 200 s" in out
+    assert f"wrote the fitted scenario to {fitted}" in out
+    header = next(line for line in out.splitlines() if "recorded" in line and "what-if" in line)
+    assert header.split() == ["recorded", "fitted,", "recorded", "config", "fitted,", "what-if"]
+    assert "static (count=12)" in out
+    for row in ("trainer starvation", "worker-hours (GPU-hours)", "scale actions (reversals)"):
+        assert any(line.strip().startswith(row) for line in out.splitlines()), row
+    assert "fit error (fitted under the recorded configuration against the recorded run): " in out
+    assert "the change: starvation " in out
+    # The fitted scenario is a scenario file the simulator runs as it is.
+    scenario = load_scenario(fitted, policies=CATALOG)
+    assert scenario.duration_s == pytest.approx(900, abs=2)
+    assert deo("simulate", fitted, cwd=tmp_path).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--what-if", "policy=nonsense"], "unknown policy 'nonsense'"),
+        (["--what-if", "colour=blue"], "--what-if colour: not a parameter of policy 'buffer'"),
+        (["--what-if", "max_workers=0"], "max_workers"),
+        (["--what-if", "policy=static", "--set", "pools.envs.max_workers=4"], "give one"),
+        (["--what-if", "policy=static", "--what-if-seeds", "0"], "--what-if-seeds 0"),
+    ],
+)
+def test_bad_what_ifs_exit_2_with_a_clear_message(
+    recorded: Path, tmp_path: Path, args: list[str], message: str
+) -> None:
+    proc = deo("replay", recorded, *args, "--fitted-out", tmp_path / "f.toml", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("deo replay: "), proc.stderr
+    assert message in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_a_log_with_no_configuration_cannot_be_fitted(tmp_path: Path) -> None:
+    log = tmp_path / "empty.jsonl"
+    log.write_text('{"kind": "header", "schema": 1, "deo": "0.1.0", "created": "x"}\n')
+    proc = deo("replay", log, "--what-if", "policy=static", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "no Configured event" in proc.stderr
