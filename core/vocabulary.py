@@ -52,6 +52,7 @@ class AlertName(enum.StrEnum):
     GPU_LOST = "gpu_lost"  # GPU: gone from the driver
     UNKILLABLE_WORKER = "unkillable_worker"  # worker: still there after SIGKILL
     LEFTOVER_PROCESSES = "leftover_processes"  # worker: processes it left behind, being stopped
+    PLAN_REFUSED = "plan_refused"  # arbiter: a GPU plan broke a plan invariant and was not run
 
 
 class StopCause(enum.StrEnum):
