@@ -168,6 +168,9 @@ class Pipeline:
     clusters: Mapping[str, Cluster] = attrs.field(factory=dict, converter=_read_only)
     progress: Mapping[str, Progress] = attrs.field(factory=dict, converter=_read_only)
     rollout_open: bool = False
+    #: When it last showed life: registered, opened its rollout, asked for GPUs, reported
+    #: progress, or had its generation woken from zero ranks.
+    activity_t: float = 0.0
 
     def generation(self) -> Cluster | None:
         """Its generation cluster (at most one), if registered."""
@@ -182,7 +185,8 @@ class ArbiterState:
     """Everything the arbiter knows; rebuilt, never mutated, by each step.
 
     ``gpus``: the inventory, in order (declared once). ``lost``: GPUs gone from the driver.
-    ``idle``: usable GPUs that no holder and no active rank uses.
+    ``idle``: usable GPUs that no holder and no active rank uses. ``now``: the time of the latest
+    event (the arbiter's only clock).
     """
 
     gpus: tuple[str, ...] = ()
@@ -190,6 +194,7 @@ class ArbiterState:
     idle: frozenset[str] = frozenset()
     pipelines: Mapping[str, Pipeline] = attrs.field(factory=dict, converter=_read_only)
     next_seq: int = 0
+    now: float = 0.0
 
     def clusters(self) -> Iterator[tuple[str, Cluster]]:
         """Every (pipeline id, cluster), in registration order."""

@@ -38,7 +38,7 @@ from typing import Protocol
 
 import attrs
 
-from core.arbiter.model import ArbiterState, ClusterSpec
+from core.arbiter.model import ArbiterState, ClusterSpec, Pipeline
 from core.arbiter.plan import ClusterKey, GpuOp, Plan, RankOp, merge_rank_ops
 
 __all__ = ["Demand", "GapRatioPlanner", "Planner", "RlixPlanner"]
@@ -199,9 +199,16 @@ class GapRatioPlanner:
       wake, an idle one wins, then the one whose donors have the least remaining work (protect
       the donors with the most work), then the fewest ranks shrunk, then the lowest rank.
     - A non-generation request shrinks generation only when it is granted in the same plan.
+    - A pipeline with ranks awake and no waiting request that has shown no life (no progress
+      report, request, rollout opened, or wake from zero ranks) for ``stale_after_s`` seconds is a
+      donor with target 0: a hung rollout does not keep GPUs from the others (rlix keeps them).
+      It becomes eligible again when it reports, asks, or has no rank left awake.
     """
 
     name: str = "deo"
+    #: Seconds without a sign of life after which an awake pipeline's GPUs may be reclaimed
+    #: (None: never).
+    stale_after_s: float | None = 60.0
 
     def demand(self, state: ArbiterState) -> dict[ClusterKey, Demand]:
         found: dict[ClusterKey, Demand] = {}
@@ -218,10 +225,16 @@ class GapRatioPlanner:
             if waiting:
                 remaining = max(remaining, 1)
             eligible = remaining > 0 and (wants or bool(cluster.active_ranks))
+            if eligible and not waiting and cluster.active_ranks and self._stale(state, pipeline):
+                eligible = False
             found[(pipeline_id, cluster.spec.name)] = Demand(
                 remaining=remaining if eligible else 0, eligible=eligible
             )
         return found
+
+    def _stale(self, state: ArbiterState, pipeline: Pipeline) -> bool:
+        limit = self.stale_after_s
+        return limit is not None and state.now - pipeline.activity_t > limit
 
     def plan(self, state: ArbiterState) -> Plan:
         board = _Board(state)

@@ -55,6 +55,12 @@ def _cluster(state: ArbiterState, pipeline_id: str, name: str, event: e.Event) -
     return cluster
 
 
+def _active(state: ArbiterState, pipeline_id: str, t: float) -> ArbiterState:
+    """``state`` with the pipeline's last sign of life at ``t``."""
+    pipeline = state.pipelines[pipeline_id]
+    return _put_pipeline(state, attrs.evolve(pipeline, activity_t=t))
+
+
 def _put_pipeline(state: ArbiterState, pipeline: Pipeline) -> ArbiterState:
     return attrs.evolve(state, pipelines={**state.pipelines, pipeline.pipeline_id: pipeline})
 
@@ -112,7 +118,8 @@ def _declared(state: ArbiterState, event: ae.ArbiterGpusDeclared) -> Any:
 def _pipeline_registered(state: ArbiterState, event: ae.PipelineRegistered) -> Any:
     if event.pipeline in state.pipelines:
         raise Refused(f"PipelineRegistered: pipeline {event.pipeline!r} is already registered")
-    return _put_pipeline(state, Pipeline(pipeline_id=event.pipeline)), Plan(), []
+    pipeline = Pipeline(pipeline_id=event.pipeline, activity_t=event.t)
+    return _put_pipeline(state, pipeline), Plan(), []
 
 
 def _cluster_registered(state: ArbiterState, event: ae.ClusterRegistered) -> Any:
@@ -177,7 +184,7 @@ def _request(
         t=event.t,
         estimate_trajectories=event.estimate_trajectories,
     )
-    state = attrs.evolve(state, next_seq=state.next_seq + 1)
+    state = _active(attrs.evolve(state, next_seq=state.next_seq + 1), event.pipeline, event.t)
     return _put_cluster(state, event.pipeline, attrs.evolve(cluster, request=request)), []
 
 
@@ -225,7 +232,8 @@ def _progress(state: ArbiterState, event: ae.ProgressReported) -> Any:
         completed_trajectories=event.completed_trajectories,
     )
     progress = {**pipeline.progress, event.stream: report}
-    return _put_pipeline(state, attrs.evolve(pipeline, progress=progress)), Plan(), []
+    changed = attrs.evolve(pipeline, progress=progress, activity_t=event.t)
+    return _put_pipeline(state, changed), Plan(), []
 
 
 def _progress_cleared(state: ArbiterState, event: ae.ProgressCleared) -> Any:
@@ -241,7 +249,14 @@ def _progress_cleared(state: ArbiterState, event: ae.ProgressCleared) -> Any:
 def _rollout(state: ArbiterState, event: ae.RolloutOpened | ae.RolloutClosed) -> Any:
     pipeline = _pipeline(state, event.pipeline, event)
     opened = isinstance(event, ae.RolloutOpened)
-    return _put_pipeline(state, attrs.evolve(pipeline, rollout_open=opened)), Plan(), []
+    changed = attrs.evolve(pipeline, rollout_open=opened)
+    if opened:
+        changed = attrs.evolve(changed, activity_t=event.t)
+    return _put_pipeline(state, changed), Plan(), []
+
+
+def _tick(state: ArbiterState, event: e.Tick) -> Any:
+    return state, Plan(), []
 
 
 def _gpu_lost(state: ArbiterState, event: e.GpuLost) -> Any:
@@ -291,6 +306,7 @@ HANDLERS: Mapping[type[e.Event], _Handler] = MappingProxyType(
         ae.RolloutOpened: _rollout,
         ae.RolloutClosed: _rollout,
         e.GpuLost: _gpu_lost,
+        e.Tick: _tick,
     }
 )
 
@@ -352,6 +368,18 @@ def _commands(pre: ArbiterState, plan: Plan, after: ArbiterState) -> list[c.Comm
     return out
 
 
+def _woken(pre: ArbiterState, after: ArbiterState) -> ArbiterState:
+    """``after`` with a sign of life for each pipeline whose generation woke from zero ranks
+    (its progress clock starts again)."""
+    for pipeline_id, pipeline in after.pipelines.items():
+        cluster = pipeline.generation()
+        before = pre.pipelines.get(pipeline_id)
+        was = before.generation() if before is not None else None
+        if cluster and cluster.active_ranks and was is not None and not was.active_ranks:
+            after = _active(after, pipeline_id, after.now)
+    return after
+
+
 def _answered(after: ArbiterState, commands: list[c.Command]) -> ArbiterState:
     for command in commands:
         if isinstance(command, GrantGpus):
@@ -372,7 +400,7 @@ def reduce_arbiter(
     handler = HANDLERS.get(type(event))
     if handler is None:
         raise InvalidEvent(f"{type(event).__name__} is not an event the arbiter knows")
-    pre, own, commands = handler(state, event)
+    pre, own, commands = handler(attrs.evolve(state, now=max(state.now, event.t)), event)
     chosen: Planner = planner if planner is not None else _DEFAULT_PLANNER
     planned = chosen.plan(apply_plan(pre, own))
     plan = own.then(planned)
@@ -385,7 +413,7 @@ def reduce_arbiter(
             subject="arbiter",
         )
         return state, [alert]
-    after = apply_plan(pre, plan)
+    after = _woken(pre, apply_plan(pre, plan))
     planned_commands = _commands(pre, plan, after)
     after = _answered(after, planned_commands)
     return after, planned_commands + commands

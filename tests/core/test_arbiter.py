@@ -556,3 +556,26 @@ def test_events_and_commands_round_trip_and_replay_the_same() -> None:
         state, commands = reduce_arbiter(state, decode(encode(event)))
         assert commands == expected
     assert state == arbiter.state
+
+
+def test_a_hung_rollout_gives_its_gpus_up_after_stale_after_s() -> None:
+    arbiter = make_arbiter(2)
+    register(arbiter, "hung", generation=gpus(2))
+    register(arbiter, "live", generation=gpus(2))
+    arbiter.step(RolloutOpened(t=0.0, pipeline="hung"))
+    assert active(arbiter, "hung") == [0, 1]
+    arbiter.step(progress("live", 10, 0))
+    # "live" opens its rollout; "hung" reported nothing for 30 s: still within 60 s, shares.
+    arbiter.step(RolloutOpened(t=30.0, pipeline="live"))
+    assert len(active(arbiter, "hung")) == len(active(arbiter, "live")) == 1
+    # 61 s without a sign of life: its last rank goes to the pipeline that reports.
+    commands = arbiter.step(
+        ProgressReported(
+            t=61.0, pipeline="live", stream="main", target_trajectories=10, completed_trajectories=1
+        )
+    )
+    assert active(arbiter, "hung") == [] and active(arbiter, "live") == [0, 1]
+    assert any("hung/gen is above its target of 0" in c.reason for c in commands)
+    # With no rank left it may ask again: a request or a report makes it eligible at once.
+    arbiter.step(progress("hung", 10, 0))
+    assert len(active(arbiter, "hung")) == 1
