@@ -168,9 +168,11 @@ class Pipeline:
     clusters: Mapping[str, Cluster] = attrs.field(factory=dict, converter=_read_only)
     progress: Mapping[str, Progress] = attrs.field(factory=dict, converter=_read_only)
     rollout_open: bool = False
-    #: When it last showed life: registered, opened its rollout, asked for GPUs, reported
-    #: progress, or had its generation woken from zero ranks.
+    #: When it last showed life: registered, opened its rollout, asked for GPUs, or reported
+    #: progress.
     activity_t: float = 0.0
+    #: When its generation last woke from zero ranks (None: never).
+    woken_t: float | None = None
 
     def generation(self) -> Cluster | None:
         """Its generation cluster (at most one), if registered."""

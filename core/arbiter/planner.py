@@ -33,12 +33,13 @@ only once one of its ranks is awake.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Protocol
 
 import attrs
 
-from core.arbiter.model import ArbiterState, ClusterSpec, Pipeline
+from core.arbiter.model import ArbiterState, ClusterSpec
 from core.arbiter.plan import ClusterKey, GpuOp, Plan, RankOp, merge_rank_ops
 
 __all__ = ["Demand", "GapRatioPlanner", "Planner", "RlixPlanner"]
@@ -63,6 +64,8 @@ class Demand:
 
     remaining: int
     eligible: bool
+    #: A silent pipeline's probe: at most one bundle.
+    probe: bool = False
 
 
 class _Board:
@@ -199,15 +202,16 @@ class GapRatioPlanner:
       wake, an idle one wins, then the one whose donors have the least remaining work (protect
       the donors with the most work), then the fewest ranks shrunk, then the lowest rank.
     - A non-generation request shrinks generation only when it is granted in the same plan.
-    - A pipeline with ranks awake and no waiting request that has shown no life (no progress
-      report, request, rollout opened, or wake from zero ranks) for ``stale_after_s`` seconds is a
-      donor with target 0: a hung rollout does not keep GPUs from the others (rlix keeps them).
-      It becomes eligible again when it reports, asks, or has no rank left awake.
+    - A pipeline with no waiting request that has shown no life (no progress report, request or
+      rollout opened) for ``stale_after_s`` seconds is *silent*: a hung rollout must not keep GPUs
+      from the others (rlix keeps them). A silent pipeline gets at most one bundle, as a probe: for
+      ``stale_after_s`` after it woke from zero ranks; then it is a donor with target 0, and its
+      next probe comes ``2 * stale_after_s`` after the last one. Any sign of life ends it. (A
+      pipeline preempted to zero cannot report; its probe lets it show it is alive.)
     """
 
     name: str = "deo"
-    #: Seconds without a sign of life after which an awake pipeline's GPUs may be reclaimed
-    #: (None: never).
+    #: Seconds without a sign of life after which a pipeline is silent (None: never).
     stale_after_s: float | None = 60.0
 
     def demand(self, state: ArbiterState) -> dict[ClusterKey, Demand]:
@@ -225,16 +229,18 @@ class GapRatioPlanner:
             if waiting:
                 remaining = max(remaining, 1)
             eligible = remaining > 0 and (wants or bool(cluster.active_ranks))
-            if eligible and not waiting and cluster.active_ranks and self._stale(state, pipeline):
-                eligible = False
+            probe = False
+            limit = self.stale_after_s
+            silent = limit is not None and state.now - pipeline.activity_t > limit
+            if eligible and not waiting and silent and limit is not None:
+                woken = pipeline.woken_t
+                since = math.inf if woken is None else state.now - woken
+                probe = since <= limit if cluster.active_ranks else since > 2 * limit
+                eligible = probe
             found[(pipeline_id, cluster.spec.name)] = Demand(
-                remaining=remaining if eligible else 0, eligible=eligible
+                remaining=remaining if eligible else 0, eligible=eligible, probe=probe
             )
         return found
-
-    def _stale(self, state: ArbiterState, pipeline: Pipeline) -> bool:
-        limit = self.stale_after_s
-        return limit is not None and state.now - pipeline.activity_t > limit
 
     def plan(self, state: ArbiterState) -> Plan:
         board = _Board(state)
@@ -244,7 +250,8 @@ class GapRatioPlanner:
         if not eligible:
             return board.result()
         remaining = {k: demand[k].remaining for k in demand}
-        targets = self._targets(board, eligible, remaining)
+        probes = {k for k in eligible if demand[k].probe}
+        targets = self._targets(board, eligible, remaining, probes)
         stuck: set[ClusterKey] = set()
         while True:
             acceptors = [
@@ -265,7 +272,11 @@ class GapRatioPlanner:
         return board.result()
 
     def _targets(
-        self, board: _Board, eligible: list[ClusterKey], remaining: dict[ClusterKey, int]
+        self,
+        board: _Board,
+        eligible: list[ClusterKey],
+        remaining: dict[ClusterKey, int],
+        probes: set[ClusterKey],
     ) -> dict[ClusterKey, int]:
         usable_for_generation = {g for k in eligible for g in board.specs[k].device_mapping}
         budget = len(board.idle & usable_for_generation) + len(board.awake)
@@ -276,6 +287,7 @@ class GapRatioPlanner:
             k: min(
                 board.specs[k].dp_limit,
                 sum(1 for r in range(board.specs[k].ranks) if board.placeable(k, r)),
+                1 if k in probes else board.specs[k].ranks,
             )
             * board.specs[k].tp_size
             for k in eligible

@@ -369,14 +369,14 @@ def _commands(pre: ArbiterState, plan: Plan, after: ArbiterState) -> list[c.Comm
 
 
 def _woken(pre: ArbiterState, after: ArbiterState) -> ArbiterState:
-    """``after`` with a sign of life for each pipeline whose generation woke from zero ranks
-    (its progress clock starts again)."""
+    """``after`` with ``woken_t`` set for each pipeline whose generation woke from zero ranks."""
     for pipeline_id, pipeline in after.pipelines.items():
         cluster = pipeline.generation()
         before = pre.pipelines.get(pipeline_id)
         was = before.generation() if before is not None else None
         if cluster and cluster.active_ranks and was is not None and not was.active_ranks:
-            after = _active(after, pipeline_id, after.now)
+            woken = attrs.evolve(after.pipelines[pipeline_id], woken_t=after.now)
+            after = _put_pipeline(after, woken)
     return after
 
 

@@ -558,24 +558,54 @@ def test_events_and_commands_round_trip_and_replay_the_same() -> None:
     assert state == arbiter.state
 
 
-def test_a_hung_rollout_gives_its_gpus_up_after_stale_after_s() -> None:
-    arbiter = make_arbiter(2)
-    register(arbiter, "hung", generation=gpus(2))
-    register(arbiter, "live", generation=gpus(2))
+def test_a_silent_pipeline_keeps_one_probe_bundle_at_most_and_only_for_a_while() -> None:
+    arbiter = make_arbiter(4)
+    register(arbiter, "hung", generation=gpus(4))
+    register(arbiter, "live", generation=gpus(4))
     arbiter.step(RolloutOpened(t=0.0, pipeline="hung"))
-    assert active(arbiter, "hung") == [0, 1]
-    arbiter.step(progress("live", 10, 0))
-    # "live" opens its rollout; "hung" reported nothing for 30 s: still within 60 s, shares.
-    arbiter.step(RolloutOpened(t=30.0, pipeline="live"))
-    assert len(active(arbiter, "hung")) == len(active(arbiter, "live")) == 1
-    # 61 s without a sign of life: its last rank goes to the pipeline that reports.
-    commands = arbiter.step(
+    arbiter.step(
         ProgressReported(
-            t=61.0, pipeline="live", stream="main", target_trajectories=10, completed_trajectories=1
+            t=0.0,
+            pipeline="hung",
+            stream="main",
+            target_trajectories=1000,
+            completed_trajectories=0,
         )
     )
-    assert active(arbiter, "hung") == [] and active(arbiter, "live") == [0, 1]
+    assert active(arbiter, "hung") == [0, 1, 2, 3]
+
+    def live_reports(t: float, completed: int) -> list[Command]:
+        return arbiter.step(
+            ProgressReported(
+                t=t,
+                pipeline="live",
+                stream="main",
+                target_trajectories=1000,
+                completed_trajectories=completed,
+            )
+        )
+
+    arbiter.step(RolloutOpened(t=30.0, pipeline="live"))
+    live_reports(30.0, 0)
+    assert len(active(arbiter, "hung")) == 2  # within 60 s: an equal share
+    # 61 s silent, woken 61 s ago: it is a donor with target 0.
+    commands = live_reports(61.0, 1)
+    assert active(arbiter, "hung") == [] and len(active(arbiter, "live")) == 4
     assert any("hung/gen is above its target of 0" in c.reason for c in commands)
-    # With no rank left it may ask again: a request or a report makes it eligible at once.
-    arbiter.step(progress("hung", 10, 0))
-    assert len(active(arbiter, "hung")) == 1
+    live_reports(100.0, 2)
+    assert active(arbiter, "hung") == []  # its next probe: 120 s after the last wake
+    live_reports(121.0, 3)
+    assert len(active(arbiter, "hung")) == 1  # one bundle, not a share
+    live_reports(182.0, 4)
+    assert active(arbiter, "hung") == []
+    # A sign of life ends it: a fresh report brings an equal share back.
+    arbiter.step(
+        ProgressReported(
+            t=183.0,
+            pipeline="hung",
+            stream="main",
+            target_trajectories=1000,
+            completed_trajectories=0,
+        )
+    )
+    assert len(active(arbiter, "hung")) == 2
