@@ -269,7 +269,34 @@ class GapRatioPlanner:
             )
             if not self._wake_one(board, key, targets, remaining):
                 stuck.add(key)
+        self._fill_idle(board, eligible, remaining, probes)
         return board.result()
+
+    def _fill_idle(
+        self,
+        board: _Board,
+        eligible: list[ClusterKey],
+        remaining: dict[ClusterKey, int],
+        probes: set[ClusterKey],
+    ) -> None:
+        """Idle bundles that no target could use go to eligible pipelines that can place them,
+        most remaining work first (targets are shares of a budget, and a share may sit where
+        its owner cannot place it: nothing waits while its own GPUs are idle)."""
+        for key in sorted(eligible, key=lambda k: (-remaining[k], k)):
+            spec = board.specs[key]
+            limit = 1 if key in probes else spec.dp_limit
+            for rank in range(spec.ranks):
+                if len(board.active[key]) >= limit:
+                    break
+                if rank in board.active[key] or not board.placeable(key, rank):
+                    continue
+                if all(g in board.idle for g in spec.bundle(rank)):
+                    board.expand(
+                        key,
+                        rank,
+                        f"{_name(key)} takes idle GPUs no other pipeline's target can use"
+                        f" ({remaining[key]} trajectories remaining)",
+                    )
 
     def _targets(
         self,
