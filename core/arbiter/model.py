@@ -18,13 +18,13 @@ together make up every usable GPU.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
 import attrs
 
-from core.convert import CheckedRecord, Name, member_of, str_tuple
+from core.convert import CheckedRecord, Name, member_of, str_set, str_tuple
 from core.errors import InvalidEvent
 
 __all__ = [
@@ -60,6 +60,10 @@ def as_priority(value: Any) -> Priority:
     if isinstance(value, str) and value.upper() in Priority.__members__:
         return Priority[value.upper()]
     return _to_priority(value)
+
+
+def _int_set(value: Iterable[int]) -> frozenset[int]:
+    return value if type(value) is frozenset else frozenset(value)
 
 
 def _read_only(value: Mapping[Any, Any]) -> MappingProxyType[Any, Any]:
@@ -122,7 +126,7 @@ class ClusterSpec(CheckedRecord):
 class Request:
     """A cluster's one waiting request: ``seq`` orders requests of one priority (FIFO)."""
 
-    priority: Priority
+    priority: Priority = attrs.field(converter=as_priority)
     seq: int
     t: float
     estimate_trajectories: int | None = None
@@ -151,8 +155,8 @@ class Cluster:
     """
 
     spec: ClusterSpec
-    held: tuple[str, ...] = ()
-    active_ranks: frozenset[int] = frozenset()
+    held: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
+    active_ranks: frozenset[int] = attrs.field(default=frozenset(), converter=_int_set)
     request: Request | None = None
 
     def active_gpus(self) -> tuple[str, ...]:
@@ -191,9 +195,9 @@ class ArbiterState:
     event (the arbiter's only clock).
     """
 
-    gpus: tuple[str, ...] = ()
-    lost: frozenset[str] = frozenset()
-    idle: frozenset[str] = frozenset()
+    gpus: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
+    lost: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
+    idle: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
     pipelines: Mapping[str, Pipeline] = attrs.field(factory=dict, converter=_read_only)
     next_seq: int = 0
     now: float = 0.0

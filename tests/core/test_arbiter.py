@@ -556,6 +556,8 @@ def test_events_and_commands_round_trip_and_replay_the_same() -> None:
         state, commands = reduce_arbiter(state, decode(encode(event)))
         assert commands == expected
     assert state == arbiter.state
+    # A snapshot of the state survives the log encoding too.
+    assert decode(encode(state)) == state
 
 
 def test_a_silent_pipeline_keeps_one_probe_bundle_at_most_and_only_for_a_while() -> None:
