@@ -202,6 +202,8 @@ class GapRatioPlanner:
       wake, an idle one wins, then the one whose donors have the least remaining work (protect
       the donors with the most work), then the fewest ranks shrunk, then the lowest rank.
     - A non-generation request shrinks generation only when it is granted in the same plan.
+    - Idle bundles that no target can use (a share may sit where its owner cannot place it) go to
+      eligible pipelines that can place them, most remaining work first.
     - A pipeline with no waiting request that has shown no life (no progress report, request or
       rollout opened) for ``stale_after_s`` seconds is *silent*: a hung rollout must not keep GPUs
       from the others (rlix keeps them). A silent pipeline gets at most one bundle, as a probe: for
