@@ -32,7 +32,7 @@ from core.arbiter.model import (
     Request,
 )
 from core.arbiter.plan import GpuOp, Plan, RankOp, apply_plan
-from core.arbiter.planner import GapRatioPlanner, Planner, RlixPlanner
+from core.arbiter.planner import GapRatioPlanner, Planner, RlixPlanner, Share
 from core.arbiter.reducer import ArbiterReducer, reduce_arbiter
 
 __all__ = [
@@ -64,6 +64,7 @@ __all__ = [
     "RlixPlanner",
     "RolloutClosed",
     "RolloutOpened",
+    "Share",
     "ShrinkGeneration",
     "apply_plan",
     "plan_violations",

@@ -42,7 +42,7 @@ import attrs
 from core.arbiter.model import ArbiterState, ClusterSpec
 from core.arbiter.plan import ClusterKey, GpuOp, Plan, RankOp, merge_rank_ops
 
-__all__ = ["Demand", "GapRatioPlanner", "Planner", "RlixPlanner"]
+__all__ = ["Demand", "GapRatioPlanner", "Planner", "RlixPlanner", "Share"]
 
 
 class Planner(Protocol):
@@ -66,6 +66,17 @@ class Demand:
     eligible: bool
     #: A silent pipeline's probe: at most one bundle.
     probe: bool = False
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Share:
+    """A generation cluster as the planner sees it: its demand, target and awake GPUs."""
+
+    remaining: int
+    eligible: bool
+    probe: bool
+    target_gpus: int
+    active_gpus: int
 
 
 class _Board:
@@ -243,6 +254,27 @@ class GapRatioPlanner:
                 remaining=remaining if eligible else 0, eligible=eligible, probe=probe
             )
         return found
+
+    def shares(self, state: ArbiterState) -> dict[ClusterKey, Share]:
+        """Each generation cluster's demand, target and awake GPUs as this planner sees ``state``
+        (for ``deo status`` and metrics; targets are those of the next plan)."""
+        board = _Board(state)
+        _priorities(board, shrink_when_blocked=False)
+        demand = self.demand(state)
+        eligible = sorted(k for k, d in demand.items() if d.eligible)
+        remaining = {k: demand[k].remaining for k in demand}
+        probes = {k for k in eligible if demand[k].probe}
+        targets = self._targets(board, eligible, remaining, probes) if eligible else {}
+        return {
+            key: Share(
+                remaining=d.remaining,
+                eligible=d.eligible,
+                probe=d.probe,
+                target_gpus=targets.get(key, 0),
+                active_gpus=len(state.pipelines[key[0]].clusters[key[1]].active_gpus()),
+            )
+            for key, d in demand.items()
+        }
 
     def plan(self, state: ArbiterState) -> Plan:
         board = _Board(state)

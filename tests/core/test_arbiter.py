@@ -205,6 +205,19 @@ def test_generation_gpus_follow_remaining_work(
     assert got == expected
 
 
+def test_shares_show_each_pipelines_demand_target_and_awake_gpus() -> None:
+    arbiter = make_arbiter(8)
+    for name, remaining in (("p1", 300), ("p2", 100)):
+        register(arbiter, name, generation=gpus(8))
+        arbiter.step(progress(name, target=remaining, completed=0))
+        arbiter.step(RolloutOpened(t=1.0, pipeline=name))
+    shares = GapRatioPlanner().shares(arbiter.state)
+    assert [(s.remaining, s.target_gpus, s.active_gpus) for s in shares.values()] == [
+        (300, 6, 6),
+        (100, 2, 2),
+    ]
+
+
 def test_progress_is_latest_wins_and_moves_gpus() -> None:
     arbiter = make_arbiter(4)
     for name in ("p1", "p2"):
