@@ -160,27 +160,28 @@ def _priorities(board: _Board, shrink_when_blocked: bool) -> None:
     reserved: dict[str, ClusterKey] = {}
     for priority, _, key in waiting:
         mapping = board.specs[key].device_mapping
-        blockers = [
-            f"GPU {g} is held by {_name(board.holder[g])}"
-            for g in mapping
-            if g in board.holder and board.holder[g] != key
-        ] + [
-            f"GPU {g} is reserved for {_name(reserved[g])}"
-            for g in mapping
-            if g in reserved and g not in board.holder
-        ]
-        if blockers and not shrink_when_blocked:
-            for gpu in mapping:
-                reserved.setdefault(gpu, key)
+        held_by = {board.holder[g] for g in mapping if g in board.holder} - {key}
+        blocked = bool(held_by) or any(g in reserved for g in mapping)
+        # A request blocked only by its own pipeline's clusters waits for that pipeline to
+        # release (release-then-request); it reserves nothing, so that a pipeline that never
+        # releases cannot hold up everyone queued behind it.
+        reserves = blocked and not (
+            {p for p, _ in held_by} == {key[0]} and not any(g in reserved for g in mapping)
+        )
+        if blocked and not shrink_when_blocked:
+            if reserves:
+                for gpu in mapping:
+                    reserved.setdefault(gpu, key)
             continue
         why = f"{_name(key)} ({priority.name}) needs its device mapping {list(mapping)}"
         for gpu in mapping:
             if gpu in board.awake:
                 donor, rank = board.awake[gpu]
                 board.shrink(donor, rank, f"{why}: generation preempted")
-        if blockers:
-            for gpu in mapping:
-                reserved.setdefault(gpu, key)
+        if blocked:
+            if reserves:
+                for gpu in mapping:
+                    reserved.setdefault(gpu, key)
             continue
         board.grant(key, f"{why}: granted")
 

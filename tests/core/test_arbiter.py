@@ -150,6 +150,26 @@ def test_a_higher_priority_request_reserves_its_gpus_against_lower_ones() -> Non
     assert grants(commands) == [("high", "train")]
 
 
+def test_a_request_blocked_by_its_own_pipeline_holds_up_nobody() -> None:
+    # "stuck" asks for training while its own critic holds GPU 0 and never releases: it waits,
+    # but reserves nothing, so "other" is not queued behind it forever.
+    arbiter = make_arbiter(2)
+    register(arbiter, "stuck", train=gpus(2))
+    arbiter.step(
+        ClusterRegistered(
+            t=0.0,
+            pipeline="stuck",
+            spec=ClusterSpec(name="critic", kind=Priority.CRITIC_TRAINING, device_mapping=("0",)),
+        )
+    )
+    register(arbiter, "other", train=["1"])
+    arbiter.step(
+        GpusRequested(t=1.0, pipeline="stuck", cluster="critic", priority=Priority.CRITIC_TRAINING)
+    )
+    assert grants(arbiter.step(train_request("stuck", t=2.0))) == []
+    assert grants(arbiter.step(train_request("other", t=3.0))) == [("other", "train")]
+
+
 def test_a_training_request_that_must_wait_shrinks_no_generation() -> None:
     # deo: no shrink that serves nobody; rlix as published shrinks anyway (and later re-expands).
     for planner, shrinks in ((GapRatioPlanner(), False), (RlixPlanner(), True)):

@@ -107,6 +107,9 @@ class ArbiterMachine(RuleBasedStateMachine):
                 request = cluster.request
                 if request is None or cluster.spec.is_generation:
                     continue
+                own = {g for c in after.pipelines[pipeline_id].clusters.values() for g in c.held}
+                if own & set(cluster.spec.device_mapping):
+                    continue  # it waits for its own pipeline to release, and reserves nothing
                 overlap = set(cluster.spec.device_mapping) & set(grant.gpus)
                 assert not (overlap and request.priority < grant.priority), (
                     f"{grant.pipeline}/{grant.cluster} ({grant.priority.name}) granted while"
