@@ -21,6 +21,9 @@ from typing import Any
 import attrs
 
 from core import commands, config, events, policies, state
+from core.arbiter import commands as arbiter_commands
+from core.arbiter import events as arbiter_events
+from core.arbiter import model as arbiter_model
 from core.errors import InvalidEvent
 
 __all__ = ["REGISTRY", "decode", "encode", "types_with"]
@@ -30,7 +33,8 @@ TYPE_KEY = "@"
 
 def _registry() -> dict[str, type]:
     found: dict[str, type] = {}
-    for module in (events, commands, config, state, policies):
+    modules = (events, commands, config, state, policies)
+    for module in (*modules, arbiter_events, arbiter_commands, arbiter_model):
         for name in getattr(module, "__all__", ()):
             obj = getattr(module, name)
             if isinstance(obj, type) and attrs.has(obj):

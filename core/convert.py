@@ -29,6 +29,7 @@ __all__ = [
     "Seconds",
     "field_checker",
     "field_checks",
+    "int_tuple",
     "member_of",
     "str_set",
     "str_tuple",
@@ -44,6 +45,10 @@ def str_tuple(value: Iterable[str]) -> tuple[str, ...]:
     # Anything else (a bare string, a number) is kept as it is for the field check to name;
     # ``tuple`` would split a string into characters.
     return cast(tuple[str, ...], value)
+
+
+def int_tuple(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, list | tuple) else cast(tuple[int, ...], value)
 
 
 def str_set(value: Iterable[str]) -> frozenset[str]:
@@ -203,6 +208,10 @@ def _is_str_tuple(value: Any) -> bool:
     return type(value) is tuple and all(type(x) is str for x in value)
 
 
+def _is_int_tuple(value: Any) -> bool:
+    return type(value) is tuple and all(_is_int(x) for x in value)
+
+
 def _is_str_dict(value: Any) -> bool:
     return type(value) is dict and all(type(k) is str and type(x) is str for k, x in value.items())
 
@@ -223,6 +232,7 @@ _SIMPLE: Mapping[Any, _Check] = types.MappingProxyType(
         (str, _Range.NON_EMPTY): (_is_name, "a non-empty string", "type(v) is str and v != ''"),
         frozenset[str]: (_is_str_set, "a set of strings", "type(v) is frozenset and not v"),
         tuple[str, ...]: (_is_str_tuple, "a list of strings", "False"),
+        tuple[int, ...]: (_is_int_tuple, "a list of integers in [0, 2**63)", "False"),
         dict[str, str]: (_is_str_dict, "an object of strings", "False"),
     }
 )

@@ -6,6 +6,9 @@ well); ``raise_on_violation`` turns them into :class:`InvariantViolation`. The p
 call these after every step of random event sequences; ``Reducer(check_invariants=True)`` calls
 them at run time. Invariants 7 (determinism) and 8 (log round-trip) are about whole runs and are
 checked by replay and the codec tests.
+
+The GPU arbiter's plan invariants (rlix's eleven plan checks, and one of deo's) are in
+:mod:`core.arbiter.invariants`; ``plan_violations`` is re-exported here.
 """
 
 from __future__ import annotations
@@ -15,13 +18,20 @@ from collections.abc import Sequence
 
 from core import commands as c
 from core import events as e
+from core.arbiter.invariants import plan_violations
 from core.errors import InvariantViolation
 from core.lifecycle import ASLEEP, COUNTED, DEADLINE_ACTIONS
 from core.state import State, Worker, count_workers
 from core.step import STARTING_STATES
 from core.vocabulary import PLANNED_STOPS, AlertName, DecisionSource
 
-__all__ = ["free_healthy_gpus", "raise_on_violation", "state_violations", "step_violations"]
+__all__ = [
+    "free_healthy_gpus",
+    "plan_violations",
+    "raise_on_violation",
+    "state_violations",
+    "step_violations",
+]
 
 
 def free_healthy_gpus(state: State) -> int:

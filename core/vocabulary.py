@@ -54,6 +54,7 @@ class AlertName(enum.StrEnum):
     LEFTOVER_PROCESSES = "leftover_processes"  # worker: processes it left behind, being stopped
     NO_FREE_PORTS = "no_free_ports"  # pool: short of its target: every engine port is held
     ENGINE_CONTROL = "engine_control"  # worker: an engine's sleep or wake failed for good
+    PLAN_REFUSED = "plan_refused"  # arbiter: a GPU plan broke a plan invariant and was not run
 
 
 class StopCause(enum.StrEnum):

@@ -26,6 +26,9 @@ from core import (
 )
 from core import commands as c
 from core import events as e
+from core.arbiter import ClusterSpec, Priority
+from core.arbiter import commands as arbiter_commands
+from core.arbiter import events as arbiter_events
 
 EVENTS = sorted(
     (k for k in codec.REGISTRY.values() if issubclass(k, e.Event) and k is not e.Event),
@@ -64,6 +67,15 @@ configs = st.builds(
     ),
 )
 
+cluster_specs = st.builds(
+    ClusterSpec,
+    name=names,
+    kind=st.sampled_from(Priority),
+    device_mapping=st.lists(st.sampled_from("0123"), min_size=1, max_size=4, unique=True).map(
+        tuple
+    ),
+)
+
 
 def strategy_for(name: str, hint: Any) -> st.SearchStrategy[Any]:
     if name in ("t", "deadline_t"):
@@ -74,6 +86,8 @@ def strategy_for(name: str, hint: Any) -> st.SearchStrategy[Any]:
         return names
     if hint is Config:
         return configs
+    if hint is ClusterSpec:
+        return cluster_specs
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, type(int | None)):
         inner = [a for a in args if a is not type(None)]
@@ -84,6 +98,8 @@ def strategy_for(name: str, hint: Any) -> st.SearchStrategy[Any]:
         return st.floats(0, 1e6, allow_nan=False)
     if hint is str:
         return st.text(max_size=40)
+    if origin is tuple and args[0] is int:
+        return st.lists(st.integers(0, 64), max_size=4).map(tuple)
     if origin is tuple:
         return st.lists(text, max_size=4).map(tuple)
     if origin is frozenset:
@@ -111,8 +127,12 @@ def through_the_log(value: Any) -> Any:
 
 
 def test_every_event_and_command_type_is_covered() -> None:
-    assert {cls.__name__ for cls in EVENTS} == set(e.__all__) - {"Event"}
-    assert {cls.__name__ for cls in COMMANDS} == set(c.__all__) - {"Command"}
+    assert {cls.__name__ for cls in EVENTS} == set(e.__all__) - {"Event"} | set(
+        arbiter_events.__all__
+    )
+    assert {cls.__name__ for cls in COMMANDS} == set(c.__all__) - {"Command"} | set(
+        arbiter_commands.__all__
+    )
 
 
 @pytest.mark.parametrize("cls", EVENTS, ids=lambda k: k.__name__)

@@ -1,0 +1,131 @@
+"""The arbiter's events: what pipelines and the GPU inventory tell it.
+
+Each is a :class:`core.events.Event` (a timestamp ``t`` and field checks on construction). A lost
+GPU arrives as the core's own :class:`core.events.GpuLost`.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from core.arbiter.model import ClusterSpec, Priority, as_priority
+from core.convert import Name, str_tuple
+from core.errors import InvalidEvent
+from core.events import Event
+
+__all__ = [
+    "ArbiterGpusDeclared",
+    "ClusterRegistered",
+    "GpusReleased",
+    "GpusReleasedAndRequested",
+    "GpusRequested",
+    "PipelineRegistered",
+    "PipelineUnregistered",
+    "ProgressCleared",
+    "ProgressReported",
+    "RolloutClosed",
+    "RolloutOpened",
+]
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class ArbiterGpusDeclared(Event):
+    """The GPUs the arbiter shares among pipelines (declared once, before any pipeline)."""
+
+    gpus: tuple[str, ...] = attrs.field(converter=str_tuple)
+
+    def _check(self) -> None:
+        if not self.gpus or len(set(self.gpus)) != len(self.gpus) or "" in self.gpus:
+            raise InvalidEvent(
+                f"ArbiterGpusDeclared.gpus must list distinct GPU ids, got {self.gpus}"
+            )
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class PipelineRegistered(Event):
+    """A pipeline joins; its clusters follow as :class:`ClusterRegistered`."""
+
+    pipeline: Name
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class ClusterRegistered(Event):
+    """A pipeline declares one cluster (at most one generation cluster per pipeline)."""
+
+    pipeline: Name
+    spec: ClusterSpec
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class PipelineUnregistered(Event):
+    """A pipeline leaves: everything it holds is freed, its generation ranks are put to sleep."""
+
+    pipeline: Name
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class GpusRequested(Event):
+    """A cluster asks for GPUs with ``priority``.
+
+    Generation clusters ask with GENERATION and are answered once at least one rank is awake;
+    other clusters ask with any other priority and are answered with their whole mapping.
+    ``estimate_trajectories``: a generation request's expected work when no progress is known.
+    """
+
+    pipeline: Name
+    cluster: Name
+    priority: Priority = attrs.field(converter=as_priority)
+    estimate_trajectories: int | None = None
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class GpusReleased(Event):
+    """A cluster gives back what it holds (a generation cluster: all its ranks go to sleep),
+    and withdraws its waiting request if any."""
+
+    pipeline: Name
+    cluster: Name
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class GpusReleasedAndRequested(Event):
+    """``release_cluster`` releases and ``cluster`` requests, in one step: both happen, or
+    neither (a refused request leaves the release undone too)."""
+
+    pipeline: Name
+    release_cluster: Name
+    cluster: Name
+    priority: Priority = attrs.field(converter=as_priority)
+    estimate_trajectories: int | None = None
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class ProgressReported(Event):
+    """A pipeline's progress on one stream; the latest report per (pipeline, stream) wins."""
+
+    pipeline: Name
+    stream: Name
+    target_trajectories: int
+    completed_trajectories: int
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class ProgressCleared(Event):
+    """Forget a pipeline's progress on ``stream``, or on every stream when it is None."""
+
+    pipeline: Name
+    stream: Name | None = None
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class RolloutOpened(Event):
+    """A pipeline's rollout begins: it wants generation (durable demand) until it closes."""
+
+    pipeline: Name
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class RolloutClosed(Event):
+    """A pipeline's rollout ends: its durable demand is gone."""
+
+    pipeline: Name

@@ -1,0 +1,213 @@
+"""The arbiter's state: pipelines, their clusters, and who owns which GPU.
+
+A pipeline (one RL job) registers clusters. Each cluster has a kind (:class:`Priority`), a device
+mapping (the GPUs it runs on, in order) and a tensor-parallel size ``tp_size``:
+
+- a non-generation cluster (training, log-probs, value) is granted its whole mapping at once and
+  holds it *memory-exclusively* until it releases it;
+- a generation cluster has ``len(mapping) // tp_size`` data-parallel ranks; rank ``r`` owns the
+  fixed bundle ``mapping[r*tp : (r+1)*tp]`` and is either *active* (awake: its engine holds GPU
+  memory) or *asleep* (memory released, process and placement kept). An asleep rank is a tenant
+  that may share its GPUs with a memory-exclusive holder; an active rank may not.
+
+``ArbiterState.idle`` is kept explicitly (not derived) so that the plan checks of
+:mod:`core.arbiter.invariants` can verify the bookkeeping: idle and allocated are disjoint and
+together make up every usable GPU.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+from core.convert import CheckedRecord, Name, member_of, str_set, str_tuple
+from core.errors import InvalidEvent
+
+__all__ = [
+    "ArbiterState",
+    "Cluster",
+    "ClusterSpec",
+    "Pipeline",
+    "Priority",
+    "Progress",
+    "Request",
+    "as_priority",
+]
+
+
+class Priority(enum.IntEnum):
+    """A request's priority, and a cluster's kind: the lower the value, the sooner it is served."""
+
+    INITIALIZATION = 0
+    ACTOR_TRAINING = 1
+    CRITIC_TRAINING = 2
+    OLD_LOG_PROBS = 3
+    REF_LOG_PROBS = 4
+    VALUE_COMPUTE = 5
+    GENERATION = 6
+
+
+_to_priority = member_of(Priority)
+
+
+def as_priority(value: Any) -> Priority:
+    """``value`` (a member, its number or its name) as a :class:`Priority` member; anything else is
+    kept for the field check to name."""
+    if isinstance(value, str) and value.upper() in Priority.__members__:
+        return Priority[value.upper()]
+    return _to_priority(value)
+
+
+def _int_set(value: Iterable[int]) -> frozenset[int]:
+    return value if type(value) is frozenset else frozenset(value)
+
+
+def _read_only(value: Mapping[Any, Any]) -> MappingProxyType[Any, Any]:
+    return value if type(value) is MappingProxyType else MappingProxyType(dict(value))
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class ClusterSpec(CheckedRecord):
+    """What a pipeline declares of one cluster.
+
+    ``max_dp_size`` caps a generation cluster's active ranks (None: every rank of its mapping).
+    """
+
+    name: Name
+    kind: Priority = attrs.field(converter=as_priority)
+    device_mapping: tuple[str, ...] = attrs.field(converter=str_tuple)
+    tp_size: int = 1
+    max_dp_size: int | None = None
+
+    def _check(self) -> None:
+        where = f"cluster {self.name!r}"
+        if not self.device_mapping:
+            raise InvalidEvent(f"{where}: device_mapping must list at least one GPU")
+        if len(set(self.device_mapping)) != len(self.device_mapping):
+            raise InvalidEvent(f"{where}: device_mapping lists a GPU twice: {self.device_mapping}")
+        if self.tp_size < 1:
+            raise InvalidEvent(f"{where}: tp_size must be >= 1, got {self.tp_size}")
+        if self.kind is Priority.GENERATION:
+            if len(self.device_mapping) % self.tp_size:
+                raise InvalidEvent(
+                    f"{where}: {len(self.device_mapping)} GPUs do not split into bundles of"
+                    f" tp_size={self.tp_size}"
+                )
+            if self.max_dp_size is not None and self.max_dp_size < 1:
+                raise InvalidEvent(f"{where}: max_dp_size must be >= 1, got {self.max_dp_size}")
+        elif self.max_dp_size is not None:
+            raise InvalidEvent(f"{where}: max_dp_size applies to generation clusters only")
+
+    @property
+    def is_generation(self) -> bool:
+        return self.kind is Priority.GENERATION
+
+    @property
+    def ranks(self) -> int:
+        """Data-parallel ranks of a generation cluster (1 for any other)."""
+        return len(self.device_mapping) // self.tp_size if self.is_generation else 1
+
+    @property
+    def dp_limit(self) -> int:
+        """The most ranks that may be active at once."""
+        cap = self.max_dp_size if self.max_dp_size is not None else self.ranks
+        return min(cap, self.ranks)
+
+    def bundle(self, rank: int) -> tuple[str, ...]:
+        """The GPUs of generation rank ``rank``."""
+        return self.device_mapping[rank * self.tp_size : (rank + 1) * self.tp_size]
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Request:
+    """A cluster's one waiting request: ``seq`` orders requests of one priority (FIFO)."""
+
+    priority: Priority = attrs.field(converter=as_priority)
+    seq: int
+    t: float
+    estimate_trajectories: int | None = None
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Progress:
+    """The latest progress report of one stream of a pipeline (latest wins)."""
+
+    target_trajectories: int
+    completed_trajectories: int
+
+    @property
+    def remaining(self) -> int:
+        """``T - clamp(completed, 0, T)`` with ``T = max(target, 1)``."""
+        target = max(self.target_trajectories, 1)
+        return target - min(max(self.completed_trajectories, 0), target)
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Cluster:
+    """A registered cluster and what it holds now.
+
+    ``held``: the GPUs a non-generation cluster holds memory-exclusively (empty when not granted).
+    ``active_ranks``: a generation cluster's awake ranks. ``request``: its waiting request.
+    """
+
+    spec: ClusterSpec
+    held: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
+    active_ranks: frozenset[int] = attrs.field(default=frozenset(), converter=_int_set)
+    request: Request | None = None
+
+    def active_gpus(self) -> tuple[str, ...]:
+        return tuple(g for r in sorted(self.active_ranks) for g in self.spec.bundle(r))
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Pipeline:
+    """One RL job: its clusters, its latest progress per stream, and whether its rollout is open
+    (open: it wants generation until it closes it, whether or not a request is waiting)."""
+
+    pipeline_id: str
+    clusters: Mapping[str, Cluster] = attrs.field(factory=dict, converter=_read_only)
+    progress: Mapping[str, Progress] = attrs.field(factory=dict, converter=_read_only)
+    rollout_open: bool = False
+    #: When it last showed life: registered, opened its rollout, asked for GPUs, or reported
+    #: progress.
+    activity_t: float = 0.0
+    #: When its generation last woke from zero ranks (None: never).
+    woken_t: float | None = None
+
+    def generation(self) -> Cluster | None:
+        """Its generation cluster (at most one), if registered."""
+        for cluster in self.clusters.values():
+            if cluster.spec.is_generation:
+                return cluster
+        return None
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class ArbiterState:
+    """Everything the arbiter knows; rebuilt, never mutated, by each step.
+
+    ``gpus``: the inventory, in order (declared once). ``lost``: GPUs gone from the driver.
+    ``idle``: usable GPUs that no holder and no active rank uses. ``now``: the time of the latest
+    event (the arbiter's only clock).
+    """
+
+    gpus: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
+    lost: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
+    idle: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
+    pipelines: Mapping[str, Pipeline] = attrs.field(factory=dict, converter=_read_only)
+    next_seq: int = 0
+    now: float = 0.0
+
+    def clusters(self) -> Iterator[tuple[str, Cluster]]:
+        """Every (pipeline id, cluster), in registration order."""
+        for pipeline_id, pipeline in self.pipelines.items():
+            for cluster in pipeline.clusters.values():
+                yield pipeline_id, cluster
+
+    def usable(self) -> frozenset[str]:
+        """GPUs of the inventory that are not lost."""
+        return frozenset(self.gpus) - self.lost

@@ -1,0 +1,62 @@
+"""Builders for arbiter tests: a reducer with GPUs and pipelines from a few words."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from core.arbiter import (
+    ArbiterGpusDeclared,
+    ArbiterReducer,
+    ClusterRegistered,
+    ClusterSpec,
+    PipelineRegistered,
+    Planner,
+    Priority,
+)
+from core.commands import Command
+
+
+def gpus(n: int) -> tuple[str, ...]:
+    return tuple(str(i) for i in range(n))
+
+
+def make_arbiter(n_gpus: int, planner: Planner | None = None) -> ArbiterReducer:
+    arbiter = ArbiterReducer(planner=planner)
+    arbiter.step(ArbiterGpusDeclared(t=0.0, gpus=gpus(n_gpus)))
+    return arbiter
+
+
+def register(
+    arbiter: ArbiterReducer,
+    pipeline: str,
+    *,
+    train: Iterable[str] | None = None,
+    generation: Iterable[str] | None = None,
+    tp: int = 1,
+    max_dp: int | None = None,
+    t: float = 0.0,
+) -> list[Command]:
+    """Register ``pipeline`` with a training cluster on ``train`` and a generation cluster on
+    ``generation`` (either may be left out)."""
+    out = arbiter.step(PipelineRegistered(t=t, pipeline=pipeline))
+    if train is not None:
+        spec = ClusterSpec(name="train", kind=Priority.ACTOR_TRAINING, device_mapping=tuple(train))
+        out += arbiter.step(ClusterRegistered(t=t, pipeline=pipeline, spec=spec))
+    if generation is not None:
+        spec = ClusterSpec(
+            name="gen",
+            kind=Priority.GENERATION,
+            device_mapping=tuple(generation),
+            tp_size=tp,
+            max_dp_size=max_dp,
+        )
+        out += arbiter.step(ClusterRegistered(t=t, pipeline=pipeline, spec=spec))
+    return out
+
+
+def active(arbiter: ArbiterReducer, pipeline: str, cluster: str = "gen") -> list[int]:
+    return sorted(arbiter.state.pipelines[pipeline].clusters[cluster].active_ranks)
+
+
+def held(arbiter: ArbiterReducer, pipeline: str, cluster: str = "train") -> list[str]:
+    return list(arbiter.state.pipelines[pipeline].clusters[cluster].held)
