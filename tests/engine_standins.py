@@ -11,7 +11,8 @@ from pathlib import Path
 from types import TracebackType
 
 import httpx
-from conftest import free_port
+
+from bench.ports import reserve_port
 
 REPO = Path(__file__).resolve().parents[1]
 START_DEADLINE_S = 60.0
@@ -31,7 +32,7 @@ class Standin:
         port: int | None = None,
     ) -> None:
         self.engine = engine
-        self.port = port or free_port()
+        self.port = port or reserve_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = [
             sys.executable,

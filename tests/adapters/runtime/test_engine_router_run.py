@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from conftest import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.ports import reserve_port
 from tests.adapters.runtime.test_engines_run import Deo, deo, wait_for
 
 __all__ = ["deo"]  # the fixture, used by name
@@ -35,7 +35,7 @@ def figures(run: Deo) -> dict[str, Any]:
 def test_router_serves_active_engines_and_a_scale_down_under_load_loses_nothing(
     deo: Callable[..., Deo],
 ) -> None:
-    router_port = free_port()
+    router_port = reserve_port()
     # A long drain timeout: the drain must end because nothing is in flight, not at a timeout.
     run = deo(router_port=router_port, drain_timeout_s=60.0).start()
     run.wait_states({"gen-0": "active", "gen-1": "active"})

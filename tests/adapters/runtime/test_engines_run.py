@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,34 +21,13 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.ports import reserve_port_range
+
 TOKEN = "engines-operator-token"
 OPERATOR = {"Authorization": f"Bearer {TOKEN}"}
 DEADLINE_S = 60.0
 #: The stand-in's memory: what a sleep must visibly free (its RSS falls by most of it).
 MEMORY_MIB = 64
-
-
-def free_port_range(count: int) -> int:
-    """The first of ``count`` consecutive loopback ports that are free now."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first: int = probe.getsockname()[1]
-        if first + count > 65535:
-            continue
-        held: list[socket.socket] = []
-        try:
-            for port in range(first, first + count):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise AssertionError("no free port range")
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout_s: float = DEADLINE_S) -> Any:
@@ -76,7 +54,7 @@ class Deo:
     def __init__(self, tmp_path: Path, marker: str, **pool: Any) -> None:
         self.dir = tmp_path
         self.marker = marker
-        self.first_port = free_port_range(8)
+        self.first_port = reserve_port_range(8).first
         settings = {
             "kind": '"engine"',
             "engine": '"vllm"',
