@@ -38,6 +38,7 @@ __all__ = [
     "drain_done",
     "enforce_max_asleep",
     "free_port",
+    "on_cordoned_gpu",
     "release",
     "repeat_control",
     "shrink",
@@ -119,6 +120,11 @@ def _oldest_sleeping(asleep: list[Worker]) -> Worker | None:
     return min(sleeping, key=lambda w: (w.asleep_t or 0.0, w.index))
 
 
+def on_cordoned_gpu(step: Step, worker: Worker) -> bool:
+    """Whether one of ``worker``'s GPUs is cordoned (by the operator, a GPU error or a limit)."""
+    return any(step.gpus[g].causes for g in worker.gpus if g in step.gpus)
+
+
 def shrink(step: Step, pool: PoolState, victims: list[Worker], why: str, cause: StopCause) -> None:
     """Take ``victims`` (counted engines, in the order they should go) out of service: an active
     one sleeps while the pool's ``max_asleep`` allows (the one asleep longest stopped to make
@@ -126,7 +132,7 @@ def shrink(step: Step, pool: PoolState, victims: list[Worker], why: str, cause: 
     to exit."""
     spec = pool.spec
     for worker in victims:
-        on_cordoned = any(step.gpus[g].causes for g in worker.gpus if g in step.gpus)
+        on_cordoned = on_cordoned_gpu(step, worker)
         if worker.state is not S.ACTIVE:
             # Not serving yet (or waking): nothing to finish and nothing worth keeping asleep.
             step.terminate(worker, cause, f"{why}: stopping {worker.worker_id} ({worker.state})")
@@ -197,12 +203,15 @@ def _send_wake(step: Step, worker: Worker, attempt: int, why: str) -> None:
 def wake_for(step: Step, pool: PoolState, count: int) -> int:
     """Wake engines toward the pool's target before any is started: first those going to sleep
     (their memory is still there: back in routing at once), then those asleep, the one asleep
-    shortest first. Returns the new count."""
+    shortest first. One on a cordoned GPU is never put back in service there (a new engine
+    starts elsewhere). Returns the new count."""
     name = pool.spec.name
     candidates = [
         w
         for w in step.workers.values()
-        if w.pool == name and w.state in (S.GOING_TO_SLEEP, S.SLEEPING)
+        if w.pool == name
+        and w.state in (S.GOING_TO_SLEEP, S.SLEEPING)
+        and not on_cordoned_gpu(step, w)
     ]
     candidates.sort(key=lambda w: (w.state is S.SLEEPING, -(w.asleep_t or 0.0), w.index))
     for worker in candidates:
