@@ -70,6 +70,9 @@ class Deo:
         }
         settings.update(pool)
         startup_s = settings.pop("startup_s")
+        # Tables of the pool's own (its source), written after its settings.
+        tables = str(settings.pop("tables", ""))
+        policy = str(settings.pop("policy", 'name = "static"\ncount = 2'))
         argv = [sys.executable, "-m", "deo_worker.engine_standin", "--port", "{port}"]
         argv += ["--engine", "vllm", "--memory-mib", str(MEMORY_MIB), "--startup-s", str(startup_s)]
         lines = [f"{key} = {value}" for key, value in settings.items()]
@@ -79,7 +82,8 @@ class Deo:
             f"argv = {json.dumps(argv)}\n"
             f'env = {{ TEST_DEO_MARKER = "{marker}" }}\n'
             + "\n".join(lines)
-            + '\n[pools.gen.policy]\nname = "static"\ncount = 2\n'
+            + f"\n[pools.gen.policy]\n{policy}\n"
+            + tables
         )
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
