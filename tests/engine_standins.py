@@ -30,6 +30,7 @@ class Standin:
         max_concurrency: int = 16,
         startup_s: float = 0.0,
         port: int | None = None,
+        control_delay_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self.port = port or reserve_port()
@@ -50,6 +51,8 @@ class Standin:
             str(max_concurrency),
             "--startup-s",
             str(startup_s),
+            "--control-delay-s",
+            str(control_delay_s),
         ]
         self.proc: subprocess.Popen[bytes] | None = None
 

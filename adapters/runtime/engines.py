@@ -177,21 +177,18 @@ class EngineControl:
     async def _carry_out(self, command: _Control) -> None:
         t = self._clock
         worker_id = command.worker_id
-        # Its own client: every call of this command gives up after the command's timeout.
+        # Its own client: every call of this command gives up after the command's timeout, and
+        # the calls together too (a sleep is several calls; the core waits only twice as long).
         async with httpx.AsyncClient(timeout=httpx.Timeout(command.timeout_s)) as call:
             try:
-                if isinstance(command, SleepEngine):
-                    await sleep_engine(call, command)
-                    self._emit(EngineAsleep(t=t(), worker_id=worker_id))
-                elif isinstance(command, WakeEngine):
-                    await wake_engine(call, command)
-                    self._emit(EngineAwake(t=t(), worker_id=worker_id))
-                elif command.engine == "vllm":
-                    asleep = await _is_sleeping(call, engine_url(command.port))
-                    event = EngineAsleep if asleep else EngineAwake
-                    self._emit(event(t=t(), worker_id=worker_id))
-            except (httpx.HTTPError, EngineCallFailed, ValueError) as exc:
-                why = _describe(exc)
+                with anyio.fail_after(command.timeout_s):
+                    await self._call(call, command)
+            except (httpx.HTTPError, EngineCallFailed, ValueError, TimeoutError) as exc:
+                why = (
+                    f"no answer in time (its calls took over {command.timeout_s:g} s)"
+                    if isinstance(exc, TimeoutError)
+                    else _describe(exc)
+                )
                 log.warning("%s: %s failed: %s", worker_id, type(command).__name__, why)
                 if isinstance(command, SleepEngine):
                     self._emit(EngineSleepFailed(t=t(), worker_id=worker_id, error=why))
@@ -199,6 +196,20 @@ class EngineControl:
                     self._emit(EngineWakeFailed(t=t(), worker_id=worker_id, error=why))
                 # A failed check changes nothing: the log's record stands, the next restart asks
                 # again, and a wake finds out.
+
+    async def _call(self, call: httpx.AsyncClient, command: _Control) -> None:
+        """Carry out ``command`` and report its success (failures raise)."""
+        t, worker_id = self._clock, command.worker_id
+        if isinstance(command, SleepEngine):
+            await sleep_engine(call, command)
+            self._emit(EngineAsleep(t=t(), worker_id=worker_id))
+        elif isinstance(command, WakeEngine):
+            await wake_engine(call, command)
+            self._emit(EngineAwake(t=t(), worker_id=worker_id))
+        elif command.engine == "vllm":
+            asleep = await _is_sleeping(call, engine_url(command.port))
+            event = EngineAsleep if asleep else EngineAwake
+            self._emit(event(t=t(), worker_id=worker_id))
 
     async def _watch_health(self, client: httpx.AsyncClient) -> None:
         while True:

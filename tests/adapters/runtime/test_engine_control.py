@@ -77,7 +77,7 @@ def wake(engine: Standin, port: int | None = None) -> WakeEngine:
         worker_id="gen-0",
         engine=engine.engine,
         port=port or engine.port,
-        timeout_s=2.0,
+        timeout_s=30.0,
         attempt=1,
         reason="test",
     )
@@ -139,6 +139,18 @@ async def test_a_sleep_under_running_requests_still_releases(standin: Standin) -
         # Generation runs again after the wake (SGLang: continued after its pause).
         answer = await client.post("/v1/completions", json={**body, "max_tokens": 2})
         assert answer.status_code == 200
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.anyio
+async def test_a_sleep_whose_calls_together_outlast_its_timeout_fails_in_time(engine: str) -> None:
+    # Each call answers within the timeout, but a sleep is several calls: together they take
+    # longer than the core waits (twice the timeout) unless the command as a whole is bounded.
+    with Standin(engine, memory_mib=8, control_delay_s=2.0) as standin:
+        [failed] = await carry_out([sleep(standin, timeout_s=3.0)])
+    # Its calls would have succeeded one by one (6 s for vLLM's three, 4 s for SGLang's two).
+    assert isinstance(failed, EngineSleepFailed), failed
+    assert "its calls took over 3 s" in failed.error
 
 
 @pytest.mark.anyio
