@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -43,14 +42,14 @@ def test_router_serves_active_engines_and_a_scale_down_under_load_loses_nothing(
     run.wait_states({"gen-0": "active", "gen-1": "active"})
     router = f"http://127.0.0.1:{router_port}"
     wait_for("the router", lambda: httpx.get(f"{router}/health", timeout=10).status_code == 200)
-    # Sent together, so that each finds the other engine with fewer in flight.
-    with ThreadPoolExecutor(6) as pool:
-        replies = list(
-            pool.map(
-                lambda _: httpx.post(f"{router}/v1/completions", json=BODY, timeout=60), range(6)
-            )
-        )
-    served = {reply.headers["x-deo-engine"] for reply in replies}
+    # The second request is sent while the first is in flight: it goes to the other engine.
+    with httpx.Client(timeout=60) as http:
+        long = {**BODY, "max_tokens": 400, "stream": True}
+        with http.stream("POST", f"{router}/v1/completions", json=long) as first:
+            assert first.status_code == 200
+            second = http.post(f"{router}/v1/completions", json=BODY)
+            assert second.status_code == 200, second.text
+            served = {first.headers["x-deo-engine"], second.headers["x-deo-engine"]}
     assert served == {"gen-0", "gen-1"}
     wait_for("a load sample", lambda: figures(run)["load_ratio"] is not None)
     shown = figures(run)
