@@ -61,6 +61,31 @@ def free_port(step: Step, spec: PoolSpec) -> int | None:
     return next((port for port in spec.port_range() if port not in held), None)
 
 
+def _sleep_command(worker: Worker, spec: PoolSpec, attempt: int, why: str) -> c.SleepEngine:
+    assert worker.port is not None and spec.engine is not None, worker
+    return c.SleepEngine(
+        worker_id=worker.worker_id,
+        engine=spec.engine,
+        port=worker.port,
+        level=spec.sleep_level,
+        timeout_s=spec.control_timeout_s,
+        attempt=attempt,
+        reason=why,
+    )
+
+
+def _wake_command(worker: Worker, spec: PoolSpec, attempt: int, why: str) -> c.WakeEngine:
+    assert worker.port is not None and spec.engine is not None, worker
+    return c.WakeEngine(
+        worker_id=worker.worker_id,
+        engine=spec.engine,
+        port=worker.port,
+        timeout_s=spec.control_timeout_s,
+        attempt=attempt,
+        reason=why,
+    )
+
+
 # --- sleep ----------------------------------------------------------------------------------------
 
 
@@ -88,7 +113,6 @@ def _sleep(step: Step, worker: Worker, why: str) -> None:
 def release(step: Step, worker: Worker, why: str) -> None:
     """Send the sleep call (again, after a failure); its answer is awaited until a deadline."""
     spec = step.pools[worker.pool].spec
-    assert worker.port is not None and spec.engine is not None, worker
     attempt = worker.control_attempts + 1
     step.transition(
         worker,
@@ -96,17 +120,7 @@ def release(step: Step, worker: Worker, why: str) -> None:
         deadline_t=step.t + call_deadline_s(spec),
         control_attempts=attempt,
     )
-    step.commands.append(
-        c.SleepEngine(
-            worker_id=worker.worker_id,
-            engine=spec.engine,
-            port=worker.port,
-            level=spec.sleep_level,
-            timeout_s=spec.control_timeout_s,
-            attempt=attempt,
-            reason=why,
-        )
-    )
+    step.commands.append(_sleep_command(worker, spec, attempt, why))
 
 
 def _asleep_of(step: Step, pool: str) -> list[Worker]:
@@ -180,7 +194,6 @@ def enforce_max_asleep(step: Step, pool: PoolState) -> None:
 
 def _send_wake(step: Step, worker: Worker, attempt: int, why: str) -> None:
     spec = step.pools[worker.pool].spec
-    assert worker.port is not None and spec.engine is not None, worker
     step.transition(
         worker,
         Trigger.WAKE,
@@ -188,16 +201,7 @@ def _send_wake(step: Step, worker: Worker, attempt: int, why: str) -> None:
         control_attempts=attempt,
         asleep_t=None,
     )
-    step.commands.append(
-        c.WakeEngine(
-            worker_id=worker.worker_id,
-            engine=spec.engine,
-            port=worker.port,
-            timeout_s=spec.control_timeout_s,
-            attempt=attempt,
-            reason=why,
-        )
-    )
+    step.commands.append(_wake_command(worker, spec, attempt, why))
 
 
 def wake_for(step: Step, pool: PoolState, count: int) -> int:
@@ -389,28 +393,11 @@ def repeat_control(step: Step, worker: Worker) -> None:
         return
     why = f"{worker.worker_id} adopted while {worker.state}"
     if worker.state is S.FALLING_ASLEEP:
-        step.commands.append(
-            c.SleepEngine(
-                worker_id=worker.worker_id,
-                engine=spec.engine,
-                port=worker.port,
-                level=spec.sleep_level,
-                timeout_s=spec.control_timeout_s,
-                attempt=worker.control_attempts,
-                reason=f"{why}: sleep call repeated",
-            )
-        )
+        attempt = worker.control_attempts
+        step.commands.append(_sleep_command(worker, spec, attempt, f"{why}: sleep call repeated"))
     elif worker.state is S.WAKING:
-        step.commands.append(
-            c.WakeEngine(
-                worker_id=worker.worker_id,
-                engine=spec.engine,
-                port=worker.port,
-                timeout_s=spec.control_timeout_s,
-                attempt=worker.control_attempts,
-                reason=f"{why}: wake call repeated",
-            )
-        )
+        attempt = worker.control_attempts
+        step.commands.append(_wake_command(worker, spec, attempt, f"{why}: wake call repeated"))
     elif worker.state is S.SLEEPING:
         step.commands.append(
             c.VerifyAsleep(
