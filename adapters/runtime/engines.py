@@ -4,7 +4,11 @@ The core decides (``SleepEngine``, ``WakeEngine``, ``VerifyAsleep``); :class:`En
 carries each command out in a task of its own, every call with the command's timeout, and
 reports the outcome as an event (``EngineAsleep``, ``EngineAwake``, ``EngineSleepFailed``,
 ``EngineWakeFailed``): a call never leaves an engine in a state nobody recorded. It also watches
-starting engines' ``/health`` and reports each ready (``WorkerReady``) once it answers 200.
+starting engines' ``/health`` and reports each ready (``WorkerReady``) once it answers 200, and
+asks active engines' ``/health`` every ``ACTIVE_HEALTH_INTERVAL_S``: each 200 is a sign of life
+(a heartbeat), so that a pool's ``heartbeat_grace_s`` replaces an engine that is alive but
+answers nothing (wedged), and never a healthy one (starting engines count as seen: their
+``start_timeout_s`` judges them).
 
 The routes, per engine (see docs/engines.md):
 
@@ -23,6 +27,7 @@ The routes, per engine (see docs/engines.md):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -33,7 +38,7 @@ import httpx
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from adapters.runtime.runner import Executor
-from core import Command, DeoError, Event, State, WorkerReady, WorkerState
+from core import Command, DeoError, Event, State, UnknownSubject, WorkerReady, WorkerState
 from core.commands import SleepEngine, VerifyAsleep, WakeEngine
 from core.events import EngineAsleep, EngineAwake, EngineSleepFailed, EngineWakeFailed
 
@@ -45,6 +50,9 @@ log = logging.getLogger("deo.engines")
 HEALTH_INTERVAL_S = 0.5
 #: Each /health call gives up after this long (a starting engine may not listen yet).
 HEALTH_TIMEOUT_S = 2.0
+
+#: How often active engines' /health is asked (each 200 is a sign of life).
+ACTIVE_HEALTH_INTERVAL_S = 1.0
 
 #: How often a paused SGLang engine's cache flush is tried again while its aborts land.
 FLUSH_RETRY_S = 0.1
@@ -139,7 +147,8 @@ def _describe(exc: BaseException) -> str:
 class EngineControl:
     """Carries out engine commands over HTTP and watches starting engines' health.
 
-    ``state`` returns the runner's current state (which engines are starting, on which port).
+    ``state`` returns the runner's current state (which engines are starting, on which port);
+    ``saw``, if given, takes each active engine's sign of life (the runner's ``saw``).
     :meth:`execute` never blocks the runner: commands queue for :meth:`run`, which carries each
     out in its own task until cancelled.
     """
@@ -151,8 +160,12 @@ class EngineControl:
         clock: Callable[[], float],
         state: Callable[[], State],
         health_interval_s: float = HEALTH_INTERVAL_S,
+        saw: Callable[[str], None] | None = None,
+        active_health_interval_s: float = ACTIVE_HEALTH_INTERVAL_S,
     ) -> None:
         self._emit = emit
+        self._saw = saw
+        self._active_health_interval_s = active_health_interval_s
         self._clock = clock
         self._state = state
         self._health_interval_s = health_interval_s
@@ -171,6 +184,8 @@ class EngineControl:
         """Carry out queued commands and watch starting engines, until cancelled."""
         async with httpx.AsyncClient() as client, anyio.create_task_group() as tg:
             tg.start_soon(self._watch_health, client)
+            if self._saw is not None:
+                tg.start_soon(self._watch_active, client, self._saw)
             async for command in self._receive:
                 tg.start_soon(self._carry_out, command)
 
@@ -221,13 +236,38 @@ class EngineControl:
                         tg.start_soon(self._check_health, client, worker_id, port)
             await anyio.sleep(self._health_interval_s)
 
+    async def _watch_active(self, client: httpx.AsyncClient, saw: Callable[[str], None]) -> None:
+        async def ask(worker_id: str, port: int) -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                url = f"{engine_url(port)}/health"
+                if (await client.get(url, timeout=HEALTH_TIMEOUT_S)).status_code == 200:
+                    # Unknown only if it was never made; gone since is ignored by ``saw``.
+                    with contextlib.suppress(UnknownSubject):
+                        saw(worker_id)
+
+        while True:
+            state = self._state()
+            # A starting engine may load for minutes before it answers: its start_timeout_s
+            # judges it, not the heartbeat grace.
+            for worker_id, _ in self._starting_engines(state):
+                with contextlib.suppress(UnknownSubject):
+                    saw(worker_id)
+            async with anyio.create_task_group() as tg:
+                for worker_id, port in self._engines(state, WorkerState.ACTIVE):
+                    tg.start_soon(ask, worker_id, port)
+            await anyio.sleep(self._active_health_interval_s)
+
     @staticmethod
     def _starting_engines(state: State) -> Sequence[tuple[str, int]]:
+        return EngineControl._engines(state, WorkerState.STARTING)
+
+    @staticmethod
+    def _engines(state: State, wanted: WorkerState) -> Sequence[tuple[str, int]]:
         found = []
         for worker in state.workers.values():
             pool = state.pools.get(worker.pool)
             if (
-                worker.state is WorkerState.STARTING
+                worker.state is wanted
                 and worker.port is not None
                 and pool is not None
                 and pool.spec.is_engine

@@ -322,3 +322,18 @@ def test_the_operator_wakes_every_engine_then_resumes_the_policy(deo: Callable[.
     assert "held for 600s" in done.stdout
     hold = run.events("EnginesWakeRequested")[-1]
     assert hold["hold_s"] == 600.0
+
+
+def test_active_engines_are_seen_through_their_health_and_a_wedged_one_is_replaced(
+    deo: Callable[..., Deo],
+) -> None:
+    run = deo(heartbeat_grace_s=6.0).start()
+    workers = run.wait_states({"gen-0": "active", "gen-1": "active"})
+    os.kill(workers["gen-1"]["pid"], signal.SIGSTOP)  # alive, answering nothing
+    # gen-1 is judged hung once the grace passes; gen-0, as long active, answers and stays.
+    after = run.wait_states({"gen-0": "active", "gen-1": "exited", "gen-2": "active"})
+    assert after["gen-0"]["pid"] == workers["gen-0"]["pid"]
+    stops = [c for c in run.commands("TerminateWorker") if c["worker_id"] == "gen-1"]
+    assert stops and "hung" in stops[0]["reason"], stops
+    assert not [c for c in run.commands("TerminateWorker") if c["worker_id"] == "gen-0"]
+    assert any("gen-0" in e["worker_ids"] for e in run.events("WorkersSeen"))
