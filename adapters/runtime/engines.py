@@ -4,7 +4,9 @@ The core decides (``SleepEngine``, ``WakeEngine``, ``VerifyAsleep``); :class:`En
 carries each command out in a task of its own, every call with the command's timeout, and
 reports the outcome as an event (``EngineAsleep``, ``EngineAwake``, ``EngineSleepFailed``,
 ``EngineWakeFailed``): a call never leaves an engine in a state nobody recorded. It also watches
-starting engines' ``/health`` and reports each ready (``WorkerReady``) once it answers 200, and
+starting engines' ``/health`` and reports each ready (``WorkerReady``) once it answers 200 from
+a socket the engine's own process holds (:mod:`adapters.runtime.port_owner`: a server of another
+program on the engine's port is never taken for the engine), and
 asks active engines' ``/health`` every ``ACTIVE_HEALTH_INTERVAL_S``: each 200 is a sign of life
 (a heartbeat), so that a pool's ``heartbeat_grace_s`` replaces an engine that is alive but
 answers nothing (wedged), and never a healthy one (starting engines count as seen: their
@@ -37,6 +39,7 @@ import anyio
 import httpx
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from adapters.runtime.port_owner import port_held_by
 from adapters.runtime.runner import Executor
 from core import Command, DeoError, Event, State, UnknownSubject, WorkerReady, WorkerState
 from core.commands import SleepEngine, VerifyAsleep, WakeEngine
@@ -174,6 +177,8 @@ class EngineControl:
         self._receive: MemoryObjectReceiveStream[_Control] = receive
         #: Starting engines already reported ready (reported once each).
         self._reported: set[str] = set()
+        #: Starting engines whose port another process holds (logged once each).
+        self._foreign: set[str] = set()
 
     async def execute(self, command: Command) -> None:
         """Queue an engine command; anything else is another executor's."""
@@ -230,6 +235,7 @@ class EngineControl:
         while True:
             starting = self._starting_engines(self._state())
             self._reported &= {worker_id for worker_id, _ in starting}
+            self._foreign &= {worker_id for worker_id, _ in starting}
             async with anyio.create_task_group() as tg:
                 for worker_id, port in starting:
                     if worker_id not in self._reported:
@@ -280,6 +286,21 @@ class EngineControl:
             response = await client.get(f"{engine_url(port)}/health", timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError:
             return  # not listening yet (vLLM listens once its engine is up)
-        if response.status_code == 200:
-            self._reported.add(worker_id)
-            self._emit(WorkerReady(t=self._clock(), worker_id=worker_id))
+        if response.status_code != 200:
+            return
+        worker = self._state().workers.get(worker_id)
+        pid = None if worker is None else worker.pid
+        if pid is not None and port_held_by(port, pid) is False:
+            # Something else answers on the engine's port (the engine could not bind it): never
+            # ready, so nothing is routed there; the engine exits, or its start timeout ends it.
+            if worker_id not in self._foreign:
+                self._foreign.add(worker_id)
+                log.warning(
+                    "%s: port %d is held by another process, not by the engine (pid %d): not ready",
+                    worker_id,
+                    port,
+                    pid,
+                )
+            return
+        self._reported.add(worker_id)
+        self._emit(WorkerReady(t=self._clock(), worker_id=worker_id))
