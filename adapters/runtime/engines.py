@@ -290,7 +290,8 @@ class EngineControl:
             return
         worker = self._state().workers.get(worker_id)
         pid = None if worker is None else worker.pid
-        if pid is not None and port_held_by(port, pid) is False:
+        # /proc is read in a thread: a session's scan can take tens of milliseconds.
+        if pid is not None and await anyio.to_thread.run_sync(port_held_by, port, pid) is False:
             # Something else answers on the engine's port (the engine could not bind it): never
             # ready, so nothing is routed there; the engine exits, or its start timeout ends it.
             if worker_id not in self._foreign:

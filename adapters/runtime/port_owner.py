@@ -64,17 +64,29 @@ def port_held_by(port: int, pid: int, proc: Path = _PROC) -> bool | None:
     if not inodes:
         return None
     wanted = {f"socket:[{inode}]" for inode in inodes}
-    readable = False
-    for owner in session_pids(pid, proc):
+    # The engine itself first (the usual holder); its session only if it is not.
+    held = _holds(pid, wanted, proc)
+    if held:
+        return True
+    readable = held is not None
+    for owner in session_pids(pid, proc) - {pid}:
+        held = _holds(owner, wanted, proc)
+        if held:
+            return True
+        readable = readable or held is not None
+    return False if readable else None
+
+
+def _holds(pid: int, sockets: set[str], proc: Path) -> bool | None:
+    """Whether ``pid`` has one of ``sockets`` open (None: its descriptors cannot be read)."""
+    try:
+        fds = list(os.scandir(proc / str(pid) / "fd"))
+    except OSError:
+        return None
+    for fd in fds:
         try:
-            fds = list(os.scandir(proc / str(owner) / "fd"))
+            if os.readlink(fd.path) in sockets:
+                return True
         except OSError:
             continue
-        readable = True
-        for fd in fds:
-            try:
-                if os.readlink(fd.path) in wanted:
-                    return True
-            except OSError:
-                continue
-    return False if readable else None
+    return False
