@@ -40,9 +40,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-__all__ = ["EngineEndpoint", "EngineProvider", "EngineRouter", "serve_router"]
+__all__ = ["MAX_BODY_BYTES", "EngineEndpoint", "EngineProvider", "EngineRouter", "serve_router"]
 
-#: The largest request body the router accepts (prompts can be long; this bounds memory).
+#: The largest request body the router accepts (prompts can be long); a larger one is refused
+#: before it is read in full, so this bounds the memory a request can take.
 MAX_BODY_BYTES = 32 * 1024 * 1024
 #: Request headers that describe one hop, not the request: never forwarded.
 _HOP_HEADERS = frozenset(
@@ -112,6 +113,8 @@ class EngineRouter:
         #: answered), "broken" (an engine failed after the first byte), "no_engine".
         self.outcomes: dict[str, int] = {}
         self.retries = 0
+        #: Requests waiting for a routable engine (none is awake yet): load no engine reports.
+        self.waiting_requests = 0
         self._client: httpx.AsyncClient | None = None
 
     # -- counts -------------------------------------------------------------------------------
@@ -157,9 +160,13 @@ class EngineRouter:
         if engine is not None or tried:
             return engine
         deadline = time.monotonic() + self.no_engine_wait_s
-        while engine is None and time.monotonic() < deadline:
-            await anyio.sleep(0.05)
-            engine = self.choose(tried)
+        self.waiting_requests += 1
+        try:
+            while engine is None and time.monotonic() < deadline:
+                await anyio.sleep(0.05)
+                engine = self.choose(tried)
+        finally:
+            self.waiting_requests -= 1
         return engine
 
     # -- proxying -----------------------------------------------------------------------------
@@ -178,8 +185,8 @@ class EngineRouter:
 
     async def forward(self, request: Request) -> Response:
         """Send ``request`` to an engine (retrying before the first byte) and relay the answer."""
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
+        body = await _read_body(request)
+        if body is None:
             return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
         headers = [
             (name, value)
@@ -304,7 +311,13 @@ class EngineRouter:
             "deo_router_retries", "Requests sent to another engine after a failure", labels=["pool"]
         )
         retries.add_metric([self.pool], self.retries)
-        yield from (in_flight, outcomes, retries)
+        waiting = GaugeMetricFamily(
+            "deo_router_waiting_requests",
+            "Requests waiting for a routable engine",
+            labels=["pool"],
+        )
+        waiting.add_metric([self.pool], self.waiting_requests)
+        yield from (in_flight, outcomes, retries, waiting)
 
     # -- the app ------------------------------------------------------------------------------
 
@@ -346,6 +359,22 @@ class EngineRouter:
                 Route("/metrics", metrics, methods=["GET"]),
             ]
         )
+
+
+async def _read_body(request: Request) -> bytes | None:
+    """The request's body, or None once it is known to exceed :data:`MAX_BODY_BYTES`: refused
+    on its Content-Length before anything is read, or as soon as the bytes read pass it."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _close_then(response: httpx.Response, then: Callable[[], None]) -> None:

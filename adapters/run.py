@@ -402,7 +402,9 @@ async def run(
             sock.close()
             out(f"deo: {exc}")
             return 2
-    engines = EngineControl(emit, clock=clock, state=lambda: runner.state)
+    engines = EngineControl(
+        emit, clock=clock, state=lambda: runner.state, saw=lambda worker_id: runner.saw(worker_id)
+    )
     runner = Runner(
         event_log,
         Reducer(recovery.state),

@@ -19,7 +19,6 @@ import functools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,29 +30,11 @@ from typing import Any, TypeVar
 
 import httpx
 
+from bench.ports import reserve_port_range
+
 TOKEN = "engine-wake-operator-token"
 OPERATOR = {"Authorization": f"Bearer {TOKEN}"}
 T = TypeVar("T")
-
-
-def _port_range(count: int) -> int:
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first: int = probe.getsockname()[1]
-        held = []
-        try:
-            for port in range(first, first + count):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise SystemExit("no free port range")
 
 
 def _wait(what: str, check: Callable[[], T | None], timeout_s: float = 300.0) -> T:
@@ -78,7 +59,7 @@ def _rss_bytes(pid: int) -> int:
 
 class _Deo:
     def __init__(self, workdir: Path, args: argparse.Namespace, max_asleep: int) -> None:
-        first = _port_range(8)
+        first = reserve_port_range(8).first
         argv = [sys.executable, "-m", "deo_worker.engine_standin", "--port", "{port}"]
         argv += ["--engine", args.engine, "--memory-mib", str(args.memory_mib)]
         argv += ["--startup-s", str(args.startup_s)]

@@ -309,8 +309,9 @@ class PoolSpec:
         if last - first + 1 < self.max_workers:
             raise ConfigError(
                 f"{where}.ports: [{first}, {last}] holds {last - first + 1} port(s), fewer than "
-                f"max_workers ({self.max_workers}); sleeping engines keep theirs too, so give "
-                f"max_workers + max_asleep ({self.max_workers + self.max_asleep})"
+                f"max_workers ({self.max_workers}), the least it needs (sleeping engines keep "
+                f"theirs too: max_workers + max_asleep = {self.max_workers + self.max_asleep} "
+                f"lets new engines start while others sleep)"
             )
         if not 0 <= self.router_port <= 65535:
             raise ConfigError(f"{where}.router_port must be a port or 0, got {self.router_port}")
@@ -318,6 +319,14 @@ class PoolSpec:
             raise ConfigError(
                 f"{where}.router_port ({self.router_port}) is inside the engines' ports "
                 f"[{first}, {last}]"
+            )
+        if self.router_port and self.min_workers == 0 and self.policy.name == "threshold":
+            # With no engine awake nothing measures the load (the router's waiting requests
+            # never reach a ratio of 0.8 on their own), so a pool scaled to 0 would stay there.
+            raise ConfigError(
+                f"{where}.min_workers: an engine pool with a router_port and the threshold policy "
+                f"needs min_workers >= 1 (a pool scaled to no awake engine is never woken by "
+                f"its requests)"
             )
         if self.capacity_per_engine < 1:
             raise ConfigError(

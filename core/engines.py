@@ -38,6 +38,7 @@ __all__ = [
     "drain_done",
     "enforce_max_asleep",
     "free_port",
+    "on_cordoned_gpu",
     "release",
     "repeat_control",
     "shrink",
@@ -59,6 +60,31 @@ def free_port(step: Step, spec: PoolSpec) -> int | None:
     """The lowest port of the pool's range that no live engine holds, or None."""
     held = {w.port for w in step.workers.values() if w.port is not None}
     return next((port for port in spec.port_range() if port not in held), None)
+
+
+def _sleep_command(worker: Worker, spec: PoolSpec, attempt: int, why: str) -> c.SleepEngine:
+    assert worker.port is not None and spec.engine is not None, worker
+    return c.SleepEngine(
+        worker_id=worker.worker_id,
+        engine=spec.engine,
+        port=worker.port,
+        level=spec.sleep_level,
+        timeout_s=spec.control_timeout_s,
+        attempt=attempt,
+        reason=why,
+    )
+
+
+def _wake_command(worker: Worker, spec: PoolSpec, attempt: int, why: str) -> c.WakeEngine:
+    assert worker.port is not None and spec.engine is not None, worker
+    return c.WakeEngine(
+        worker_id=worker.worker_id,
+        engine=spec.engine,
+        port=worker.port,
+        timeout_s=spec.control_timeout_s,
+        attempt=attempt,
+        reason=why,
+    )
 
 
 # --- sleep ----------------------------------------------------------------------------------------
@@ -86,7 +112,6 @@ def _sleep(step: Step, worker: Worker, why: str) -> None:
 def release(step: Step, worker: Worker, why: str) -> None:
     """Send the sleep call (again, after a failure); its answer is awaited until a deadline."""
     spec = step.pools[worker.pool].spec
-    assert worker.port is not None and spec.engine is not None, worker
     attempt = worker.control_attempts + 1
     step.transition(
         worker,
@@ -94,17 +119,7 @@ def release(step: Step, worker: Worker, why: str) -> None:
         deadline_t=step.t + call_deadline_s(spec),
         control_attempts=attempt,
     )
-    step.commands.append(
-        c.SleepEngine(
-            worker_id=worker.worker_id,
-            engine=spec.engine,
-            port=worker.port,
-            level=spec.sleep_level,
-            timeout_s=spec.control_timeout_s,
-            attempt=attempt,
-            reason=why,
-        )
-    )
+    step.commands.append(_sleep_command(worker, spec, attempt, why))
 
 
 def _asleep_of(step: Step, pool: str) -> list[Worker]:
@@ -116,6 +131,11 @@ def _oldest_sleeping(asleep: list[Worker]) -> Worker | None:
     if not sleeping:
         return None
     return min(sleeping, key=lambda w: (w.asleep_t or 0.0, w.index))
+
+
+def on_cordoned_gpu(step: Step, worker: Worker) -> bool:
+    """Whether one of ``worker``'s GPUs is cordoned (by the operator, a GPU error or a limit)."""
+    return any(step.gpus[g].causes for g in worker.gpus if g in step.gpus)
 
 
 def _can_sleep(step: Step, pool: PoolState) -> bool:
@@ -142,10 +162,7 @@ def victims(
     if not _can_sleep(step, pool):
         return ranked[:excess]
 
-    def on_cordoned(w: Worker) -> bool:
-        return any(step.gpus[g].causes for g in w.gpus if g in step.gpus)
-
-    ranked.sort(key=lambda w: (not on_cordoned(w), w.state is not S.ACTIVE))  # stable
+    ranked.sort(key=lambda w: (not on_cordoned_gpu(step, w), w.state is not S.ACTIVE))  # stable
     return ranked[:excess]
 
 
@@ -156,7 +173,7 @@ def shrink(step: Step, pool: PoolState, victims: list[Worker], why: str, cause: 
     to exit."""
     spec = pool.spec
     for worker in victims:
-        on_cordoned = any(step.gpus[g].causes for g in worker.gpus if g in step.gpus)
+        on_cordoned = on_cordoned_gpu(step, worker)
         if worker.state is not S.ACTIVE:
             # Not serving yet (or waking): nothing to finish and nothing worth keeping asleep.
             step.terminate(worker, cause, f"{why}: stopping {worker.worker_id} ({worker.state})")
@@ -204,7 +221,6 @@ def enforce_max_asleep(step: Step, pool: PoolState) -> None:
 
 def _send_wake(step: Step, worker: Worker, attempt: int, why: str) -> None:
     spec = step.pools[worker.pool].spec
-    assert worker.port is not None and spec.engine is not None, worker
     step.transition(
         worker,
         Trigger.WAKE,
@@ -212,27 +228,21 @@ def _send_wake(step: Step, worker: Worker, attempt: int, why: str) -> None:
         control_attempts=attempt,
         asleep_t=None,
     )
-    step.commands.append(
-        c.WakeEngine(
-            worker_id=worker.worker_id,
-            engine=spec.engine,
-            port=worker.port,
-            timeout_s=spec.control_timeout_s,
-            attempt=attempt,
-            reason=why,
-        )
-    )
+    step.commands.append(_wake_command(worker, spec, attempt, why))
 
 
 def wake_for(step: Step, pool: PoolState, count: int) -> int:
     """Wake engines toward the pool's target before any is started: first those going to sleep
     (their memory is still there: back in routing at once), then those asleep, the one asleep
-    shortest first. Returns the new count."""
+    shortest first. One on a cordoned GPU is never put back in service there (a new engine
+    starts elsewhere). Returns the new count."""
     name = pool.spec.name
     candidates = [
         w
         for w in step.workers.values()
-        if w.pool == name and w.state in (S.GOING_TO_SLEEP, S.SLEEPING)
+        if w.pool == name
+        and w.state in (S.GOING_TO_SLEEP, S.SLEEPING)
+        and not on_cordoned_gpu(step, w)
     ]
     candidates.sort(key=lambda w: (w.state is S.SLEEPING, -(w.asleep_t or 0.0), w.index))
     for worker in candidates:
@@ -414,28 +424,11 @@ def repeat_control(step: Step, worker: Worker) -> None:
         # deo was down, and would stop (or replace) an engine whose call was never answered.
         step.put_worker(replace(worker, deadline_t=step.t + call_deadline_s(spec)))
     if worker.state is S.FALLING_ASLEEP:
-        step.commands.append(
-            c.SleepEngine(
-                worker_id=worker.worker_id,
-                engine=spec.engine,
-                port=worker.port,
-                level=spec.sleep_level,
-                timeout_s=spec.control_timeout_s,
-                attempt=worker.control_attempts,
-                reason=f"{why}: sleep call repeated",
-            )
-        )
+        attempt = worker.control_attempts
+        step.commands.append(_sleep_command(worker, spec, attempt, f"{why}: sleep call repeated"))
     elif worker.state is S.WAKING:
-        step.commands.append(
-            c.WakeEngine(
-                worker_id=worker.worker_id,
-                engine=spec.engine,
-                port=worker.port,
-                timeout_s=spec.control_timeout_s,
-                attempt=worker.control_attempts,
-                reason=f"{why}: wake call repeated",
-            )
-        )
+        attempt = worker.control_attempts
+        step.commands.append(_wake_command(worker, spec, attempt, f"{why}: wake call repeated"))
     elif worker.state is S.SLEEPING:
         step.commands.append(
             c.VerifyAsleep(

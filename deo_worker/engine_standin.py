@@ -2,6 +2,7 @@
 
     python -m deo_worker.engine_standin --port P --engine vllm|sglang [--memory-mib M]
         [--tokens-per-s R] [--max-concurrency C] [--startup-s S] [--model NAME]
+        [--control-delay-s D]
 
 It is *not* an inference engine: it answers the HTTP routes deo and its router use with the
 shapes and behaviours of the real servers (see docs/engines.md), generating placeholder tokens at
@@ -31,10 +32,12 @@ test can see a sleep free memory. How it follows the real servers:
   request runs or waits; errors are ``{"error": {"message": ...}}``.
 
 One route exists only here: ``POST /standin/fail_next`` with ``{"count": N, "status": 503}``
-makes the next N completion requests fail with that status before any body (to test retries).
-``POST /standin/slow_control`` with ``{"seconds": S}`` makes every sleep and wake route do its
-work and then wait S seconds before it answers (an engine whose answer is late though the work is
-done: a caller's timeout must not be taken for a failed call).
+makes the next N completion requests fail with that status before any body (to test retries);
+with ``"route": "/wake_up"`` (any sleep, wake or flush route) the next N calls of that route fail
+instead. ``--control-delay-s`` makes every sleep, wake and flush route answer that much later (a
+slow release of a large model). ``POST /standin/slow_control`` with ``{"seconds": S}`` makes every
+sleep and wake route do its work and then wait S seconds before it answers (an engine whose answer
+is late though the work is done: a caller's timeout must not be taken for a failed call).
 Every completion names the stand-in that served it: ``system_fingerprint`` is
 ``"standin-<port>"`` and the ``x-standin-port`` header carries the port.
 """
@@ -110,13 +113,20 @@ class EngineStandin:
         max_concurrency: int = 8,
         startup_s: float = 0.0,
         model: str = "standin-model",
+        control_delay_s: float = 0.0,
     ) -> None:
         if engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-        if memory_mib < 0 or not tokens_per_s > 0 or max_concurrency < 1 or startup_s < 0:
+        if (
+            memory_mib < 0
+            or not tokens_per_s > 0
+            or max_concurrency < 1
+            or startup_s < 0
+            or control_delay_s < 0
+        ):
             raise ValueError(
-                "--memory-mib must be >= 0, --tokens-per-s > 0, --max-concurrency >= 1 "
-                "and --startup-s >= 0"
+                "--memory-mib must be >= 0, --tokens-per-s > 0, --max-concurrency >= 1, "
+                "--startup-s >= 0 and --control-delay-s >= 0"
             )
         self.engine = engine
         self.port = port
@@ -131,8 +141,12 @@ class EngineStandin:
         #: vLLM: "awake", or the level it sleeps at; SGLang: "awake" or "released".
         self.sleep_state = "awake"
         self.fail_next: list[int] = []
+        #: Failures to answer, per control route (``/wake_up``, ...), in order.
+        self.fail_control: dict[str, list[int]] = {}
+        #: Seconds each sleep, wake or flush route waits before it does its work.
+        self.control_delay_s = control_delay_s
         #: Seconds each sleep or wake route waits, its work done, before it answers.
-        self.control_delay_s = 0.0
+        self.answer_delay_s = 0.0
         self._slots = anyio.Semaphore(max_concurrency)
         # Requests start while _admit is set and generate while _run is set; closing a gate
         # swaps in an unset event, opening it sets the current one.
@@ -380,18 +394,36 @@ def build_app(standin: EngineStandin) -> Starlette:
     async def fail_next(request: Request) -> Response:
         body = json.loads(await request.body() or b"{}")
         count, status = int(body.get("count", 1)), int(body.get("status", 503))
-        standin.fail_next.extend([status] * count)
-        return JSONResponse({"fail_next": len(standin.fail_next)})
+        route = body.get("route")
+        failures = (
+            standin.fail_next if route is None else standin.fail_control.setdefault(route, [])
+        )
+        failures.extend([status] * count)
+        return JSONResponse({"fail_next": len(failures)})
+
+    def control(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        """A sleep, wake or flush route, late by --control-delay-s and failing when told to."""
+
+        async def route(request: Request) -> Response:
+            if standin.control_delay_s:
+                await anyio.sleep(standin.control_delay_s)
+            failures = standin.fail_control.get(request.url.path)
+            if failures:
+                return _error(failures.pop(0), "injected failure")
+            response: Response = await handler(request)
+            return response
+
+        return route
 
     async def slow_control(request: Request) -> Response:
         body = json.loads(await request.body() or b"{}")
-        standin.control_delay_s = float(body.get("seconds", 0.0))
-        return JSONResponse({"control_delay_s": standin.control_delay_s})
+        standin.answer_delay_s = float(body.get("seconds", 0.0))
+        return JSONResponse({"answer_delay_s": standin.answer_delay_s})
 
     async def answered(response: Response) -> Response:
         """``response`` to a sleep or wake call, once the configured delay has passed."""
-        if standin.control_delay_s > 0:
-            await anyio.sleep(standin.control_delay_s)
+        if standin.answer_delay_s > 0:
+            await anyio.sleep(standin.answer_delay_s)
         return response
 
     # -- vLLM --------------------------------------------------------------------------------
@@ -472,18 +504,18 @@ def build_app(standin: EngineStandin) -> Starlette:
     ]
     if standin.engine == "vllm":
         routes += [
-            Route("/sleep", sleep, methods=["POST"]),
-            Route("/wake_up", wake_up, methods=["POST"]),
-            Route("/is_sleeping", is_sleeping, methods=["GET"]),
-            Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+            Route("/sleep", control(sleep), methods=["POST"]),
+            Route("/wake_up", control(wake_up), methods=["POST"]),
+            Route("/is_sleeping", control(is_sleeping), methods=["GET"]),
+            Route("/reset_prefix_cache", control(reset_prefix_cache), methods=["POST"]),
         ]
     else:
         routes += [
-            Route("/release_memory_occupation", release_memory, methods=["POST"]),
-            Route("/resume_memory_occupation", resume_memory, methods=["POST"]),
-            Route("/pause_generation", pause_generation, methods=["POST"]),
-            Route("/continue_generation", continue_generation, methods=["POST"]),
-            Route("/flush_cache", flush_cache, methods=["POST"]),
+            Route("/release_memory_occupation", control(release_memory), methods=["POST"]),
+            Route("/resume_memory_occupation", control(resume_memory), methods=["POST"]),
+            Route("/pause_generation", control(pause_generation), methods=["POST"]),
+            Route("/continue_generation", control(continue_generation), methods=["POST"]),
+            Route("/flush_cache", control(flush_cache), methods=["POST"]),
         ]
     return Starlette(routes=routes)
 
@@ -518,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--startup-s", type=float, default=0.0)
     parser.add_argument("--model", default="standin-model")
+    parser.add_argument("--control-delay-s", type=float, default=0.0)
     args = parser.parse_args(argv)
     try:
         standin = EngineStandin(
@@ -528,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
             max_concurrency=args.max_concurrency,
             startup_s=args.startup_s,
             model=args.model,
+            control_delay_s=args.control_delay_s,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -11,7 +11,8 @@ from pathlib import Path
 from types import TracebackType
 
 import httpx
-from conftest import free_port
+
+from bench.ports import reserve_port
 
 REPO = Path(__file__).resolve().parents[1]
 START_DEADLINE_S = 60.0
@@ -29,9 +30,10 @@ class Standin:
         max_concurrency: int = 16,
         startup_s: float = 0.0,
         port: int | None = None,
+        control_delay_s: float = 0.0,
     ) -> None:
         self.engine = engine
-        self.port = port or free_port()
+        self.port = port or reserve_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = [
             sys.executable,
@@ -49,6 +51,8 @@ class Standin:
             str(max_concurrency),
             "--startup-s",
             str(startup_s),
+            "--control-delay-s",
+            str(control_delay_s),
         ]
         self.proc: subprocess.Popen[bytes] | None = None
 

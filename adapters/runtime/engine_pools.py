@@ -8,8 +8,13 @@ For every pool of kind ``engine`` in the configuration:
 - a load source (:mod:`adapters.sources.engine_metrics`) reading the ``/metrics`` of the
   engines that may have requests in flight (active, draining, going to sleep), unless the pool
   has a ``source`` of its own. It emits the pool's ``LoadSampled`` (or ``SourceDown``) every
-  ``interval_s``, and an ``EngineLoadSampled`` for an engine whenever its count changes (taking
-  the router's count where it is larger), so a draining engine's drain ends at 0 in flight.
+  ``interval_s``: the engines' requests, plus the requests the router holds waiting for an engine
+  and those it has in flight at engines no longer measured, so that a pool with no engine awake
+  still sees its load (and scales up);
+- a drain watch, for every engine pool (a ``source`` of its own included): every
+  ``DRAIN_WATCH_S`` it reads the draining engines and emits an ``EngineLoadSampled`` for one
+  whenever its count changes (taking the router's count where it is larger), so a drain ends at
+  0 in flight rather than at its timeout.
 
 :func:`engine_figures` computes verl's figures for a pool from the state (``/global-status``
 and ``/metrics`` show them): load ratio, engines active/draining/inactive/starting, capacity.
@@ -29,8 +34,9 @@ import attrs
 import httpx
 
 from adapters.router import EngineEndpoint, EngineRouter, serve_router
+from adapters.runtime.engines import engine_url
 from adapters.sources.engine_metrics import EngineMetricsSource, sample_engine_metrics
-from core import Config, EngineLoadSampled, Event, PoolSpec, State, WorkerState
+from core import Config, EngineLoadSampled, Event, LoadSampled, PoolSpec, State, WorkerState
 
 __all__ = [
     "MEASURED_STATES",
@@ -50,10 +56,6 @@ _ASLEEP = frozenset({WorkerState.FALLING_ASLEEP, WorkerState.SLEEPING})
 _STARTING = frozenset({WorkerState.REQUESTED, WorkerState.STARTING, WorkerState.WAKING})
 
 
-def _url(port: int) -> str:
-    return f"http://127.0.0.1:{port}"
-
-
 def engine_endpoints(
     state: State, pool: str, states: frozenset[WorkerState] | None = None
 ) -> list[EngineEndpoint]:
@@ -62,7 +64,7 @@ def engine_endpoints(
     return [
         EngineEndpoint(
             worker_id=worker.worker_id,
-            base_url=_url(worker.port),
+            base_url=engine_url(worker.port),
             routable=worker.state is WorkerState.ACTIVE,
         )
         for worker in state.workers_of(pool)
@@ -107,8 +109,11 @@ class EnginePool:
     spec: PoolSpec
     router: EngineRouter
     sock: socket.socket | None
-    #: None when the pool has a source of its own.
-    source: EngineMetricsSource | None
+    #: How its engines' /metrics are read (by the drain watch always, by the load source too
+    #: unless ``own_source``).
+    metrics: EngineMetricsSource
+    #: The pool's load comes from a source of its own: no pool-level sample from the engines.
+    own_source: bool
 
 
 def bind_routers(
@@ -140,13 +145,17 @@ def bind_routers(
                     raise OSError(
                         exc.errno, f"pools.{name}.router_port {spec.router_port}: {exc.strerror}"
                     ) from None
-            source = None
-            if name not in own_sources:
-                source = EngineMetricsSource(
-                    pool=name, engine=spec.engine, interval_s=metrics_interval_s
-                )
+            metrics = EngineMetricsSource(
+                pool=name, engine=spec.engine, interval_s=metrics_interval_s
+            )
             pools.append(
-                EnginePool(spec=spec, router=EngineRouter(name, provider), sock=sock, source=source)
+                EnginePool(
+                    spec=spec,
+                    router=EngineRouter(name, provider),
+                    sock=sock,
+                    metrics=metrics,
+                    own_source=name in own_sources,
+                )
             )
     except BaseException:
         for pool in pools:
@@ -156,29 +165,56 @@ def bind_routers(
     return pools
 
 
+async def _read(
+    pool: EnginePool,
+    client: httpx.AsyncClient,
+    engines: Sequence[EngineEndpoint],
+    clock: Callable[[], float],
+) -> tuple[list[Event], dict[str, int]]:
+    """One reading of ``engines`` and the router's counts it used."""
+    # Read after the state the engines came from: every request the router sent them counts.
+    routed = pool.router.in_flight()
+    events = await sample_engine_metrics(client, pool.metrics, engines, clock, routed)
+    return events, routed
+
+
+def _with_router_load(
+    sample: LoadSampled, pool: EnginePool, engines: Sequence[EngineEndpoint], routed: dict[str, int]
+) -> LoadSampled:
+    """The pool's sample plus what the engines cannot report: requests waiting in the router for
+    an engine, and those in flight at engines no longer measured (stopping, falling asleep)."""
+    measured = {engine.worker_id for engine in engines}
+    unmeasured = sum(count for worker, count in routed.items() if worker not in measured)
+    extra = pool.router.waiting_requests + unmeasured
+    if not extra:
+        return sample
+    return attrs.evolve(sample, in_flight_requests=sample.in_flight_requests + extra)
+
+
 async def _poll(
     pool: EnginePool,
     state: Callable[[], State],
     emit: Callable[[Event], None],
     clock: Callable[[], float],
 ) -> None:
-    """The pool's load every ``interval_s``: all the engines with requests to count."""
-    source = pool.source
-    assert source is not None
-    async with httpx.AsyncClient(timeout=source.timeout_s) as client:
+    """The pool's load every ``interval_s``: all the engines with requests to count, and the
+    router's waiting requests."""
+    name = pool.spec.name
+    async with httpx.AsyncClient(timeout=pool.metrics.timeout_s) as client:
         while True:
             now = state()
-            current = now.pools.get(source.pool)
+            current = now.pools.get(name)
             # A pool removed (or being removed, as when deo stops) takes no samples.
             if current is not None and not current.removed:
-                engines = engine_endpoints(now, source.pool, MEASURED_STATES)
-                routed = pool.router.in_flight()
-                events = await sample_engine_metrics(client, source, engines, clock, routed)
+                engines = engine_endpoints(now, name, MEASURED_STATES)
+                events, routed = await _read(pool, client, engines, clock)
                 for event in events:
+                    if isinstance(event, LoadSampled):
+                        emit(_with_router_load(event, pool, engines, routed))
                     # Per-engine counts go only from the drain watch (below).
-                    if not isinstance(event, EngineLoadSampled):
+                    elif not isinstance(event, EngineLoadSampled):
                         emit(event)
-            await anyio.sleep(source.interval_s)
+            await anyio.sleep(pool.metrics.interval_s)
 
 
 async def _watch_drains(
@@ -197,20 +233,17 @@ async def _watch_drains(
     that was called off and begun again (routed in between): a drain is told from the next by
     its deadline.
     """
-    source = pool.source
-    assert source is not None
-    async with httpx.AsyncClient(timeout=source.timeout_s) as client:
+    name = pool.spec.name
+    async with httpx.AsyncClient(timeout=pool.metrics.timeout_s) as client:
         while True:
             now = state()
-            before = _drains(now, source.pool)
-            engines = engine_endpoints(now, source.pool, _DRAINING)
+            before = _drains(now, name)
+            engines = engine_endpoints(now, name, _DRAINING)
             if engines:
-                # Read after the state: every request the router sent them is counted here.
-                routed = pool.router.in_flight()
-                events = await sample_engine_metrics(client, source, engines, clock, routed)
+                events, _ = await _read(pool, client, engines, clock)
                 after = state()
-                known = {w.worker_id: w.in_flight_requests for w in after.workers_of(source.pool)}
-                still = _drains(after, source.pool)
+                known = {w.worker_id: w.in_flight_requests for w in after.workers_of(name)}
+                still = _drains(after, name)
                 for event in events:
                     if (
                         isinstance(event, EngineLoadSampled)
@@ -248,9 +281,10 @@ async def run_engine_pools(
                     f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
                 )
                 tasks.start_soon(_serve, pool.router, sock)
-            if pool.source is not None:
+            if not pool.own_source:
                 tasks.start_soon(_poll, pool, state, emit, clock)
-                tasks.start_soon(_watch_drains, pool, state, emit, clock)
+            # Drains end at 0 in flight whatever the pool's load is read from.
+            tasks.start_soon(_watch_drains, pool, state, emit, clock)
 
 
 async def _serve(router: EngineRouter, sock: socket.socket) -> None:

@@ -4,7 +4,13 @@ The core decides (``SleepEngine``, ``WakeEngine``, ``VerifyAsleep``); :class:`En
 carries each command out in a task of its own, every call with the command's timeout, and
 reports the outcome as an event (``EngineAsleep``, ``EngineAwake``, ``EngineSleepFailed``,
 ``EngineWakeFailed``): a call never leaves an engine in a state nobody recorded. It also watches
-starting engines' ``/health`` and reports each ready (``WorkerReady``) once it answers 200.
+starting engines' ``/health`` and reports each ready (``WorkerReady``) once it answers 200 from
+a socket the engine's own process holds (:mod:`adapters.runtime.port_owner`: a server of another
+program on the engine's port is never taken for the engine), and
+asks active engines' ``/health`` every ``ACTIVE_HEALTH_INTERVAL_S``: each 200 is a sign of life
+(a heartbeat), so that a pool's ``heartbeat_grace_s`` replaces an engine that is alive but
+answers nothing (wedged), and never a healthy one (starting engines count as seen: their
+``start_timeout_s`` judges them).
 
 The routes, per engine (see docs/engines.md):
 
@@ -26,6 +32,7 @@ The routes, per engine (see docs/engines.md):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -35,8 +42,9 @@ import anyio
 import httpx
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from adapters.runtime.port_owner import port_held_by
 from adapters.runtime.runner import Executor
-from core import Command, DeoError, Event, State, WorkerReady, WorkerState
+from core import Command, DeoError, Event, State, UnknownSubject, WorkerReady, WorkerState
 from core.commands import SleepEngine, VerifyAsleep, WakeEngine
 from core.events import EngineAsleep, EngineAwake, EngineSleepFailed, EngineWakeFailed
 
@@ -48,6 +56,9 @@ log = logging.getLogger("deo.engines")
 HEALTH_INTERVAL_S = 0.5
 #: Each /health call gives up after this long (a starting engine may not listen yet).
 HEALTH_TIMEOUT_S = 2.0
+
+#: How often active engines' /health is asked (each 200 is a sign of life).
+ACTIVE_HEALTH_INTERVAL_S = 1.0
 
 #: How often a paused SGLang engine's cache flush is tried again while its aborts land.
 FLUSH_RETRY_S = 0.1
@@ -159,7 +170,8 @@ def _describe(exc: BaseException) -> str:
 class EngineControl:
     """Carries out engine commands over HTTP and watches starting engines' health.
 
-    ``state`` returns the runner's current state (which engines are starting, on which port).
+    ``state`` returns the runner's current state (which engines are starting, on which port);
+    ``saw``, if given, takes each active engine's sign of life (the runner's ``saw``).
     :meth:`execute` never blocks the runner: commands queue for :meth:`run`, which carries each
     out in its own task until cancelled.
     """
@@ -171,8 +183,12 @@ class EngineControl:
         clock: Callable[[], float],
         state: Callable[[], State],
         health_interval_s: float = HEALTH_INTERVAL_S,
+        saw: Callable[[str], None] | None = None,
+        active_health_interval_s: float = ACTIVE_HEALTH_INTERVAL_S,
     ) -> None:
         self._emit = emit
+        self._saw = saw
+        self._active_health_interval_s = active_health_interval_s
         self._clock = clock
         self._state = state
         self._health_interval_s = health_interval_s
@@ -181,6 +197,8 @@ class EngineControl:
         self._receive: MemoryObjectReceiveStream[_Control] = receive
         #: Starting engines already reported ready (reported once each).
         self._reported: set[str] = set()
+        #: Starting engines whose port another process holds (logged once each).
+        self._foreign: set[str] = set()
 
     async def execute(self, command: Command) -> None:
         """Queue an engine command; anything else is another executor's."""
@@ -191,33 +209,27 @@ class EngineControl:
         """Carry out queued commands and watch starting engines, until cancelled."""
         async with httpx.AsyncClient() as client, anyio.create_task_group() as tg:
             tg.start_soon(self._watch_health, client)
+            if self._saw is not None:
+                tg.start_soon(self._watch_active, client, self._saw)
             async for command in self._receive:
                 tg.start_soon(self._carry_out, command)
 
     async def _carry_out(self, command: _Control) -> None:
         t = self._clock
         worker_id = command.worker_id
-        # Its own client: the command's calls together give up after its timeout, and the check
-        # of a failed one after half as long again, within the core's deadline (twice the
-        # timeout) for the answer.
+        # Its own client: every call of this command gives up after the command's timeout, and
+        # the calls together too (a sleep is several calls), and the check of a failed one after
+        # half as long again, within the core's deadline (twice the timeout) for the answer.
         async with httpx.AsyncClient(timeout=httpx.Timeout(command.timeout_s)) as call:
             try:
                 with anyio.fail_after(command.timeout_s):
-                    if isinstance(command, SleepEngine):
-                        await sleep_engine(call, command)
-                        done_event: Event = EngineAsleep(t=t(), worker_id=worker_id)
-                    elif isinstance(command, WakeEngine):
-                        await wake_engine(call, command)
-                        done_event = EngineAwake(t=t(), worker_id=worker_id)
-                    elif command.engine == "vllm":
-                        asleep = await _is_sleeping(call, engine_url(command.port))
-                        said = EngineAsleep if asleep else EngineAwake
-                        done_event = said(t=t(), worker_id=worker_id)
-                    else:
-                        return
-                self._emit(done_event)
+                    await self._call(call, command)
             except (httpx.HTTPError, EngineCallFailed, ValueError, TimeoutError) as exc:
-                why = _describe(exc)
+                why = (
+                    f"no answer in time (its calls took over {command.timeout_s:g} s)"
+                    if isinstance(exc, TimeoutError)
+                    else _describe(exc)
+                )
                 log.warning("%s: %s failed: %s", worker_id, type(command).__name__, why)
                 if isinstance(command, SleepEngine | WakeEngine) and command.engine == "vllm":
                     failed, done = why, False
@@ -235,23 +247,63 @@ class EngineControl:
                 # A failed check changes nothing: the log's record stands, the next restart asks
                 # again, and a wake finds out.
 
+    async def _call(self, call: httpx.AsyncClient, command: _Control) -> None:
+        """Carry out ``command`` and report its success (failures raise)."""
+        t, worker_id = self._clock, command.worker_id
+        if isinstance(command, SleepEngine):
+            await sleep_engine(call, command)
+            self._emit(EngineAsleep(t=t(), worker_id=worker_id))
+        elif isinstance(command, WakeEngine):
+            await wake_engine(call, command)
+            self._emit(EngineAwake(t=t(), worker_id=worker_id))
+        elif command.engine == "vllm":
+            asleep = await _is_sleeping(call, engine_url(command.port))
+            event = EngineAsleep if asleep else EngineAwake
+            self._emit(event(t=t(), worker_id=worker_id))
+
     async def _watch_health(self, client: httpx.AsyncClient) -> None:
         while True:
             starting = self._starting_engines(self._state())
             self._reported &= {worker_id for worker_id, _ in starting}
+            self._foreign &= {worker_id for worker_id, _ in starting}
             async with anyio.create_task_group() as tg:
                 for worker_id, port in starting:
                     if worker_id not in self._reported:
                         tg.start_soon(self._check_health, client, worker_id, port)
             await anyio.sleep(self._health_interval_s)
 
+    async def _watch_active(self, client: httpx.AsyncClient, saw: Callable[[str], None]) -> None:
+        async def ask(worker_id: str, port: int) -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                url = f"{engine_url(port)}/health"
+                if (await client.get(url, timeout=HEALTH_TIMEOUT_S)).status_code == 200:
+                    # Unknown only if it was never made; gone since is ignored by ``saw``.
+                    with contextlib.suppress(UnknownSubject):
+                        saw(worker_id)
+
+        while True:
+            state = self._state()
+            # A starting engine may load for minutes before it answers: its start_timeout_s
+            # judges it, not the heartbeat grace.
+            for worker_id, _ in self._starting_engines(state):
+                with contextlib.suppress(UnknownSubject):
+                    saw(worker_id)
+            async with anyio.create_task_group() as tg:
+                for worker_id, port in self._engines(state, WorkerState.ACTIVE):
+                    tg.start_soon(ask, worker_id, port)
+            await anyio.sleep(self._active_health_interval_s)
+
     @staticmethod
     def _starting_engines(state: State) -> Sequence[tuple[str, int]]:
+        return EngineControl._engines(state, WorkerState.STARTING)
+
+    @staticmethod
+    def _engines(state: State, wanted: WorkerState) -> Sequence[tuple[str, int]]:
         found = []
         for worker in state.workers.values():
             pool = state.pools.get(worker.pool)
             if (
-                worker.state is WorkerState.STARTING
+                worker.state is wanted
                 and worker.port is not None
                 and pool is not None
                 and pool.spec.is_engine
@@ -264,6 +316,22 @@ class EngineControl:
             response = await client.get(f"{engine_url(port)}/health", timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError:
             return  # not listening yet (vLLM listens once its engine is up)
-        if response.status_code == 200:
-            self._reported.add(worker_id)
-            self._emit(WorkerReady(t=self._clock(), worker_id=worker_id))
+        if response.status_code != 200:
+            return
+        worker = self._state().workers.get(worker_id)
+        pid = None if worker is None else worker.pid
+        # /proc is read in a thread: a session's scan can take tens of milliseconds.
+        if pid is not None and await anyio.to_thread.run_sync(port_held_by, port, pid) is False:
+            # Something else answers on the engine's port (the engine could not bind it): never
+            # ready, so nothing is routed there; the engine exits, or its start timeout ends it.
+            if worker_id not in self._foreign:
+                self._foreign.add(worker_id)
+                log.warning(
+                    "%s: port %d is held by another process, not by the engine (pid %d): not ready",
+                    worker_id,
+                    port,
+                    pid,
+                )
+            return
+        self._reported.add(worker_id)
+        self._emit(WorkerReady(t=self._clock(), worker_id=worker_id))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -9,10 +10,10 @@ from contextlib import asynccontextmanager
 import anyio
 import httpx
 import pytest
-from conftest import free_port
 from engine_standins import Standin
 
-from adapters.router import EngineEndpoint, EngineRouter, serve_router
+from adapters.router import MAX_BODY_BYTES, EngineEndpoint, EngineRouter, serve_router
+from bench.ports import reserve_port
 
 DEADLINE_S = 60.0
 
@@ -81,6 +82,7 @@ async def abort_all(engines: list[Standin]) -> None:
 
 
 LONG = {"model": "standin-model", "prompt": "x", "max_tokens": 10_000}
+BODY = {"model": "standin-model", "prompt": "x", "max_tokens": 2}
 SHORT = {"model": "standin-model", "prompt": "x", "max_tokens": 2}
 
 
@@ -156,7 +158,7 @@ async def test_no_request_goes_to_an_engine_that_is_not_routable(engines: list[S
 async def test_a_failure_before_the_first_byte_is_retried_on_another_engine(
     engines: list[Standin],
 ) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: connection refused
+    dead = f"http://127.0.0.1:{reserve_port()}"  # nothing listens there: connection refused
     router = EngineRouter("gen", Pool(dead, engines[0].url, engines[1].url))
     async with running(router) as client:
         httpx.post(engines[0].url + "/standin/fail_next", json={"count": 1, "status": 503})
@@ -212,3 +214,67 @@ async def test_a_client_that_leaves_mid_stream_is_no_longer_counted(
         # The client closed its connection: the engine's count must not wait for the engine.
         await until(lambda: router.in_flight() == {})
         await abort_all(engines)
+
+
+@pytest.mark.anyio
+async def test_a_body_declared_over_the_limit_is_refused_before_it_is_read() -> None:
+    router = EngineRouter("gen", Pool("http://127.0.0.1:9"))
+    async with running(router) as client:
+        port = client.base_url.port
+        assert port is not None
+        # Headers only: the body never comes, so only a refusal on Content-Length answers.
+        declared = MAX_BODY_BYTES + 1
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {declared}\r\n\r\n{{"
+        )
+        with anyio.fail_after(DEADLINE_S):
+            stream = await anyio.connect_tcp("127.0.0.1", port)
+            async with stream:
+                await stream.send(head.encode())
+                answer = await stream.receive()
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert router.in_flight() == {}
+
+
+@pytest.mark.anyio
+async def test_a_streamed_body_over_the_limit_is_refused() -> None:
+    router = EngineRouter("gen", Pool("http://127.0.0.1:9"))
+    sent = 0
+
+    async def chunks() -> AsyncIterator[bytes]:
+        nonlocal sent
+        chunk = b" " * 2**20
+        while sent <= 2 * MAX_BODY_BYTES:
+            sent += len(chunk)
+            yield chunk
+
+    async with running(router) as client:
+        with contextlib.suppress(httpx.TransportError):
+            reply = await client.post("/v1/completions", content=chunks())
+            assert reply.status_code == 413, reply.text
+    assert sent > MAX_BODY_BYTES
+
+
+@pytest.mark.anyio
+async def test_requests_waiting_for_an_engine_are_counted_until_one_is_routable(
+    engines: list[Standin],
+) -> None:
+    pool = Pool(engines[0].url)
+    pool.set_routable("e0", False)
+    router = EngineRouter("gen", pool)
+    async with running(router) as client, anyio.create_task_group() as tasks:
+        replies: list[httpx.Response] = []
+
+        async def send() -> None:
+            replies.append(await client.post("/v1/completions", json=BODY))
+
+        for _ in range(3):
+            tasks.start_soon(send)
+        await until(lambda: router.waiting_requests == 3)
+        metrics = (await client.get("/metrics")).text
+        assert 'deo_router_waiting_requests{pool="gen"} 3.0' in metrics
+        pool.set_routable("e0", True)
+        await until(lambda: len(replies) == 3)
+    assert router.waiting_requests == 0
+    assert [reply.status_code for reply in replies] == [200, 200, 200]

@@ -105,3 +105,13 @@ def test_a_worker_pool_is_unchanged_by_the_engine_settings() -> None:
     spec = PoolSpec(name="envs", argv=("env",))
     assert spec.kind == "worker" and not spec.is_engine and not spec.awaits_ready
     assert spec.port_range() == range(0)
+
+
+def test_a_routed_engine_pool_that_could_scale_to_no_engine_is_refused() -> None:
+    with pytest.raises(ConfigError) as info:
+        engine(router_port=18100, policy=PolicySpec(name="threshold"))
+    assert str(info.value).startswith("pools.gen.min_workers: an engine pool with a router_port")
+    # One engine always awake, a pinned count, or no router: accepted.
+    engine(router_port=18100, policy=PolicySpec(name="threshold"), min_workers=1)
+    engine(router_port=18100, policy=PolicySpec(name="static", params={"count": 0}))
+    engine(policy=PolicySpec(name="threshold"))

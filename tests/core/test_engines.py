@@ -7,7 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 import core.step
 from core import (
@@ -22,6 +24,7 @@ from core import (
     EngineSleepFailed,
     EnginesWakeRequested,
     EngineWakeFailed,
+    GpuCordonRequested,
     PolicySpec,
     PoolPinned,
     PoolSpec,
@@ -568,3 +571,30 @@ def test_a_drained_engine_still_busy_at_its_deadline_is_stopped() -> None:
     [stop] = of(commands, c.TerminateWorker)
     assert stop.worker_id == "gen-0" and "3 request(s) in flight" in stop.reason
     assert pool.reducer.state.workers["gen-0"].stop_cause is StopCause.OPERATOR
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    asleep=st.integers(min_value=1, max_value=3),
+    cordoned=st.sets(st.integers(min_value=0, max_value=3)),
+    target=st.integers(min_value=1, max_value=4),
+)
+def test_no_engine_is_woken_on_a_cordoned_gpu(asleep: int, cordoned: set[int], target: int) -> None:
+    # Four GPUs, one engine each: gen-0 stays awake, the next ``asleep`` go to sleep.
+    pool = Engines(gpus=("0", "1", "2", "3"), gpus_per_worker=1, max_workers=4, max_asleep=3)
+    pool.pin(1 + asleep)
+    pool.up(*(f"gen-{i}" for i in range(1 + asleep)))
+    for i in range(asleep, 0, -1):
+        pool.put_to_sleep(f"gen-{i}", i)
+    for gpu in sorted(cordoned):
+        pool.feed(GpuCordonRequested(t=pool.at(), gpu_id=str(gpu)))
+    workers = pool.reducer.state.workers
+    on_cordon = {w for w, worker in workers.items() if set(worker.gpus) & set(map(str, cordoned))}
+    commands = pool.pin(target)
+    woken = {command.worker_id for command in of(commands, c.WakeEngine)}
+    assert not woken & on_cordon, (woken, on_cordon)
+    for worker_id in on_cordon:
+        assert pool.state(worker_id) is not S.WAKING
+    # Those that could wake did, before anything new was started.
+    free = [w for w, worker in workers.items() if worker.state is S.SLEEPING and w not in on_cordon]
+    assert len(woken) == min(len(free), max(target - 1, 0))

@@ -73,7 +73,7 @@ def sleep(engine: Standin, timeout_s: float = 10.0) -> SleepEngine:
     )
 
 
-def wake(engine: Standin, port: int | None = None, timeout_s: float = 2.0) -> WakeEngine:
+def wake(engine: Standin, port: int | None = None, timeout_s: float = 30.0) -> WakeEngine:
     return WakeEngine(
         worker_id="gen-0",
         engine=engine.engine,
@@ -142,6 +142,18 @@ async def test_a_sleep_under_running_requests_still_releases(standin: Standin) -
         assert answer.status_code == 200
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.anyio
+async def test_a_sleep_whose_calls_together_outlast_its_timeout_fails_in_time(engine: str) -> None:
+    # Each call answers within the timeout, but a sleep is several calls: together they take
+    # longer than the core waits (twice the timeout) unless the command as a whole is bounded.
+    with Standin(engine, memory_mib=8, control_delay_s=2.0) as standin:
+        [failed] = await carry_out([sleep(standin, timeout_s=3.0)])
+    # Its calls would have succeeded one by one (6 s for vLLM's three, 4 s for SGLang's two).
+    assert isinstance(failed, EngineSleepFailed), failed
+    assert "its calls took over 3 s" in failed.error
+
+
 @pytest.mark.anyio
 async def test_calls_to_a_dead_engine_fail_as_events(standin: Standin) -> None:
     port = standin.port
@@ -178,11 +190,11 @@ async def test_a_call_whose_answer_is_late_is_confirmed_before_it_counts_as_fail
     # The engine sleeps (wakes) at once but answers after the call's timeout: /is_sleeping says
     # the work was done, so the outcome is asleep (awake), not a failure to retry or replace.
     with Standin("vllm", memory_mib=16) as engine:
-        httpx.post(engine.url + "/standin/slow_control", json={"seconds": 5.0}, timeout=10)
-        [asleep] = await carry_out([sleep(engine, timeout_s=1.0)])
+        httpx.post(engine.url + "/standin/slow_control", json={"seconds": 60.0}, timeout=10)
+        [asleep] = await carry_out([sleep(engine, timeout_s=4.0)])
         assert isinstance(asleep, EngineAsleep)
         assert httpx.get(engine.url + "/is_sleeping", timeout=10).json()["is_sleeping"] is True
-        [awake] = await carry_out([wake(engine, timeout_s=1.0)])
+        [awake] = await carry_out([wake(engine, timeout_s=4.0)])
         assert isinstance(awake, EngineAwake)
 
 

@@ -85,7 +85,8 @@ async def test_a_count_read_across_two_drains_is_not_reported() -> None:
             spec=second.pools["gen"].spec,
             router=EngineRouter("gen", lambda: engine_endpoints(state(), "gen")),
             sock=None,
-            source=EngineMetricsSource(pool="gen", engine="vllm"),
+            metrics=EngineMetricsSource(pool="gen", engine="vllm"),
+            own_source=False,
         )
         clock: Callable[[], float] = lambda: 6.0  # noqa: E731
         with anyio.fail_after(DEADLINE_S):

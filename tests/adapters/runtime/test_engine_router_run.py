@@ -4,20 +4,21 @@ answers every request once, the engine put to sleep as soon as its last request 
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
-from conftest import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.ports import reserve_port
 from tests.adapters.runtime.test_engines_run import Deo, deo, wait_for
 
 __all__ = ["deo"]  # the fixture, used by name
@@ -35,20 +36,20 @@ def figures(run: Deo) -> dict[str, Any]:
 def test_router_serves_active_engines_and_a_scale_down_under_load_loses_nothing(
     deo: Callable[..., Deo],
 ) -> None:
-    router_port = free_port()
+    router_port = reserve_port()
     # A long drain timeout: the drain must end because nothing is in flight, not at a timeout.
     run = deo(router_port=router_port, drain_timeout_s=60.0).start()
     run.wait_states({"gen-0": "active", "gen-1": "active"})
     router = f"http://127.0.0.1:{router_port}"
     wait_for("the router", lambda: httpx.get(f"{router}/health", timeout=10).status_code == 200)
-    # Sent together, so that each finds the other engine with fewer in flight.
-    with ThreadPoolExecutor(6) as pool:
-        replies = list(
-            pool.map(
-                lambda _: httpx.post(f"{router}/v1/completions", json=BODY, timeout=60), range(6)
-            )
-        )
-    served = {reply.headers["x-deo-engine"] for reply in replies}
+    # The second request is sent while the first is in flight: it goes to the other engine.
+    with httpx.Client(timeout=60) as http:
+        long = {**BODY, "max_tokens": 400, "stream": True}
+        with http.stream("POST", f"{router}/v1/completions", json=long) as first:
+            assert first.status_code == 200
+            second = http.post(f"{router}/v1/completions", json=BODY)
+            assert second.status_code == 200, second.text
+            served = {first.headers["x-deo-engine"], second.headers["x-deo-engine"]}
     assert served == {"gen-0", "gen-1"}
     wait_for("a load sample", lambda: figures(run)["load_ratio"] is not None)
     shown = figures(run)
@@ -106,6 +107,90 @@ def test_router_serves_active_engines_and_a_scale_down_under_load_loses_nothing(
     assert idle and idle[-1]["in_flight_requests"] == 0
     shown = figures(run)
     assert (shown["active"], shown["inactive"]) == (1, 1)
+
+
+class LoadEndpoint:
+    """A JSON endpoint serving a fixed in-flight count: a pool source of the pool's own."""
+
+    def __init__(self) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = json.dumps({"in_flight": 10}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/load"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_pool_with_its_own_source_still_ends_drains_at_zero_in_flight(
+    deo: Callable[..., Deo],
+) -> None:
+    router_port = reserve_port()
+    load = LoadEndpoint()
+    source = (
+        f'[pools.gen.source]\nkind = "json"\nurl = "{load.url}"\nin_flight_requests = "in_flight"\n'
+    )
+    try:
+        # The drain timeout outlasts the test's wait: only a count of 0 can end the drain.
+        # 10 in flight over 2 x 8: a ratio of 0.62, inside verl's band: the pin alone scales.
+        policy = 'name = "threshold"\ncapacity_per_worker = 8'
+        run = deo(
+            router_port=router_port,
+            drain_timeout_s=300.0,
+            min_workers=1,
+            tables=source,
+            policy=policy,
+        ).start()
+        run.wait_states({"gen-0": "active", "gen-1": "active"})
+        router = f"http://127.0.0.1:{router_port}"
+        wait_for("the router", lambda: httpx.get(f"{router}/health", timeout=10).status_code == 200)
+        answers: list[tuple[int, str]] = []
+        errors: list[str] = []
+        stop = threading.Event()
+
+        def client() -> None:
+            with httpx.Client(timeout=60) as http:
+                while not stop.is_set():
+                    try:
+                        reply = http.post(f"{router}/v1/completions", json=BODY)
+                        answers.append(
+                            (reply.status_code, reply.json()["choices"][0]["finish_reason"])
+                        )
+                    except Exception as exc:
+                        errors.append(repr(exc))
+
+        clients = [threading.Thread(target=client) for _ in range(4)]
+        for thread in clients:
+            thread.start()
+        try:
+            wait_for("load on both engines", lambda: len(answers) > 10)
+            run.post("/v1/pools/gen/pin", {"count": 1})
+            run.wait_states({"gen-0": "active", "gen-1": "sleeping"})
+        finally:
+            stop.set()
+            for thread in clients:
+                thread.join(timeout=60)
+    finally:
+        load.close()
+    assert errors == []
+    assert set(answers) == {(200, "length")}  # none aborted by the sleep
+    sleep = next(c for c in run.commands("SleepEngine") if c["worker_id"] == "gen-1")
+    assert "after it left routing" not in sleep["reason"], sleep
+    # The pool's load came from its source, not from the engines.
+    assert {e["in_flight_requests"] for e in run.events("LoadSampled")} == {10}
 
 
 def test_a_router_port_in_use_stops_deo_at_start_naming_the_pool(

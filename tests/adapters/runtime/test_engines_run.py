@@ -1,6 +1,6 @@
 """Engine pools under ``deo run``, with stand-in engines as real processes and the real API:
 scale-down sleeps an engine (its memory visibly freed, its process and port kept), scale-up wakes
-it rather than starting one, ``max_asleep`` stops the rest, a wake that never answers gets the
+it rather than starting one, ``max_asleep`` stops the rest, a wake that keeps failing gets the
 engine replaced, and a ``kill -9`` of deo leaves sleeping engines that a restart adopts and asks
 whether they sleep."""
 
@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,34 +21,13 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.ports import reserve_port_range
+
 TOKEN = "engines-operator-token"
 OPERATOR = {"Authorization": f"Bearer {TOKEN}"}
 DEADLINE_S = 60.0
 #: The stand-in's memory: what a sleep must visibly free (its RSS falls by most of it).
 MEMORY_MIB = 64
-
-
-def free_port_range(count: int) -> int:
-    """The first of ``count`` consecutive loopback ports that are free now."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first: int = probe.getsockname()[1]
-        if first + count > 65535:
-            continue
-        held: list[socket.socket] = []
-        try:
-            for port in range(first, first + count):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise AssertionError("no free port range")
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout_s: float = DEADLINE_S) -> Any:
@@ -76,7 +54,7 @@ class Deo:
     def __init__(self, tmp_path: Path, marker: str, **pool: Any) -> None:
         self.dir = tmp_path
         self.marker = marker
-        self.first_port = free_port_range(8)
+        self.first_port = reserve_port_range(8).first
         settings = {
             "kind": '"engine"',
             "engine": '"vllm"',
@@ -92,6 +70,9 @@ class Deo:
         }
         settings.update(pool)
         startup_s = settings.pop("startup_s")
+        # Tables of the pool's own (its source), written after its settings.
+        tables = str(settings.pop("tables", ""))
+        policy = str(settings.pop("policy", 'name = "static"\ncount = 2'))
         argv = [sys.executable, "-m", "deo_worker.engine_standin", "--port", "{port}"]
         argv += ["--engine", "vllm", "--memory-mib", str(MEMORY_MIB), "--startup-s", str(startup_s)]
         lines = [f"{key} = {value}" for key, value in settings.items()]
@@ -101,7 +82,8 @@ class Deo:
             f"argv = {json.dumps(argv)}\n"
             f'env = {{ TEST_DEO_MARKER = "{marker}" }}\n'
             + "\n".join(lines)
-            + '\n[pools.gen.policy]\nname = "static"\ncount = 2\n'
+            + f"\n[pools.gen.policy]\n{policy}\n"
+            + tables
         )
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
@@ -251,27 +233,39 @@ def test_scale_down_sleeps_scale_up_wakes_and_max_asleep_stops_the_rest(
     print(f"\nwake {wake_s:.2f}s vs cold start {cold_s:.2f}s (stand-in --startup-s 1)")
 
 
-def test_a_wake_that_never_answers_gets_the_engine_replaced(deo: Callable[..., Deo]) -> None:
-    run = deo(control_timeout_s=1.0, control_attempts=2).start()
+def test_a_wake_that_keeps_failing_gets_the_engine_replaced(deo: Callable[..., Deo]) -> None:
+    # Generous call timeouts (a loaded machine must not fail the sleep): the wake fails because
+    # the engine is told to refuse it.
+    run = deo(control_timeout_s=30.0, control_attempts=2).start()
     workers = run.wait_states({"gen-0": "active", "gen-1": "active"})
     run.post("/v1/pools/gen/pin", {"count": 1})
     run.wait_states({"gen-0": "active", "gen-1": "sleeping"})
-    frozen = workers["gen-1"]["pid"]
-    os.kill(frozen, signal.SIGSTOP)  # alive, listening, answering nothing
+    failing = workers["gen-1"]
+    told = httpx.post(
+        f"http://127.0.0.1:{failing['port']}/standin/fail_next",
+        json={"count": 2, "status": 503, "route": "/wake_up"},
+        timeout=30,
+    )
+    assert told.status_code == 200, told.text
     run.post("/v1/pools/gen/pin", {"count": 2})
-    # Two wake calls time out; then it is stopped (SIGKILL ends even a stopped process) and a
-    # new engine takes its place.
-    workers = run.wait_states({"gen-0": "active", "gen-1": "exited", "gen-2": "active"})
+    # Two wake calls fail; then it is stopped and a new engine takes its place.
+    run.wait_states({"gen-0": "active", "gen-1": "exited", "gen-2": "active"})
     failed = run.events("EngineWakeFailed")
     assert [f["worker_id"] for f in failed] == ["gen-1", "gen-1"]
-    assert all("no answer in time" in f["error"] for f in failed)
+    assert all("HTTP 503" in f["error"] for f in failed), failed
     assert [c["attempt"] for c in run.commands("WakeEngine")] == [1, 2]
     assert [c["alert"] for c in run.commands("RaiseAlert") if c["subject"] == "gen-1"] == [
         "engine_control"
     ]
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(frozen, 0)
-        assert Path(f"/proc/{frozen}/stat").read_text().split()[2] == "Z", "still running"
+    wait_for("gen-1's process to end", lambda: not running(failing["pid"]))
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_kill_9_of_deo_with_a_sleeping_engine_restart_adopts_it_asleep(
@@ -328,3 +322,18 @@ def test_the_operator_wakes_every_engine_then_resumes_the_policy(deo: Callable[.
     assert "held for 600s" in done.stdout
     hold = run.events("EnginesWakeRequested")[-1]
     assert hold["hold_s"] == 600.0
+
+
+def test_active_engines_are_seen_through_their_health_and_a_wedged_one_is_replaced(
+    deo: Callable[..., Deo],
+) -> None:
+    run = deo(heartbeat_grace_s=6.0).start()
+    workers = run.wait_states({"gen-0": "active", "gen-1": "active"})
+    os.kill(workers["gen-1"]["pid"], signal.SIGSTOP)  # alive, answering nothing
+    # gen-1 is judged hung once the grace passes; gen-0, as long active, answers and stays.
+    after = run.wait_states({"gen-0": "active", "gen-1": "exited", "gen-2": "active"})
+    assert after["gen-0"]["pid"] == workers["gen-0"]["pid"]
+    stops = [c for c in run.commands("TerminateWorker") if c["worker_id"] == "gen-1"]
+    assert stops and "hung" in stops[0]["reason"], stops
+    assert not [c for c in run.commands("TerminateWorker") if c["worker_id"] == "gen-0"]
+    assert any("gen-0" in e["worker_ids"] for e in run.events("WorkersSeen"))

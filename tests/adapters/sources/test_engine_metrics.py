@@ -7,7 +7,6 @@ import socket
 import anyio
 import httpx
 import pytest
-from conftest import free_port
 from engine_standins import Standin
 
 from adapters.router import EngineEndpoint
@@ -17,6 +16,7 @@ from adapters.sources.engine_metrics import (
     parse_engine_load,
     sample_engine_metrics,
 )
+from bench.ports import reserve_port
 from core import ConfigError, EngineLoadSampled, LoadSampled, SourceDown
 
 VLLM_TEXT = """\
@@ -122,7 +122,7 @@ async def test_an_unreadable_engine_is_reported_never_counted_as_idle() -> None:
         endpoints = [
             EngineEndpoint(worker_id="live", base_url=live.url, routable=True),
             EngineEndpoint(
-                worker_id="refused", base_url=f"http://127.0.0.1:{free_port()}", routable=True
+                worker_id="refused", base_url=f"http://127.0.0.1:{reserve_port()}", routable=True
             ),
             EngineEndpoint(
                 worker_id="silent",
