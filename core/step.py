@@ -24,7 +24,7 @@ from core.records import replace
 from core.state import Gpu, PoolState, State, Worker, split_worker_id
 from core.vocabulary import PLANNED_STOPS, STICKY_CAUSES, AlertName, DecisionSource, StopCause
 
-__all__ = ["STALL_FACTOR", "STARTING_STATES", "Step", "unobserved_s"]
+__all__ = ["STALL_FACTOR", "STARTING_STATES", "Step", "node_of", "take_gpus", "unobserved_s"]
 
 S = WorkerState
 
@@ -43,6 +43,32 @@ def unobserved_s(last_tick_t: float | None, t: float, interval_s: float | None) 
         return 0.0
     gap = t - last_tick_t
     return gap - interval_s if gap > STALL_FACTOR * interval_s else 0.0
+
+
+def node_of(gpu_id: str) -> str:
+    """The node a GPU id names: the part before the last ':' of a node-qualified id
+    (``NODE:INDEX``), "" for a local id (an index or a UUID: all on deo's own machine)."""
+    node, _, _ = gpu_id.rpartition(":")
+    return node
+
+
+def take_gpus(free: list[str], count: int) -> tuple[str, ...] | None:
+    """Take ``count`` GPUs of one node from ``free`` (in its order; the first node that has
+    enough), removing them; None (``free`` untouched) if no node has that many free.
+
+    A worker's GPUs must share a machine: a process sees only its own node's devices."""
+    if count <= 0:
+        return ()
+    by_node: dict[str, list[int]] = {}
+    for position, gpu_id in enumerate(free):
+        positions = by_node.setdefault(node_of(gpu_id), [])
+        positions.append(position)
+        if len(positions) == count:
+            taken = tuple(free[p] for p in positions)
+            for p in reversed(positions):
+                del free[p]
+            return taken
+    return None
 
 
 class Step:
@@ -400,16 +426,18 @@ class Step:
                     f"{spec.ports} is held by a live engine",
                 )
                 break
-            if len(free) < spec.gpus_per_worker:
+            picked = take_gpus(free, spec.gpus_per_worker)
+            if picked is None:
+                on_one_node = " on one node" if len(free) >= spec.gpus_per_worker else ""
                 self.raise_alert(
                     AlertName.NO_FREE_GPUS,
                     name,
                     f"{name} wants {pool.target} workers, has {count}: needs "
-                    f"{spec.gpus_per_worker} free healthy GPU(s), {len(free)} available",
+                    f"{spec.gpus_per_worker} free healthy GPU(s){on_one_node}, {len(free)} "
+                    f"available",
                 )
                 break
-            gpus = tuple(free[: spec.gpus_per_worker])
-            del free[: spec.gpus_per_worker]
+            gpus = picked
             worker_id = f"{name}-{index}"
             env = dict(spec.env)
             devices = ",".join(self.config.device_of(gpu) for gpu in gpus)
