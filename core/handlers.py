@@ -476,10 +476,11 @@ def seen_only(state: State, event: e.WorkersSeen) -> State:
     must still refresh its workers. Unknown ids are refused earlier, where a sighting enters deo
     (:func:`check_seen`), so a live run never logs one."""
     t = max(state.now, event.t)
+    seen_t = t if event.seen_t is None else min(t, event.seen_t)
     last_seen = state.last_seen.copy()
     for worker_id in event.worker_ids:
         if worker_id in state.workers:
-            last_seen[worker_id] = t
+            last_seen[worker_id] = max(seen_t, last_seen.get(worker_id, seen_t))
     return replace(state, now=t, last_seen=MappingProxyType(last_seen))
 
 
