@@ -140,7 +140,7 @@ class NvmlSettings:
     interval_s: float = 2.0
     #: A GPU's reading reaches the core (and the log) when it matters to the cordon rules, and
     #: otherwise at least this often; 0: every reading (see :class:`SampleFilter`).
-    keepalive_s: float = 300.0
+    keepalive_s: float = 600.0
     #: Memory use moving by more than this fraction of the GPU's memory is a change worth sending.
     memory_tolerance: float = 0.05
     #: A temperature moving by this many degrees or more is a change worth sending.
