@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/ray_scale.py                 # 600 s of cluster time
-    .venv/bin/python bench/ray_scale.py --window-s 10   # quicker
+    .venv/bin/python bench/ray_scale.py                 # 600 s of cluster time: one keep-alive
+    .venv/bin/python bench/ray_scale.py --window-s 60 --gpu-keepalive-s 60   # quicker, same mix
     .venv/bin/python bench/ray_scale.py --nvml-interval-s 0   # GPU health off
     .venv/bin/python bench/ray_scale.py --gpu-keepalive-s 0 --liveness quarter-grace  # as before
 
