@@ -128,7 +128,8 @@ def pool_summary(state: State, name: str) -> str:
     if pool.removed:
         flags.append("removed")
     if pool.failures:
-        flags.append(f"{pool.failures} failures, backoff until {at(pool.backoff_until_t)}")
+        waits = f", backoff until {at(pool.backoff_until_t)}" if pool.retries else ""
+        flags.append(f"{pool.failures} failures{waits}")
     if pool.source_error:
         flags.append(f"source down: {pool.source_error}")
     pressure = ""

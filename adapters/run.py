@@ -264,7 +264,7 @@ async def run(
     from adapters.api.app import build_app, listen, serve, worker_token
     from adapters.api.client import operator_token_path
     from adapters.api.guard import connection_cap
-    from adapters.sources.nvml import physical_gpu_ids, poll_gpus
+    from adapters.sources.nvml import held_gpus, physical_gpu_ids, poll_gpus
 
     api = settings.api
     try:
@@ -467,7 +467,16 @@ async def run(
                     run_engine_pools, engine_pools, lambda: runner.state, runner.emit, clock, out
                 )
                 if config.gpus and settings.executor.kind == "local":
-                    tg.start_soon(poll_gpus, settings.nvml, devices, runner.emit, clock, out)
+                    tg.start_soon(
+                        poll_gpus,
+                        settings.nvml,
+                        devices,
+                        runner.emit,
+                        clock,
+                        out,
+                        lambda: runner.state.config.cordon,
+                        lambda: held_gpus(runner.state),
+                    )
                 if live:
                     tg.start_soon(live_view, runner, _write)
                 tg.start_soon(_stop_on_request, runner, tg.cancel_scope, sampling, out)

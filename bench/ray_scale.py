@@ -2,19 +2,24 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/ray_scale.py                 # 60 s of cluster time
-    .venv/bin/python bench/ray_scale.py --window-s 10   # quicker
+    .venv/bin/python bench/ray_scale.py                 # 600 s of cluster time: one keep-alive
+    .venv/bin/python bench/ray_scale.py --window-s 60 --gpu-keepalive-s 60   # quicker, same mix
     .venv/bin/python bench/ray_scale.py --nvml-interval-s 0   # GPU health off
+    .venv/bin/python bench/ray_scale.py --gpu-keepalive-s 0 --liveness quarter-grace  # as before
 
 One pool of ``--workers`` one-GPU workers on ``--nodes`` nodes (GPUs ``nN:I``) is brought up (not
 timed), then ``--window-s`` seconds of cluster time are generated at the rates deo would see with
 the Ray executor, and each event goes through the real reducer and the real event log
 (``EventLog.record``, no fsync), as ``deo run`` handles it:
 
-- a ``Tick`` each ``--tick-s`` (1 s), with the ``WorkersSeen`` batch the runner records before it
-  (each worker recorded once per quarter of the 30 s default grace: 1/7.5 of them per second);
-- a ``GpuSampled`` for every GPU each ``--nvml-interval-s`` (deo's NVML default, 2 s), spread
-  over the interval, as a per-node NVML agent would send them;
+- a heartbeat from every worker each ``--heartbeat-s`` (5 s, each at its own phase), noted by
+  the runner's :class:`~adapters.runtime.liveness.Liveness` as deo does, and a ``Tick`` each
+  ``--tick-s`` (1 s) with the ``WorkersSeen`` records the runner writes before it (the pool's
+  grace is ``--grace-s``, 30 s);
+- a reading of every GPU each ``--nvml-interval-s`` (deo's NVML default, 2 s), temperatures
+  jittering by a degree, through deo's ``GpuMonitor`` and its filter, as the per-node NVML
+  agents' readings go: only those that matter to the cordon rules, and one per GPU per
+  ``--gpu-keepalive-s``, become ``GpuSampled`` records (0: every reading);
 - a ``LoadSampled`` for the pool each second;
 - worker exits at ``--exits-per-hour`` (Ray actor deaths, crashes): each ``WorkerExited`` makes
   the core respawn, and the replacement's ``WorkerStarted`` follows 2 s later.
@@ -34,14 +39,18 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+
 from adapters.log import EventLog
+from adapters.runtime.liveness import Liveness
+from adapters.sources.nvml import GpuHealth, GpuMonitor, NvmlSettings, held_gpus, sample_filter
 from core import (
     Config,
     Configured,
     Event,
-    GpuSampled,
     LoadSampled,
     PolicySpec,
     PoolSpec,
@@ -56,7 +65,7 @@ from core import (
 GIB = 2**30
 
 
-def build_config(workers: int, nodes: int) -> Config:
+def build_config(workers: int, nodes: int, grace_s: float) -> Config:
     per_node = -(-workers // nodes)
     gpus = [f"n{node}:{index}" for node in range(nodes) for index in range(per_node)][:workers]
     pool = PoolSpec(
@@ -65,6 +74,7 @@ def build_config(workers: int, nodes: int) -> Config:
         min_workers=0,
         max_workers=workers,
         gpus_per_worker=1,
+        heartbeat_grace_s=grace_s,
         policy=PolicySpec(name="static", params={"count": workers}),
     )
     return Config(pools=(pool,), gpus=gpus)
@@ -74,10 +84,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=10_000)
     parser.add_argument("--nodes", type=int, default=1_250)
-    parser.add_argument("--window-s", type=float, default=60.0)
+    # A keep-alive long: every GPU's keep-alive falls in the window once.
+    parser.add_argument("--window-s", type=float, default=600.0)
     parser.add_argument("--tick-s", type=float, default=1.0)
     parser.add_argument("--nvml-interval-s", type=float, default=2.0)
     parser.add_argument("--exits-per-hour", type=float, default=3600.0)
+    parser.add_argument("--grace-s", type=float, default=30.0)
+    parser.add_argument("--heartbeat-s", type=float, default=5.0)
+    parser.add_argument("--gpu-keepalive-s", type=float, default=NvmlSettings().keepalive_s)
+    parser.add_argument(
+        "--liveness",
+        choices=("grace", "quarter-grace"),
+        default="grace",
+        help="grace: deo's records (nearly a grace apart, with sighting times); quarter-grace: "
+        "one record per worker per quarter grace, taken as seen when recorded (the older rule)",
+    )
     args = parser.parse_args(argv)
     command = "bench/ray_scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"$ .venv/bin/python {command.strip()}")
@@ -86,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(tmp) / "scale.jsonl"
         log, _ = EventLog.open(path, fsync=False, snapshot_every=10**12)
         reducer = Reducer()
-        config = build_config(args.workers, args.nodes)
+        config = build_config(args.workers, args.nodes, args.grace_s)
         t = 0.0
         started = time.perf_counter()
         pending = _apply(log, reducer, Configured(t=t, config=config))
@@ -97,9 +118,11 @@ def main(argv: list[str] | None = None) -> int:
             pending += _apply(
                 log, reducer, WorkerStarted(t=t, worker_id=spawn.worker_id, pid=1, start_time=1)
             )
-        # The window starts an hour later: the exits are of workers past the pool's early-exit
-        # window, not a crash loop.
+        # Every worker seen an hour later, as the window starts (its record is fresh).
         t = float(int(t) + 3600)
+        _apply(log, reducer, WorkersSeen(t=t, worker_ids=set(reducer.state.workers)))
+        # The window starts an hour after bring-up: the exits are of workers past the pool's
+        # early-exit window, not a crash loop.
         log.flush()
         live = sorted(reducer.state.workers)
         print(
@@ -107,13 +130,31 @@ def main(argv: list[str] | None = None) -> int:
             f"nodes in {time.perf_counter() - started:.1f} s (not timed)",
             flush=True,
         )
+        settings = NvmlSettings(keepalive_s=args.gpu_keepalive_s)
+        monitor = GpuMonitor(
+            list(config.gpus),
+            sample_filter(
+                settings, lambda: reducer.state.config.cordon, lambda: held_gpus(reducer.state)
+            ),
+        )
+        if args.nvml_interval_s > 0:
+            # The GPUs' first readings, one poll before the window (each is sent once).
+            first, _ = monitor.step(_readings(config.gpus, 0), t - args.nvml_interval_s)
+            for sample in first:
+                _apply(log, reducer, sample)
+            log.flush()
         bytes_before = path.stat().st_size
 
-        events = _schedule(args, t, live, [g for g in config.gpus])
+        events = _schedule(args, t, live)
+        liveness = Liveness()
+        phase = {
+            worker_id: (i * 0.618034 % 1.0) * args.heartbeat_s for i, worker_id in enumerate(live)
+        }
+        previous_tick_t = t
         cpu = 0.0
         per_kind: dict[str, list[float]] = {}
         counts: Counter[str] = Counter()
-        seen_cursor = 0
+        polls = 0
         restarts: list[tuple[float, int, str]] = []
         serial = 0
         end_t = t + args.window_s
@@ -122,12 +163,24 @@ def main(argv: list[str] | None = None) -> int:
             if event_t >= end_t:
                 break
             if isinstance(event, Tick):
+                # Heartbeats since the last tick, each noted with its time (Runner.saw).
+                cpu_start = time.process_time()
+                state = reducer.state
+                for worker_id in state.workers:
+                    offset = phase.get(worker_id, 0.0)
+                    beat_t = event_t - (event_t - offset) % args.heartbeat_s
+                    if beat_t > previous_tick_t:
+                        liveness.saw(state, worker_id, beat_t)
+                previous_tick_t = event_t
                 # The runner records the sightings due, then the tick (Runner._ticks).
-                batch_size = max(1, int(len(live) * args.tick_s / 7.5))
-                ids = [live[(seen_cursor + i) % len(live)] for i in range(batch_size)]
-                seen_cursor += batch_size
+                if args.liveness == "grace":
+                    extras: list[Event] = list(liveness.records(state, event_t, args.tick_s))
+                else:
+                    quarter = liveness.due(state, event_t)
+                    extras = [] if quarter is None else [quarter]
+                cpu += time.process_time() - cpu_start
                 spawned: list[SpawnWorker] = []
-                for extra in (WorkersSeen(t=event_t, worker_ids=ids), event):
+                for extra in (*extras, event):
                     cpu += _timed(log, reducer, extra, per_kind, counts, spawned)
                 for spawn in spawned:
                     heapq.heappush(restarts, (event_t + 2.0, serial, spawn.worker_id))
@@ -142,6 +195,16 @@ def main(argv: list[str] | None = None) -> int:
                 cpu += time.process_time() - cpu_start
                 live = sorted(reducer.state.workers)
                 continue
+            if isinstance(event, _Poll):
+                # One poll of every GPU (the agents' answers gathered), through the filter.
+                readings = _readings(config.gpus, event.round)  # made on the nodes
+                cpu_start = time.process_time()
+                samples, _ = monitor.step(readings, event_t)
+                cpu += time.process_time() - cpu_start
+                for sample in samples:
+                    cpu += _timed(log, reducer, sample, per_kind, counts)
+                polls += 1
+                continue
             if isinstance(event, WorkerExited):
                 victim = live[serial % len(live)]
                 serial += 7919
@@ -152,6 +215,13 @@ def main(argv: list[str] | None = None) -> int:
                 heapq.heappush(restarts, (event_t + 2.0, serial, spawn.worker_id))
         log.flush()
         written = path.stat().st_size - bytes_before
+        bytes_by_kind: Counter[str] = Counter()
+        with path.open("rb") as file:
+            file.seek(bytes_before)
+            for line in file:
+                record = orjson.loads(line)
+                kind = record["event"]["@"] if record.get("kind") == "event" else record["kind"]
+                bytes_by_kind[kind] += len(line)
         alerts = sorted(f"{alert.value} {subject}" for alert, subject in reducer.state.alerts)
         pools = {name: len(reducer.state.workers_of(name)) for name in reducer.state.pools}
         log.close()
@@ -168,6 +238,13 @@ def main(argv: list[str] | None = None) -> int:
         f"log: {written / window / 1024:,.1f} KiB/s = {per_day / GIB:,.2f} GiB/day "
         f"(target < 1); by kind, share of records: "
         + ", ".join(f"{k} {n / max(1, sum(counts.values())):.0%}" for k, n in counts.most_common())
+    )
+    print(
+        "log bytes by record kind: "
+        + ", ".join(
+            f"{kind} {n / window * 86_400 / GIB:.3f} GiB/day"
+            for kind, n in bytes_by_kind.most_common()
+        )
     )
     for kind, times in sorted(per_kind.items()):
         times.sort()
@@ -187,13 +264,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class _Poll:
+    """One poll of every GPU's NVML (the per-node agents' answers, gathered)."""
+
+    round: int
+
+
 def _schedule(
-    args: argparse.Namespace, t0: float, live: list[str], gpus: list[str]
-) -> list[tuple[float, int, Event]]:
-    heap: list[tuple[float, int, Event]] = []
+    args: argparse.Namespace, t0: float, live: list[str]
+) -> list[tuple[float, int, Event | _Poll]]:
+    heap: list[tuple[float, int, Event | _Poll]] = []
     serial = 0
 
-    def push(t: float, event: Event) -> None:
+    def push(t: float, event: Event | _Poll) -> None:
         nonlocal serial
         serial += 1
         heap.append((t, serial, event))
@@ -207,20 +291,8 @@ def _schedule(
         push(t, LoadSampled(t=t, pool="gen", in_flight_requests=len(live) * 4))
     if args.nvml_interval_s > 0:
         rounds = int(args.window_s / args.nvml_interval_s) + 1
-        spacing = args.nvml_interval_s / max(1, len(gpus))
         for r in range(rounds):
-            for i, gpu in enumerate(gpus):
-                t = t0 + r * args.nvml_interval_s + i * spacing
-                push(
-                    t,
-                    GpuSampled(
-                        t=t,
-                        gpu_id=gpu,
-                        memory_used_bytes=0,  # a freed GPU reads free: replacements may land on it
-                        memory_total_bytes=80 * GIB,
-                        temperature_c=65.0 + (i % 7),
-                    ),
-                )
+            push(t0 + r * args.nvml_interval_s, _Poll(round=r + 1))
     if args.exits_per_hour > 0:
         gap = 3600.0 / args.exits_per_hour
         k = 1
@@ -230,6 +302,18 @@ def _schedule(
             k += 1
     heapq.heapify(heap)
     return heap
+
+
+def _readings(gpus: tuple[str, ...], round_: int) -> dict[str, GpuHealth]:
+    """Healthy readings whose temperatures jitter by a degree from poll to poll."""
+    return {
+        gpu: GpuHealth(
+            memory_used_bytes=0,  # a freed GPU reads free: replacements may land on it
+            memory_total_bytes=80 * GIB,
+            temperature_c=65.0 + (i % 7) + (round_ + i) % 3 * 0.5,
+        )
+        for i, gpu in enumerate(gpus)
+    }
 
 
 def _apply(log: EventLog, reducer: Reducer, event: Event) -> list[SpawnWorker]:

@@ -100,11 +100,12 @@ class CrashLoopRules:
     """When exits count as a crash loop and how respawns back off.
 
     A worker that exits on its own within ``early_exit_s`` of starting (or fails to spawn) is a
-    failure. Failures of workers requested before the current incident began (workers that all
-    fall to one shared cause, say) are one incident: they extend its backoff but do not deepen
-    it. After ``n`` consecutive incidents the next spawn waits
-    ``min(backoff_cap_s, backoff_base_s * 2**(n-1))`` after the last failure; ``alert_after``
-    incidents raise an alert. A worker that stays up for ``early_exit_s`` resets the count.
+    failure, counted against its worker slot (the place in the pool's count it filled): after
+    ``n`` failures in a row of one slot its replacement waits
+    ``min(backoff_cap_s, backoff_base_s * 2**(n-1))`` after the last of them, while the rest
+    of the pool is spawned as usual, so a large pool is judged like a small one. A slot that
+    fails ``alert_after`` times in a row raises an alert; a replacement that stays up for
+    ``early_exit_s`` ends its slot's count.
     """
 
     early_exit_s: float = 30.0

@@ -233,15 +233,22 @@ class WorkerHeartbeat(Event):
 @attrs.frozen(slots=True, kw_only=True)
 class WorkersSeen(Event):
     """Workers that showed a sign of life since the last record of them, batched (one record per
-    tick rather than one per heartbeat). Each is taken as seen at ``t``; ids of workers that
-    already exited are ignored, and so are ids this core never made (a replay under another
-    configuration meets recorded batches naming workers it never spawned)."""
+    tick rather than one per heartbeat). Each is taken as seen at ``seen_t`` when given (when
+    the sightings were made, at most ``t``: recorded late, judged on time), else at ``t``; a
+    record never moves a worker's last sign of life back. Ids of workers that already exited are
+    ignored, and so are ids this core never made (a replay under another configuration meets
+    recorded batches naming workers it never spawned)."""
 
     worker_ids: frozenset[str] = attrs.field(converter=str_set)
+    seen_t: Seconds | None = None
 
     def _check(self) -> None:
         if "" in self.worker_ids:
             raise InvalidEvent("WorkersSeen.worker_ids: a worker id must be non-empty, got ''")
+        if self.seen_t is not None and self.seen_t > self.t:
+            raise InvalidEvent(
+                f"WorkersSeen.seen_t ({self.seen_t}) is after the record's t ({self.t})"
+            )
 
 
 @attrs.frozen(slots=True, kw_only=True)

@@ -19,7 +19,7 @@ from core.errors import ConfigError, Refused, UnknownSubject
 from core.lifecycle import ASLEEP, COUNTED, DEADLINE_ACTIONS, Trigger, WorkerState
 from core.records import replace
 from core.state import Gpu, PoolState, State, Worker, split_worker_id
-from core.step import Step, unobserved_s
+from core.step import Step, retry_order, unobserved_s
 from core.vocabulary import AlertName, CordonCause, DecisionSource, StopCause, as_cordon_causes
 
 __all__ = ["HANDLERS", "check_seen", "heartbeat_only", "seen_only"]
@@ -180,17 +180,8 @@ def _tick_pools(step: Step, *, judge: bool) -> None:
         pool = step.pools[name]
         spec = pool.spec
         if pool.failures:
-            healthy = [
-                w
-                for w in step.workers.values()
-                if w.pool == name and w.state is S.ACTIVE and step.proves_healthy(pool, w)
-            ]
-            if healthy:
-                step.put_pool(
-                    step._reset_failures(
-                        pool, f"{healthy[0].worker_id} up {spec.crash_loop.early_exit_s:g}s"
-                    )
-                )
+            pool = step.prove_slots(pool)
+            step.put_pool(pool)
         stale = (
             judge
             and pool.last_sample_t is not None
@@ -208,7 +199,7 @@ def _tick_pools(step: Step, *, judge: bool) -> None:
         # an alert says it is short (of GPUs, of its minimum): reconcile just those.
         if pool.wake_held and pool.wake_hold_until_t is not None and t >= pool.wake_hold_until_t:
             step.put_pool(engines.end_wake_hold(step, pool, "its time is up"))
-        if (pool.failures and t >= pool.backoff_until_t) or any(
+        if (pool.retries and t >= pool.backoff_until_t) or any(
             subject == name for _, subject in step.alerts
         ):
             step.dirty_pools.add(name)
@@ -268,10 +259,16 @@ def _configured(step: Step, event: e.Configured) -> None:
         if pinned is not None:
             pinned = min(max(pinned, spec.min_workers), spec.max_workers)
         updated = replace(pool, spec=spec, removed=False, policy_memory=memory, pinned=pinned)
-        if pool.failures and pool.last_failure_t is not None:
+        if pool.retries:
             # Changed backoff rules apply to the crash loop in progress.
-            backoff = spec.crash_loop.backoff_s(pool.failures)
-            updated = replace(updated, backoff_until_t=pool.last_failure_t + backoff)
+            rules = spec.crash_loop
+            retries = retry_order(pool.retries, rules)
+            first_t, first_failures = retries[0]
+            updated = replace(
+                updated,
+                retries=retries,
+                backoff_until_t=first_t + rules.backoff_s(first_failures),
+            )
         # A policy that never reacts to pressure (static) sets its count from configuration.
         wanted = (
             policy.initial_target(spec.min_workers, spec.max_workers)
@@ -476,10 +473,11 @@ def seen_only(state: State, event: e.WorkersSeen) -> State:
     must still refresh its workers. Unknown ids are refused earlier, where a sighting enters deo
     (:func:`check_seen`), so a live run never logs one."""
     t = max(state.now, event.t)
+    seen_t = t if event.seen_t is None else min(t, event.seen_t)
     last_seen = state.last_seen.copy()
     for worker_id in event.worker_ids:
         if worker_id in state.workers:
-            last_seen[worker_id] = t
+            last_seen[worker_id] = max(seen_t, last_seen.get(worker_id, seen_t))
     return replace(state, now=t, last_seen=MappingProxyType(last_seen))
 
 

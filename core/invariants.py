@@ -115,14 +115,23 @@ def state_violations(state: State) -> list[str]:
             f"worker counts (counted, active) {dict(sorted(state.worker_counts.items()))} "
             f"differ from a recount {dict(sorted(recount.items()))}"
         )
-    # 5. Backoff follows the rule: delay(n) after the last of n consecutive failures.
+    # 5. Backoff follows the rule: a slot that failed n times in a row is replaced delay(n)
+    # after its last failure; the pool's failures are its most failed open slot's.
     for name, pool in state.pools.items():
-        if pool.failures and pool.last_failure_t is not None:
-            expected = pool.last_failure_t + pool.spec.crash_loop.backoff_s(pool.failures)
+        rules = pool.spec.crash_loop
+        if pool.retries:
+            expected = min(t + rules.backoff_s(n) for t, n in pool.retries)
             if abs(pool.backoff_until_t - expected) > 1e-9:
                 found.append(
                     f"5: pool {name} backs off until {pool.backoff_until_t}, rule says {expected}"
                 )
+        open_slots = [n for _, n in pool.retries] + [
+            w.attempt for w in state.workers.values() if w.pool == name
+        ]
+        if pool.failures != max(open_slots, default=0):
+            found.append(
+                f"5: pool {name} counts {pool.failures} failures, its slots {sorted(open_slots)}"
+            )
     return found
 
 
@@ -139,13 +148,19 @@ def step_violations(
                 gpu = after.gpus.get(gpu_id)
                 if gpu is None or gpu.causes:
                     found.append(f"1: {command.worker_id} placed on cordoned GPU {gpu_id}")
-            # 5. No spawn before the crash-loop backoff has passed.
-            pool = after.pools.get(command.pool)
-            if pool is not None and pool.failures and t < pool.backoff_until_t:
-                found.append(
-                    f"5: {command.worker_id} spawned at t={t} during backoff until "
-                    f"{pool.backoff_until_t} ({pool.failures} failures)"
-                )
+            # 5. No failed slot replaced before its backoff has passed.
+            pool = before.pools.get(command.pool)
+            worker = after.workers.get(command.worker_id)
+            if pool is not None and worker is not None and worker.attempt:
+                rules = pool.spec.crash_loop
+                if not any(
+                    n == worker.attempt and t >= failed_t + rules.backoff_s(n)
+                    for failed_t, n in pool.retries
+                ):
+                    found.append(
+                        f"5: {command.worker_id} replaces a slot that failed {worker.attempt} "
+                        f"time(s) at t={t}, before its backoff ran out ({pool.retries})"
+                    )
         elif isinstance(command, c.ScalePool) and command.source == DecisionSource.POLICY:
             # 6. Only a fresh sample for the pool lets a policy decide.
             fresh = (
@@ -179,7 +194,7 @@ def step_violations(
         if pool is None or pool.removed:
             continue
         n = after.counted(name)
-        backing_off = t < pool.backoff_until_t
+        backing_off = bool(pool.retries) and t < pool.backoff_until_t
         starting = sum(
             1 for w in after.workers.values() if w.pool == name and w.state in STARTING_STATES
         )
@@ -205,7 +220,7 @@ def step_violations(
         if new is None:
             continue  # a removed pool, forgotten with its last worker
         # A healthy worker's exit in the same step may reset the count before a crash counts.
-        if not (new.last_failure_t == t and 1 <= new.failures <= old.failures + count):
+        if not (new.last_failure_t == t and new.failures <= old.failures + count):
             found.append(
                 f"5: pool {name} had {count} early exit(s) at t={t} but counts {new.failures} "
                 f"failure(s) (was {old.failures}), the last at {new.last_failure_t}"

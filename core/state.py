@@ -45,6 +45,11 @@ def _worker_state(value: WorkerState | str) -> WorkerState:
         raise InvalidEvent(f"unknown worker state {value!r} (known: {known})") from None
 
 
+def _retry_tuple(value: Iterable[Iterable[Any]]) -> tuple[tuple[float, int], ...]:
+    # The log gives lists of lists; the state must compare equal after a round trip.
+    return tuple((float(failed_t), int(failures)) for failed_t, failures in value)
+
+
 def _read_only(value: Mapping[K, V]) -> MappingProxyType[K, V]:
     # A copy: the caller's dict stays theirs, and editing it cannot change the state.
     return MappingProxyType(dict(value))
@@ -79,6 +84,9 @@ class Worker:
     control_attempts: int = 0
     #: When the engine confirmed it sleeps (its memory released; it keeps its GPUs and port).
     asleep_t: float | None = None
+    #: Early failures in a row of the worker slot it fills (0: a fresh slot, or one proven
+    #: healthy): the crash-loop rules judge each slot by its own history.
+    attempt: int = 0
 
     def __init__(
         self,
@@ -98,6 +106,7 @@ class Worker:
         in_flight_requests: int | None = None,
         control_attempts: int = 0,
         asleep_t: float | None = None,
+        attempt: int = 0,
         killed: bool = False,
     ) -> None:
         # Snapshots written before KILLED was a state marked a killed worker STOPPING with
@@ -120,6 +129,7 @@ class Worker:
             in_flight_requests=in_flight_requests,
             control_attempts=control_attempts,
             asleep_t=asleep_t,
+            attempt=attempt,
         )
 
     @property
@@ -165,12 +175,19 @@ class PoolState:
     load: LoadSampled | None = None
     last_sample_t: float | None = None
     source_error: str | None = None
-    #: Consecutive crash incidents (see :class:`~core.config.CrashLoopRules`).
+    #: The most early failures in a row of any one worker slot not yet proven healthy (see
+    #: :class:`~core.config.CrashLoopRules`): a failed slot waiting for its replacement, or a
+    #: replacement not yet up for ``early_exit_s``.
     failures: int = 0
     last_failure_t: float | None = None
-    #: When the current incident began: a failure of a worker requested before it is part of it.
+    #: Unused (older logs' snapshots carry it).
     incident_t: float | None = None
+    #: When the first failed slot waiting for its replacement may have it (0: none waits).
     backoff_until_t: float = 0.0
+    #: Failed slots waiting for their replacement, each as (the failure's time, the failures in
+    #: a row of that slot), earliest replacement first; the replacement waits
+    #: ``crash_loop.backoff_s(failures)`` after the failure.
+    retries: tuple[tuple[float, int], ...] = attrs.field(default=(), converter=_retry_tuple)
     last_scale_up_t: float | None = None
     #: An operator woke every engine (``EnginesWakeRequested``): ``pinned`` holds them awake
     #: until autoscaling is resumed or, if set, until ``wake_hold_until_t``.

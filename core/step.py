@@ -16,7 +16,7 @@ from typing import Any
 from core import commands as c
 from core import engines
 from core import events as e
-from core.config import VLLM_DEV_MODE_ENV, PoolSpec
+from core.config import VLLM_DEV_MODE_ENV, CrashLoopRules, PoolSpec
 from core.errors import UnknownSubject
 from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
 from core.policies import BUILT_INS, Policy, PolicyCatalog, PolicyContext
@@ -24,7 +24,15 @@ from core.records import replace
 from core.state import Gpu, PoolState, State, Worker, split_worker_id
 from core.vocabulary import PLANNED_STOPS, STICKY_CAUSES, AlertName, DecisionSource, StopCause
 
-__all__ = ["STALL_FACTOR", "STARTING_STATES", "Step", "unobserved_s"]
+__all__ = [
+    "STALL_FACTOR",
+    "STARTING_STATES",
+    "Step",
+    "node_of",
+    "retry_order",
+    "take_gpus",
+    "unobserved_s",
+]
 
 S = WorkerState
 
@@ -43,6 +51,40 @@ def unobserved_s(last_tick_t: float | None, t: float, interval_s: float | None) 
         return 0.0
     gap = t - last_tick_t
     return gap - interval_s if gap > STALL_FACTOR * interval_s else 0.0
+
+
+def retry_order(
+    retries: Iterable[tuple[float, int]], rules: CrashLoopRules
+) -> tuple[tuple[float, int], ...]:
+    """Failed slots (failure time, failures in a row) in the order their replacements may
+    start: the earliest first, the most failed first among equals."""
+    return tuple(sorted(retries, key=lambda r: (r[0] + rules.backoff_s(r[1]), -r[1])))
+
+
+def node_of(gpu_id: str) -> str:
+    """The node a GPU id names: the part before the last ':' of a node-qualified id
+    (``NODE:INDEX``), "" for a local id (an index or a UUID: all on deo's own machine)."""
+    node, _, _ = gpu_id.rpartition(":")
+    return node
+
+
+def take_gpus(free: list[str], count: int) -> tuple[str, ...] | None:
+    """Take ``count`` GPUs of one node from ``free`` (in its order; the first node that has
+    enough), removing them; None (``free`` untouched) if no node has that many free.
+
+    A worker's GPUs must share a machine: a process sees only its own node's devices."""
+    if count <= 0:
+        return ()
+    by_node: dict[str, list[int]] = {}
+    for position, gpu_id in enumerate(free):
+        positions = by_node.setdefault(node_of(gpu_id), [])
+        positions.append(position)
+        if len(positions) == count:
+            taken = tuple(free[p] for p in positions)
+            for p in reversed(positions):
+                del free[p]
+            return taken
+    return None
 
 
 class Step:
@@ -269,31 +311,25 @@ class Step:
         pool = self.pools[worker.pool]
         rules = pool.spec.crash_loop
         if failure:
-            # A worker requested before the incident began fails of the same cause as the rest
-            # (a burst): the backoff runs from this failure but does not deepen.
-            same = (
-                pool.failures > 0
-                and pool.incident_t is not None
-                and worker.requested_t < pool.incident_t
-            )
-            failures = pool.failures if same else pool.failures + 1
+            # The slot's own history: a replacement that fails again deepens its slot's backoff;
+            # an unrelated slot's failure (in a large pool, any second) delays only its own.
+            failures = worker.attempt + 1
             backoff = rules.backoff_s(failures)
-            pool = replace(
-                pool,
-                failures=failures,
-                last_failure_t=self.t,
-                incident_t=pool.incident_t if same else self.t,
-                backoff_until_t=self.t + backoff,
+            retries = retry_order([*pool.retries, (self.t, failures)], rules)
+            pool = self._with_retries(
+                replace(pool, last_failure_t=self.t, incident_t=None), retries
             )
             if failures >= rules.alert_after:
                 self.raise_alert(
                     AlertName.CRASH_LOOP,
                     pool.spec.name,
-                    f"{failures} crash incidents in a row (last: {worker.worker_id} {why}); "
-                    f"next spawn in {backoff:g}s",
+                    f"{failures} early failures in a row of one worker slot (last: "
+                    f"{worker.worker_id} {why}); its replacement starts in {backoff:g}s",
                 )
-        elif self.proves_healthy(pool, worker):
-            pool = self._reset_failures(pool, f"{worker.worker_id} ran {rules.early_exit_s:g}s")
+        elif worker.attempt and self.proves_healthy(pool, worker):
+            pool = self._close_chains(pool, f"{worker.worker_id} ran {rules.early_exit_s:g}s")
+        elif worker.attempt:
+            pool = self._close_chains(pool, f"{worker.worker_id} stopped")
         if pool.removed and not any(w.pool == pool.spec.name for w in self.workers.values()):
             del self._own("pools")[pool.spec.name]
             self.dirty_pools.discard(pool.spec.name)
@@ -303,21 +339,49 @@ class Step:
         self.dirty_pools.add(pool.spec.name)
 
     def proves_healthy(self, pool: PoolState, worker: Worker) -> bool:
-        """A worker started since the pool's last failure has stayed up for ``early_exit_s``.
+        """A worker has stayed up for ``early_exit_s``: its slot's failures end with it.
 
-        Only such a worker ends a crash loop: an old worker that keeps running says nothing about
-        the slot that keeps crashing beside it.
-        """
+        Only such a worker ends its slot's crash loop: an old worker that keeps running says
+        nothing about the slot that keeps crashing beside it."""
         started = worker.started_t
-        if started is None or self.t - started < pool.spec.crash_loop.early_exit_s:
-            return False
-        return pool.last_failure_t is None or started >= pool.last_failure_t
+        return started is not None and self.t - started >= pool.spec.crash_loop.early_exit_s
 
-    def _reset_failures(self, pool: PoolState, why: str) -> PoolState:
+    def _with_retries(self, pool: PoolState, retries: tuple[tuple[float, int], ...]) -> PoolState:
+        """``pool`` with these failed slots waiting, its deepest open slot and next retry time."""
+        rules = pool.spec.crash_loop
+        name = pool.spec.name
+        deepest = max(
+            [failures for _, failures in retries]
+            + [w.attempt for w in self.workers.values() if w.pool == name and w.attempt]
+            + [0]
+        )
+        next_t = min((t + rules.backoff_s(n) for t, n in retries), default=0.0)
+        return replace(pool, retries=retries, failures=deepest, backoff_until_t=next_t)
+
+    def _close_chains(self, pool: PoolState, why: str) -> PoolState:
+        pool = self._with_retries(pool, pool.retries)
+        if pool.failures < pool.spec.crash_loop.alert_after:
+            self.resolve_alert(AlertName.CRASH_LOOP, pool.spec.name, f"healthy run: {why}")
         if pool.failures == 0:
+            pool = replace(pool, incident_t=None)
+        return pool
+
+    def prove_slots(self, pool: PoolState) -> PoolState:
+        """Workers of ``pool`` up for ``early_exit_s`` end their slots' failures (on a tick)."""
+        proven = [
+            w
+            for w in self.workers.values()
+            if w.pool == pool.spec.name
+            and w.attempt
+            and w.state is S.ACTIVE
+            and self.proves_healthy(pool, w)
+        ]
+        if not proven:
             return pool
-        self.resolve_alert(AlertName.CRASH_LOOP, pool.spec.name, f"healthy run: {why}")
-        return replace(pool, failures=0, incident_t=None, backoff_until_t=0.0)
+        for worker in proven:
+            self.put_worker(replace(worker, attempt=0))
+        rules = pool.spec.crash_loop
+        return self._close_chains(pool, f"{proven[0].worker_id} up {rules.early_exit_s:g}s")
 
     def resolve_pool_alerts(self, pool: str, why: str) -> None:
         for alert, subject in sorted(self.alerts):
@@ -351,6 +415,12 @@ class Step:
                 continue
             counted = by_pool.get(name, [])
             count, target = len(counted), pool.target
+            owed = max(0, target - count)
+            if len(pool.retries) > owed:
+                # Fewer workers wanted: the slots dropped are the least failed ones.
+                kept = sorted(pool.retries, key=lambda retry: -retry[1])[:owed]
+                pool = self._with_retries(pool, retry_order(kept, pool.spec.crash_loop))
+                self.put_pool(pool)
             starting = sum(1 for w in counted if w.state in STARTING_STATES)
             if count > target:
                 self._shrink(pool, counted, count - target)
@@ -391,11 +461,14 @@ class Step:
             # A sleeping engine wakes in seconds; a new one takes minutes: wake first.
             count = engines.wake_for(self, pool, count)
             pool = self.pools[name]
-        if self.t < pool.backoff_until_t:
-            # crash-loop backoff; _check_min alerts if this leaves the pool below min
-            return count, starting
+        # Failed slots wait for their backoff and hold their place meanwhile (_check_min alerts
+        # if that leaves the pool below min); the rest of the pool spawns as usual.
+        rules = spec.crash_loop
+        due = [r for r in pool.retries if r[0] + rules.backoff_s(r[1]) <= self.t]
+        waiting = len(pool.retries) - len(due)
+        retries = list(pool.retries)
         index = pool.next_index
-        while count < pool.target:
+        while count + waiting < pool.target:
             if starting >= spec.max_starting:
                 break  # the rest are requested as these come up
             port = engines.free_port(self, spec) if spec.is_engine else None
@@ -407,16 +480,23 @@ class Step:
                     f"{spec.ports} is held by a live engine",
                 )
                 break
-            if len(free) < spec.gpus_per_worker:
+            picked = take_gpus(free, spec.gpus_per_worker)
+            if picked is None:
+                on_one_node = " on one node" if len(free) >= spec.gpus_per_worker else ""
                 self.raise_alert(
                     AlertName.NO_FREE_GPUS,
                     name,
                     f"{name} wants {pool.target} workers, has {count}: needs "
-                    f"{spec.gpus_per_worker} free healthy GPU(s), {len(free)} available",
+                    f"{spec.gpus_per_worker} free healthy GPU(s){on_one_node}, {len(free)} "
+                    f"available",
                 )
                 break
-            gpus = tuple(free[: spec.gpus_per_worker])
-            del free[: spec.gpus_per_worker]
+            gpus = picked
+            attempt = 0
+            if due:
+                retry = due.pop(0)
+                attempt = retry[1]
+                retries.remove(retry)
             worker_id = f"{name}-{index}"
             env = dict(spec.env)
             devices = ",".join(self.config.device_of(gpu) for gpu in gpus)
@@ -434,6 +514,7 @@ class Step:
                     gpus=gpus,
                     requested_t=self.t,
                     port=port,
+                    attempt=attempt,
                 )
             )
             self.commands.append(
@@ -456,7 +537,9 @@ class Step:
                 AlertName.NO_FREE_GPUS, name, f"{name} reached {pool.target} workers"
             )
             self.resolve_alert(AlertName.NO_FREE_PORTS, name, f"{name} reached {pool.target}")
-        if index != pool.next_index:
+        if len(retries) != len(pool.retries):
+            pool = self._with_retries(pool, tuple(retries))  # the replacements are in
+        if index != pool.next_index or pool is not self.pools[name]:
             self.put_pool(replace(pool, next_index=index))
         return count, starting
 
@@ -468,7 +551,7 @@ class Step:
                 AlertName.BELOW_MIN, name, f"{name} has {counted} >= min {minimum} workers"
             )
             return
-        if self.t < pool.backoff_until_t:
+        if pool.retries and self.t < pool.backoff_until_t:
             why = f"crash-loop backoff, next spawn in {pool.backoff_until_t - self.t:.0f}s"
         elif starting >= pool.spec.max_starting:
             why = f"{starting} starting, at most {pool.spec.max_starting} at once"

@@ -1,20 +1,28 @@
-"""Liveness batching: heartbeats gathered between ticks and logged as one ``WorkersSeen`` a tick.
+"""Liveness batching: heartbeats gathered between ticks and logged as few ``WorkersSeen`` as the
+core's judgement needs.
 
 A heartbeat is the most frequent input deo has (every worker, every fraction of a second); with
 one record per heartbeat the log would grow by about 100 bytes per worker per second. The core
-needs a worker's last sign of life only as precisely as its pool's ``heartbeat_grace_s`` asks, so
-a sighting is recorded only once the core's record of that worker is a quarter of the grace old
-(:data:`UNJUDGED_REFRESH_S` for pools that judge no heartbeat), and then for every such worker in
-one record, just before the tick that judges them.
+needs a worker's last sign of life only to judge it hung once it has been silent for its pool's
+``heartbeat_grace_s``, so :meth:`Liveness.records` records a worker only when the core's record of
+it is nearly a grace old (two tick intervals short of it, never under a quarter of it;
+:data:`UNJUDGED_REFRESH_S` for pools that judge no heartbeat), and each with the time deo saw it
+(rounded up to a tick interval, in one record per such time). At 10,000 workers and a 30 s
+grace that is one id per worker per 28 s instead of one per heartbeat.
 
-Why no worker is judged hung that was seen within its grace: at each tick, a worker with an
-unrecorded sighting either is recorded now (at the tick's time, which is after the sighting) or
-its record is younger than the refresh, a quarter of the grace. The price is precision the other
-way: a worker that stops is found hung at most a quarter of the grace later than a record per
-heartbeat would have found it.
+Why no worker is judged hung that was seen within its grace: a tick at ``t`` judges with every
+sighting a worker's record is old enough to need, recorded just before it at the sighting's
+time (or a little after). Why a silent worker is still found on time: its last sighting is
+recorded with the time it was made, not the time it was recorded, so its deadline is that
+sighting plus its grace, to within a tick interval.
+
+:meth:`Liveness.due` is the older rule (a quarter of the grace, each taken as seen when
+recorded), kept for code that records without a tick interval.
 """
 
 from __future__ import annotations
+
+import math
 
 from core import State, WorkersSeen
 from core.handlers import check_seen
@@ -28,33 +36,67 @@ REFRESH_FRACTION = 0.25
 
 
 class Liveness:
-    """Sightings since the last record, by worker id. Used from the event loop only."""
+    """Sightings since the last record, by worker id, with when each was last seen. Used from
+    the event loop only."""
 
     def __init__(self) -> None:
-        self._pending: set[str] = set()
+        #: worker id -> the time of its latest sighting (None: not known; taken as record time)
+        self._pending: dict[str, float | None] = {}
 
     @property
     def pending(self) -> frozenset[str]:
         """The workers seen since their last record, not yet recorded."""
         return frozenset(self._pending)
 
-    def saw(self, state: State, worker_id: str) -> None:
-        """Note a sign of life of ``worker_id``.
+    def saw(self, state: State, worker_id: str, t: float | None = None) -> None:
+        """Note a sign of life of ``worker_id`` at ``t`` (deo's clock; None: unknown).
 
         Raises :class:`~core.errors.UnknownSubject` for a worker deo never made; a worker that
         already exited is ignored (a late heartbeat)."""
         if check_seen(state, worker_id):
-            self._pending.add(worker_id)
+            before = self._pending.get(worker_id)
+            if t is None or before is None or t > before:
+                self._pending[worker_id] = t
+
+    def records(self, state: State, t: float, interval_s: float) -> list[WorkersSeen]:
+        """The sightings the core needs before the tick at ``t`` judges, as few events as their
+        times allow (one per tick interval they fall in); the rest stay pending, those of
+        workers gone since are dropped."""
+        by_time: dict[float | None, set[str]] = {}
+        for worker_id, seen_t in list(self._pending.items()):
+            worker = state.workers.get(worker_id)
+            if worker is None:
+                del self._pending[worker_id]
+                continue
+            grace = state.pools[worker.pool].spec.heartbeat_grace_s
+            if grace is None:
+                refresh = UNJUDGED_REFRESH_S
+            else:
+                refresh = max(grace * REFRESH_FRACTION, grace - 2 * interval_s)
+            last = state.last_seen.get(worker_id)
+            if last is not None and t - last < refresh:
+                continue
+            del self._pending[worker_id]
+            if seen_t is not None:
+                # Rounded up (never judged before its time), to share records; at most t.
+                seen_t = min(t, max(seen_t, math.ceil(seen_t / interval_s) * interval_s))
+            by_time.setdefault(seen_t, set()).add(worker_id)
+        return [
+            WorkersSeen(t=t, worker_ids=ids, seen_t=seen_t)
+            for seen_t, ids in sorted(
+                by_time.items(), key=lambda item: t if item[0] is None else item[0]
+            )
+        ]
 
     def due(self, state: State, t: float) -> WorkersSeen | None:
-        """The sightings the core needs before judging at ``t``, as one event (None if none).
-
-        Those not due yet stay pending; those of workers gone since are dropped."""
+        """The sightings due by the older rule (a quarter of the grace), as one event taken as
+        seen at ``t`` (None if none). Those not due yet stay pending; those of workers gone since
+        are dropped."""
         due: set[str] = set()
         for worker_id in list(self._pending):
             worker = state.workers.get(worker_id)
             if worker is None:
-                self._pending.discard(worker_id)
+                del self._pending[worker_id]
                 continue
             grace = state.pools[worker.pool].spec.heartbeat_grace_s
             refresh = UNJUDGED_REFRESH_S if grace is None else grace * REFRESH_FRACTION
@@ -63,5 +105,6 @@ class Liveness:
                 due.add(worker_id)
         if not due:
             return None
-        self._pending -= due
+        for worker_id in due:
+            del self._pending[worker_id]
         return WorkersSeen(t=t, worker_ids=due)

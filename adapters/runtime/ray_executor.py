@@ -49,7 +49,13 @@ from adapters.runtime.config_file import RunSettings
 from adapters.runtime.processes import _signal_for
 from adapters.runtime.ray_host import GpuAgent, WorkerHost
 from adapters.sources.heartbeat import HEARTBEAT_ENV, heartbeat_path
-from adapters.sources.nvml import GpuMonitor, NvmlSettings, ReadFailed
+from adapters.sources.nvml import (
+    GpuMonitor,
+    NvmlSettings,
+    ReadFailed,
+    held_gpus,
+    sample_filter,
+)
 from core import (
     Command,
     ConfigError,
@@ -477,7 +483,10 @@ class RayExecutor:
             f"deo: GPU health of {len(gpus)} GPU(s) on {len(agents)} Ray node(s) every "
             f"{settings.interval_s:g}s"
         )
-        monitor = GpuMonitor(gpus)
+        changes = sample_filter(
+            settings, lambda: self._state().config.cordon, lambda: held_gpus(self._state())
+        )
+        monitor = GpuMonitor(gpus, changes)
         told: dict[str, str] = {}
         while True:
             refs = {node: agent.read.remote() for node, agent in agents.items()}

@@ -164,15 +164,14 @@ class Runner:
 
         Raises :class:`~core.errors.UnknownSubject` for a worker deo never made; a worker that
         already exited is ignored."""
-        self.liveness.saw(self.reducer.state, worker_id)
+        self.liveness.saw(self.reducer.state, worker_id, self.clock())
 
     async def _ticks(self) -> None:
         while True:
             await anyio.sleep(self.tick_interval_s)
             t = self.clock()
             # The sightings first: the tick judges with them.
-            seen = self.liveness.due(self.reducer.state, t)
-            if seen is not None:
+            for seen in self.liveness.records(self.reducer.state, t, self.tick_interval_s):
                 self.emit(seen)
             self.emit(Tick(t=t, interval_s=self.tick_interval_s))
 

@@ -16,7 +16,7 @@ import math
 import re
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,7 +24,16 @@ import anyio
 import attrs
 import orjson
 
-from core import ConfigError, DeoError, Event, GpuLost, GpuSampled, InvalidEvent
+from core import (
+    ConfigError,
+    CordonRules,
+    DeoError,
+    Event,
+    GpuLost,
+    GpuSampled,
+    InvalidEvent,
+    State,
+)
 
 __all__ = [
     "APPLICATION_XIDS",
@@ -40,11 +49,14 @@ __all__ = [
     "NvmlUnavailable",
     "PynvmlReader",
     "ReadFailed",
+    "SampleFilter",
     "discover_gpus",
+    "held_gpus",
     "import_pynvml",
     "open_reader",
     "physical_gpu_ids",
     "poll_gpus",
+    "sample_filter",
     "throttle_reasons",
 ]
 
@@ -126,8 +138,24 @@ class NvmlSettings:
     #: For backend "file": the JSON file of readings (see :class:`FileNvml`).
     file: Path | None = attrs.field(default=None, converter=_optional_path)
     interval_s: float = 2.0
+    #: A GPU's reading reaches the core (and the log) when it matters to the cordon rules, and
+    #: otherwise at least this often; 0: every reading (see :class:`SampleFilter`).
+    keepalive_s: float = 600.0
+    #: Memory use moving by more than this fraction of the GPU's memory is a change worth sending.
+    memory_tolerance: float = 0.05
+    #: A temperature moving by this many degrees or more is a change worth sending.
+    temperature_tolerance_c: float = 5.0
 
     def __attrs_post_init__(self) -> None:
+        for key in ("keepalive_s", "memory_tolerance", "temperature_tolerance_c"):
+            value = getattr(self, key)
+            if not (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and value >= 0
+            ):
+                raise ConfigError(f"nvml.{key}: must be a number >= 0, got {value!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(
                 f"nvml.backend: {self.backend!r} is not one of {', '.join(map(repr, BACKENDS))}"
@@ -690,16 +718,97 @@ class PynvmlReader:
 # --- turning readings into events ----------------------------------------------------------------
 
 
+class SampleFilter:
+    """Which readings the core needs: a GPU's reading is sent when it differs from the last one
+    sent in a way the cordon rules could read differently, and otherwise once per keep-alive.
+
+    Sent: the first reading (and the first after a loss or a failed read), any new XID/ECC
+    error, a change in the throttle reasons the rules cordon on, the temperature crossing the
+    rules' limit or moving by ``temperature_tolerance_c``, memory use crossing the rules'
+    fraction (or staying above it while a deo worker takes or leaves the GPU) or moving by
+    ``memory_tolerance`` of the GPU's memory, a different memory total, and any reading
+    ``keepalive_s`` after the last one sent. The core's cordon decisions depend on the readings
+    only through those thresholds, so it decides as it would on every reading; a transient
+    cordon still ends ``uncordon_after_s`` after the first clean reading, judged on the ticks.
+    deo's log holds only what was sent, so a replay decides exactly as the run did.
+    """
+
+    def __init__(
+        self,
+        settings: NvmlSettings,
+        rules: Callable[[], CordonRules],
+        held: Callable[[], Collection[str]] = frozenset,
+    ) -> None:
+        self.keepalive_s = settings.keepalive_s
+        self.memory_tolerance = settings.memory_tolerance
+        self.temperature_tolerance_c = settings.temperature_tolerance_c
+        self._rules_now = rules
+        self._held_now = held
+        self._rules = CordonRules()
+        self._held: Collection[str] = frozenset()
+        #: GPU -> (time sent, the sample sent, whether a deo worker held the GPU then)
+        self._sent: dict[str, tuple[float, GpuSampled, bool]] = {}
+
+    def begin(self) -> None:
+        """Take the core's current rules and GPU holders, once per poll."""
+        self._rules = self._rules_now()
+        self._held = self._held_now()
+
+    def forget(self, gpu: str) -> None:
+        """The next reading of ``gpu`` is sent (it was lost or could not be read)."""
+        self._sent.pop(gpu, None)
+
+    def wanted(self, sample: GpuSampled) -> bool:
+        """Whether ``sample`` goes to the core; if so it becomes the one later ones compare to."""
+        held = sample.gpu_id in self._held
+        last = self._sent.get(sample.gpu_id)
+        if (
+            last is None
+            or sample.t - last[0] >= self.keepalive_s
+            or self._differs(last[1], last[2], sample, held)
+        ):
+            self._sent[sample.gpu_id] = (sample.t, sample, held)
+            return True
+        return False
+
+    def _differs(self, last: GpuSampled, was_held: bool, new: GpuSampled, held: bool) -> bool:
+        rules = self._rules
+        if new.new_errors or new.memory_total_bytes != last.memory_total_bytes:
+            return True
+        cordoned_on = rules.throttle_reasons
+        if new.throttle_reasons & cordoned_on != last.throttle_reasons & cordoned_on:
+            return True
+        limit_c = rules.max_temperature_c
+        if (new.temperature_c >= limit_c) != (last.temperature_c >= limit_c):
+            return True
+        if abs(new.temperature_c - last.temperature_c) >= self.temperature_tolerance_c:
+            return True
+        total = new.memory_total_bytes
+        if total:
+            # The core's own test, on the same numbers.
+            full = new.memory_used_bytes / total >= rules.max_memory_fraction
+            if full != (last.memory_used_bytes / total >= rules.max_memory_fraction):
+                return True
+            if full and held != was_held:
+                return True  # full memory counts against a GPU only when no deo worker holds it
+            moved = abs(new.memory_used_bytes - last.memory_used_bytes)
+            if moved > self.memory_tolerance * total:
+                return True
+        return False
+
+
 class GpuMonitor:
     """Readings -> the core's events, plus the lines worth telling the operator.
 
     A lost GPU is reported once (``GpuLost``), not on every poll; it is reported again only if
     it answered in between. A read failure, a field a GPU cannot report, and XIDs are told as
-    lines, each only when it changes.
+    lines, each only when it changes. With a :class:`SampleFilter` only the samples the core
+    needs are emitted; without one, every reading.
     """
 
-    def __init__(self, gpus: Sequence[str]) -> None:
+    def __init__(self, gpus: Sequence[str], changes: SampleFilter | None = None) -> None:
         self.gpus = tuple(gpus)
+        self._changes = changes
         self._lost: set[str] = set()
         self._failing: dict[str, str] = {}
         self._unsupported: dict[str, frozenset[str]] = {}
@@ -709,6 +818,8 @@ class GpuMonitor:
         """The events and lines for one poll's readings taken at ``t``."""
         events: list[Event] = []
         lines: list[str] = []
+        if self._changes is not None:
+            self._changes.begin()
         if self._poll_error is not None:
             lines.append("deo: GPU health readable again")
             self._poll_error = None
@@ -718,6 +829,8 @@ class GpuMonitor:
                 reading = ReadFailed(error="no reading")
             if isinstance(reading, GpuGone):
                 self._failing.pop(gpu, None)
+                if self._changes is not None:
+                    self._changes.forget(gpu)
                 if gpu not in self._lost:
                     self._lost.add(gpu)
                     events.append(GpuLost(t=t, gpu_id=gpu, error=reading.error))
@@ -736,7 +849,8 @@ class GpuMonitor:
                 except InvalidEvent as exc:
                     reading = ReadFailed(error=str(exc))
                 else:
-                    events.append(event)
+                    if self._changes is None or self._changes.wanted(event):
+                        events.append(event)
                     self._lost.discard(gpu)
                     if self._failing.pop(gpu, None) is not None:
                         lines.append(f"deo: GPU {gpu}: health readable again")
@@ -750,6 +864,8 @@ class GpuMonitor:
                     if reading.xids:
                         lines.append(f"deo: GPU {gpu}: XID {', '.join(map(str, reading.xids))}")
                     continue
+            if self._changes is not None:
+                self._changes.forget(gpu)
             if self._failing.get(gpu) != reading.error:
                 self._failing[gpu] = reading.error
                 lines.append(f"deo: GPU {gpu}: cannot read health: {reading.error}")
@@ -788,8 +904,14 @@ async def poll_gpus(
     emit: Callable[[Event], None],
     clock: Callable[[], float],
     out: Callable[[str], None],
+    cordon: Callable[[], CordonRules] | None = None,
+    held: Callable[[], Collection[str]] = frozenset,
 ) -> None:
     """Read the health of the GPUs in ``devices`` every ``settings.interval_s`` until cancelled.
+
+    ``cordon`` gives the core's current cordon rules and ``held`` the GPUs its workers hold: with
+    them (and ``settings.keepalive_s`` > 0) a GPU's reading is emitted only when it matters to
+    the rules (:class:`SampleFilter`).
 
     ``devices`` maps each configured GPU id to its device id, as :func:`physical_gpu_ids` made it
     (the configuration's ``device_of``). Emits ``GpuSampled`` per GPU and poll and ``GpuLost``
@@ -821,7 +943,7 @@ async def poll_gpus(
         return
     source = f"file {settings.file}" if settings.backend == "file" else "NVML"
     out(f"deo: GPU health of {len(devices)} GPU(s) from {source} every {settings.interval_s:g}s")
-    monitor = GpuMonitor(list(devices))
+    monitor = GpuMonitor(list(devices), sample_filter(settings, cordon, held))
     try:
         while True:
             try:
@@ -842,6 +964,22 @@ async def poll_gpus(
     finally:
         with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
             await anyio.to_thread.run_sync(reader.close, abandon_on_cancel=True)
+
+
+def held_gpus(state: State) -> frozenset[str]:
+    """The GPUs deo's workers hold in ``state``."""
+    return frozenset(gpu for worker in state.workers.values() for gpu in worker.gpus)
+
+
+def sample_filter(
+    settings: NvmlSettings,
+    cordon: Callable[[], CordonRules] | None,
+    held: Callable[[], Collection[str]] = frozenset,
+) -> SampleFilter | None:
+    """The filter ``settings`` ask for; None (every reading) without rules or keep-alive."""
+    if cordon is None or settings.keepalive_s <= 0:
+        return None
+    return SampleFilter(settings, cordon, held)
 
 
 def _unavailable(exc: NvmlUnavailable) -> str:

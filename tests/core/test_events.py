@@ -55,6 +55,7 @@ GOOD: dict[str, Any] = {
     "subject": "envs",
     "interval_s": 0.5,
     "worker_ids": frozenset({"envs-0", "envs-1"}),
+    "seen_t": 1.0,
     "detail": "pid 4243 (child of pid 4242)",
     "port": 18000,
     "waiting_requests": 2,

@@ -11,6 +11,7 @@ events, reduced again from scratch, give the same commands.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -190,7 +191,7 @@ class ReducerMachine(RuleBasedStateMachine):
         if after is None or any(isinstance(c, SpawnWorker) and c.pool == pool for c in commands):
             return
         short = self.state.counted(pool) < after.target
-        backing_off = self.state.now < after.backoff_until_t
+        backing_off = bool(after.retries) and self.state.now < after.backoff_until_t
         no_gpus = free_healthy_gpus(self.state) < after.spec.gpus_per_worker
         no_ports = (AlertName.NO_FREE_PORTS, pool) in self.state.alerts
         starting = [
@@ -206,19 +207,15 @@ class ReducerMachine(RuleBasedStateMachine):
         )
 
     def check_backoff_reset(self, before: State) -> None:
-        """5. A crash loop ends only when a worker started since the last failure stayed up."""
-        for name, old in before.pools.items():
-            new = self.state.pools.get(name)
-            if new is None or not old.failures or new.failures or old.last_failure_t is None:
+        """5. A slot's crash loop ends only when its worker stayed up for ``early_exit_s``."""
+        for worker_id, old in before.workers.items():
+            new = self.state.workers.get(worker_id)
+            if new is None or not old.attempt or new.attempt:
                 continue
-            early = new.spec.crash_loop.early_exit_s
-            assert any(
-                w.pool == name
-                and w.started_t is not None
-                and w.started_t >= old.last_failure_t
-                and self.state.now - w.started_t >= early
-                for w in before.workers.values()
-            ), f"5: {name}'s failures reset at t={self.state.now} without a healthy run"
+            early = self.state.pools[new.pool].spec.crash_loop.early_exit_s
+            assert new.started_t is not None and self.state.now - new.started_t >= early, (
+                f"5: {worker_id}'s slot failures reset at t={self.state.now} without a healthy run"
+            )
 
     def check_history(self, before: State, command: Command) -> None:
         if isinstance(command, ScalePool) and command.source == "policy":
@@ -229,9 +226,14 @@ class ReducerMachine(RuleBasedStateMachine):
                 since = self.t - self.last_policy_up[command.pool]
                 assert since >= spec.stabilization_s, f"4: flap on {command.pool} after {since}s"
         if isinstance(command, SpawnWorker):
-            pool = self.state.pools.get(command.pool)
-            if pool is not None and pool.failures and pool.last_failure_t is not None:
-                earliest = pool.last_failure_t + pool.spec.crash_loop.backoff_s(pool.failures)
+            pool = before.pools.get(command.pool)
+            worker = self.state.workers.get(command.worker_id)
+            if pool is not None and worker is not None and worker.attempt:
+                rules = pool.spec.crash_loop
+                earliest = min(
+                    (t + rules.backoff_s(n) for t, n in pool.retries if n == worker.attempt),
+                    default=math.inf,
+                )
                 assert self.t >= earliest, f"5: {command.worker_id} spawned before {earliest}"
 
     @property

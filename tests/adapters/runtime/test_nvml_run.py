@@ -83,6 +83,7 @@ port = 0
 backend = "file"
 file = "gpus.json"
 interval_s = 0.2
+keepalive_s = 1.0
 [cordon]
 uncordon_after_s = {UNCORDON_AFTER_S}
 [pools.envs]

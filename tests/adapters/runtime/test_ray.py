@@ -443,11 +443,18 @@ def test_a_multi_gpu_worker_gets_its_gpus_on_one_node_and_never_across_nodes(
         ["a:0", "a:1", "x:0", "y:0"],
     )
     d.start()
-    failed = wait_for("the spawn across nodes refused", lambda: d.events("SpawnFailed"))[0]
-    assert "GPUs x:0, y:0 are on 2 nodes; one worker's GPUs must share a node" in failed["error"]
+    # x:0 and y:0 are free but on two nodes: the second worker is not placed, and says why.
+    [(_, alert)] = wait_for(
+        "the second worker held back",
+        lambda: [a for a in d.commands("RaiseAlert") if a[1]["alert"] == "no_free_gpus"],
+    )
+    assert (
+        alert["alert"] == "no_free_gpus" and "2 free healthy GPU(s) on one node" in alert["reason"]
+    )
     [(worker_id, got)] = wait_for("the pair's record", lambda: list(recorded(seen_dir).items()))
     assert got["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert got["DEO_RAY_NODE_ID"] == cluster.node_ids()["a"]
     assert gpus_of(d)[worker_id] == ["a:0", "a:1"]
+    assert not d.events("SpawnFailed") and len(d.commands("SpawnWorker")) == 1
     d.stop()
     verified(d)
