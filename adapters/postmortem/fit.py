@@ -46,6 +46,7 @@ from adapters.sim.scenario import FAULT_KINDS, EnvPool, Fault, Pause, Phase, Sce
 from core import (
     Config,
     Configured,
+    DeoError,
     GpuLost,
     LoadSampled,
     PoolSpec,
@@ -81,7 +82,7 @@ DEFAULT_LATENCY_SIGMA = 0.8
 PHASE_CHANGE = 0.25
 
 
-class FitError(ValueError):
+class FitError(DeoError, ValueError):
     """The log cannot be fitted; the message says why."""
 
 

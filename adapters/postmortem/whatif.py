@@ -34,7 +34,7 @@ from adapters.sim.driver import simulate
 from adapters.sim.metrics import Metrics
 from adapters.sim.scenario import EnvPool, Scenario, parse_override
 from bench.baselines import CATALOG, baseline_specs
-from core import ConfigError, PolicySpec
+from core import ConfigError, DeoError, PolicySpec
 
 __all__ = ["Change", "FitError", "WhatIfError", "parse_changes", "run_what_if"]
 
@@ -54,7 +54,7 @@ FIT_TOLERANCE = 0.10
 STARVATION_FLOOR = 0.005
 
 
-class WhatIfError(ValueError):
+class WhatIfError(DeoError, ValueError):
     """A --what-if that cannot be run; the message names what was wrong."""
 
 
