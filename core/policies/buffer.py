@@ -389,10 +389,12 @@ class BufferPolicy:
                 if cap is not None:
                     target = min(target, max(cap, current))
                 if target > current:
-                    # Short, with the pool in place (its workers' groups in): no removal comes
-                    # back to this count.
+                    # Short (it would empty the queue within a start-up, or p is measured over
+                    # its window, not from the cold start's first groups), with the pool in place
+                    # (its workers' groups in): no removal comes back to this count.
                     placed = t - memory.active_changed_t >= max(startup, 2 * settle_s)
-                    if placed and context.active >= current:
+                    known = memory.production_seen_s >= self.production_window_s
+                    if placed and (known or projected < 0) and context.active >= current:
                         memory = replace(memory, short_workers=current, short_demand_seqs_s=demand)
                     return Decision(
                         target=target,
@@ -457,9 +459,9 @@ class BufferPolicy:
         cooldown = max(self.down_cooldown_s, startup, min(4 * step_s, 2 * startup))
         floor = 0
         short = memory.short_workers
-        # Demand estimates wander by more than a worker's production when steps are short; a
-        # real fall is more than that and a quarter.
-        fell = memory.short_demand_seqs_s - max(per_worker, memory.short_demand_seqs_s / 4)
+        # Demand estimates wander by a quarter when steps are short and uneven; a real fall
+        # (a slower trainer) is more than that and more than a worker makes.
+        fell = min(memory.short_demand_seqs_s - per_worker, 0.6 * memory.short_demand_seqs_s)
         if short is not None and demand > fell:
             floor = short + 1
         settle = max(4 * step_s, 10.0)
