@@ -373,7 +373,7 @@ class BufferPolicy:
         warming = since_up < startup + settle_s and t - memory.active_changed_t < settle_s
         if starving and since_up >= startup and not warming:
             return self._grow(context, memory, figures, workers, batch)
-        if measurable and queue < target_seqs:
+        if measurable and queue < target_seqs and not warming:
             # Workers still starting produce only once started: credit them for the part of
             # the horizon after half a start-up (they are, on average, half-way there).
             starting = max(context.current - context.active, 0)
