@@ -64,14 +64,23 @@ Rules, in order:
 3. Add: a queue below the target that, projected a start-up ahead (workers still starting count
    half-way through it), would empty, or stays below the band: up to max(n, balance, count + 1)
    (not the + 1 while workers are still starting).
-   Within a start-up of a removal only a queue below the band adds workers.
+   Within a start-up of a removal only a queue below the band adds workers, and nothing is
+   added while the last addition's workers have just become active (their groups are still in
+   generation).
 4. Hold up to the band's top, while a batch waits but the trainer takes none for four steps (a
    pause, or a slowdown: the next step tells), and until demand has been measured after a pause.
-5. Remove when both Q and the latest sample are above the band: to max(balance, safe, count -
-   ``max_down_fraction`` x count), where safe is the fewest workers that keep the queue inside the
-   band for a start-up at the measured demand; at the off-policy limit (where p rests on its
-   bound) a twentieth of the pool at a time. At most once per max(``down_cooldown_s``, T,
-   min(4 steps, 2 T)): each removal shows in the queue before the next.
+5. Remove when both Q and the latest sample are above the band, with hysteresis in whole
+   workers (a fractional need would otherwise make the count alternate between neighbours): the
+   count must exceed the need D / p by a whole worker plus the production spread in workers
+   (how far production wanders over a start-up), and, unless it exceeds it by twice that, for 3
+   start-ups and 8 steps in a row. The removal goes to max(ceil(need + spread), safe, count -
+   ``max_down_fraction`` x count), where safe is the fewest workers that keep the queue inside
+   the band for a start-up at the measured demand. At the off-policy limit (where p is not
+   measured and rests on its bound) a twentieth of the pool at a time. No removal goes back to
+   the last count found short (rule 3 added to it with the pool in place, its workers' groups
+   in) unless demand fell by more than a worker makes and by 40%: that count emptied the queue
+   once. At most once per max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in
+   the queue before the next.
 """
 
 from __future__ import annotations
