@@ -60,7 +60,8 @@ Rules, in order:
    and takes only what the envs make, so demand is at least that. Once a start-up has passed
    since the last applied addition, grow by 1 + (``max_up_factor`` - 1) x the hungry share (a
    dip in the jitter adds a worker or two; a trainer that sped up unseen doubles the pool per
-   start-up), unless the shared inference saturates (or the pool is at its maximum).
+   start-up), unless the shared inference saturates (or the pool is at its maximum), and not
+   while the last addition's workers have just become active.
 3. Add: a queue below the target that, projected a start-up ahead (workers still starting count
    half-way through it), would empty, or stays below the band: up to max(n, balance, count + 1)
    (not the + 1 while workers are still starting).
@@ -76,11 +77,12 @@ Rules, in order:
    start-ups and 8 steps in a row. The removal goes to max(ceil(need + spread), safe, count -
    ``max_down_fraction`` x count), where safe is the fewest workers that keep the queue inside
    the band for a start-up at the measured demand. At the off-policy limit (where p is not
-   measured and rests on its bound) a twentieth of the pool at a time. No removal goes back to
-   the last count found short (rule 3 added to it with the pool in place, its workers' groups
-   in) unless demand fell by more than a worker makes and by 40%: that count emptied the queue
-   once. At most once per max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in
-   the queue before the next.
+   measured and rests on its bound) a twentieth of the pool at a time, and once a count has been
+   found short, only down to the need plus the spread at the p last measured. No removal goes
+   back to the last count found short (rule 3 added to it with the pool in place, its workers'
+   groups in) unless demand fell by more than a worker makes and by 40%: that count emptied the
+   queue once. At most once per max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal
+   shows in the queue before the next.
 """
 
 from __future__ import annotations
