@@ -60,18 +60,29 @@ Rules, in order:
    and takes only what the envs make, so demand is at least that. Once a start-up has passed
    since the last applied addition, grow by 1 + (``max_up_factor`` - 1) x the hungry share (a
    dip in the jitter adds a worker or two; a trainer that sped up unseen doubles the pool per
-   start-up), unless the shared inference saturates (or the pool is at its maximum).
+   start-up), unless the shared inference saturates (or the pool is at its maximum), and not
+   while the last addition's workers have just become active.
 3. Add: a queue below the target that, projected a start-up ahead (workers still starting count
    half-way through it), would empty, or stays below the band: up to max(n, balance, count + 1)
    (not the + 1 while workers are still starting).
-   Within a start-up of a removal only a queue below the band adds workers.
+   Within a start-up of a removal only a queue below the band adds workers, and nothing is
+   added while the last addition's workers have just become active (their groups are still in
+   generation).
 4. Hold up to the band's top, while a batch waits but the trainer takes none for four steps (a
    pause, or a slowdown: the next step tells), and until demand has been measured after a pause.
-5. Remove when both Q and the latest sample are above the band: to max(balance, safe, count -
-   ``max_down_fraction`` x count), where safe is the fewest workers that keep the queue inside the
-   band for a start-up at the measured demand; at the off-policy limit (where p rests on its
-   bound) a twentieth of the pool at a time. At most once per max(``down_cooldown_s``, T,
-   min(4 steps, 2 T)): each removal shows in the queue before the next.
+5. Remove when both Q and the latest sample are above the band, with hysteresis in whole
+   workers (a fractional need would otherwise make the count alternate between neighbours): the
+   count must exceed the need D / p by a whole worker plus the production spread in workers
+   (how far production wanders over a start-up), and, unless it exceeds it by twice that, for 3
+   start-ups and 8 steps in a row. The removal goes to max(ceil(need + spread), safe, count -
+   ``max_down_fraction`` x count), where safe is the fewest workers that keep the queue inside
+   the band for a start-up at the measured demand. At the off-policy limit (where p is not
+   measured and rests on its bound) a twentieth of the pool at a time, and once a count has been
+   found short, only down to the need plus the spread at the p last measured. No removal goes
+   back to the last count found short (rule 3 added to it with the pool in place, its workers'
+   groups in) unless demand fell by more than a worker makes and by 40%: that count emptied the
+   queue once. At most once per max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal
+   shows in the queue before the next.
 """
 
 from __future__ import annotations
@@ -94,6 +105,9 @@ _DEMAND_STEPS = 30.0
 _FAST_STEPS = 3.0
 #: Steps without an advance, with a batch waiting, that make a pause.
 _PAUSE_STEPS = 4.0
+#: A removal within twice its margin waits this many start-ups plus trainer steps of excess.
+_REMOVAL_STARTUPS = 3.0
+_REMOVAL_STEPS = 8.0
 
 
 def _floats(value: Iterable[float]) -> tuple[float, ...]:
@@ -164,6 +178,17 @@ class BufferMemory:
     #: The count the shared inference saturates at, and until when that holds.
     saturated_workers: int | None = None
     saturated_until_t: float = 0.0
+    #: Since when the pool has held more workers than the need plus the removal margin, with
+    #: the queue above the band (None: not now). A removal needs a window of it.
+    excess_since_t: float | None = None
+    #: The last count found short (the trainer starved or the queue fell below the band at
+    #: it), and the demand then: no removal goes back to it unless demand fell by more than a
+    #: worker makes.
+    short_workers: int | None = None
+    short_demand_seqs_s: float = 0.0
+    #: Seconds of production measured since the active count last changed (p is then the
+    #: present pool's, not a stale one).
+    fresh_s: float = 0.0
 
 
 def _average(
@@ -292,7 +317,9 @@ class BufferPolicy:
             return self._without_rates(context, memory, raw / batch)
         previous_raw = memory.last_queued_seqs
         dt = max(t - memory.last_t, 0.0)
-        memory = self._measure(context, memory)
+        # Each sample decides anew whether the excess lasts (only the removal rule carries it).
+        excess_since = memory.excess_since_t
+        memory = replace(self._measure(context, memory), excess_since_t=None)
         demand, per_worker = memory.demand_seqs_s, memory.per_worker_seqs_s
         queue = memory.queue_seqs
         measurable = queue < self._offpolicy_seqs(batch)
@@ -341,6 +368,7 @@ class BufferPolicy:
         # Fed, the queue holds a batch or more before each step; starving, it never reaches one
         # and averages about half of one.
         starving = max(raw, previous_raw) < batch and queue < 0.6 * batch
+        settle_s = max(4 * step_s, 10.0)
         if cap is not None and current > cap:
             return Decision(
                 target=cap,
@@ -351,9 +379,12 @@ class BufferPolicy:
             # A removal made to test for saturation: nothing else moves the pool until judged.
             settle = self._production_settle_s(memory, batch)
             return self._judge_shed(context, memory, figures, settle, startup)
-        if starving and since_up >= startup:
+        # The workers of the last addition just became active: their first groups are still in
+        # generation, so a trainer still waiting is no reason to grow yet.
+        warming = since_up < startup + settle_s and t - memory.active_changed_t < settle_s
+        if starving and since_up >= startup and not warming:
             return self._grow(context, memory, figures, workers, batch)
-        if measurable and queue < target_seqs:
+        if measurable and queue < target_seqs and not warming:
             # Workers still starting produce only once started: credit them for the part of
             # the horizon after half a start-up (they are, on average, half-way there).
             starting = max(context.current - context.active, 0)
@@ -369,6 +400,13 @@ class BufferPolicy:
                 if cap is not None:
                     target = min(target, max(cap, current))
                 if target > current:
+                    # Short (it would empty the queue within a start-up, or p is measured over
+                    # its window, not from the cold start's first groups), with the pool in place
+                    # (its workers' groups in): no removal comes back to this count.
+                    placed = t - memory.active_changed_t >= max(startup, 2 * settle_s)
+                    known = memory.production_seen_s >= self.production_window_s
+                    if placed and (known or projected < 0) and context.active >= current:
+                        memory = replace(memory, short_workers=current, short_demand_seqs_s=demand)
                     return Decision(
                         target=target,
                         reason=f"{figures}; {projected / batch:.2f} batches in {startup:.0f}s "
@@ -394,28 +432,122 @@ class BufferPolicy:
                 f"trainer resumed, {window:.0f}s needed -> hold {current}",
                 memory=memory,
             )
+        return self._remove(context, memory, figures, batch, per_worker, excess_since)
+
+    def removal_margin_workers(
+        self, memory: BufferMemory, per_worker: float, startup: float
+    ) -> float:
+        """How far production wanders over a start-up, in workers: the pool keeps that many
+        above the need, and removes only once it holds a whole worker more (whole workers and a
+        fractional need would otherwise alternate between neighbouring counts)."""
+        if memory.spread_var_seqs2 is None or memory.spreads_seen < 2 or per_worker <= 0:
+            return 0.0
+        return math.sqrt(memory.spread_var_seqs2) / max(startup, 1.0) / per_worker
+
+    def _remove(
+        self,
+        context: PolicyContext,
+        memory: BufferMemory,
+        figures: str,
+        batch: int,
+        per_worker: float,
+        excess_since: float | None,
+    ) -> Decision:
+        """Rule 5: the queue is above the band. Whole workers and a fractional need would
+        alternate between neighbouring counts, so a removal keeps the need plus the production
+        spread, needs a whole worker more than that, and, unless the excess is clear (twice
+        that), an excess lasting a window that spans the jitter. It never goes back to a count
+        found short while demand has not fallen by more than a worker makes."""
+        t, current = context.t, self.in_force(context)
+        demand = memory.demand_seqs_s or 0.0
+        queue = memory.queue_seqs
+        startup = self.startup(memory)
+        step_s = batch / demand if demand > 0 else math.inf
+        low_seqs = (self.target(memory, batch) - self.band_batches) * batch
+        since_down = math.inf if memory.last_down_t is None else t - memory.last_down_t
         # A removal shows in the queue once the workers' last groups are in: a start-up (the
         # time to bring one back if it was wrong) before the next.
         cooldown = max(self.down_cooldown_s, startup, min(4 * step_s, 2 * startup))
-        why = "" if measurable else "queue at the off-policy limit, "
-        # The fewest workers that keep the queue inside the band for a start-up (the time it
-        # takes to bring one back if this was wrong).
+        floor = 0
+        short = memory.short_workers
+        # Demand estimates wander by a quarter when steps are short and uneven; a real fall
+        # (a slower trainer) is more than that and more than a worker makes.
+        fell = min(memory.short_demand_seqs_s - per_worker, 0.6 * memory.short_demand_seqs_s)
+        if short is not None and demand > fell:
+            floor = short + 1
+        settle = max(4 * step_s, 10.0)
+        at_limit = queue >= self._offpolicy_seqs(batch) or (
+            memory.limit_t is not None and t - memory.limit_t < settle
+        )
+        # p measured over two start-ups of the present pool is trusted over its bound.
+        fresh = memory.fresh_s >= 2 * startup and memory.per_worker_seqs_s is not None
+        if fresh and memory.per_worker_seqs_s:
+            per_worker = memory.per_worker_seqs_s
+        need = demand / per_worker
+        if at_limit and not fresh:
+            # The envs hold back at the off-policy limit, so p is not measured there and may
+            # rest on its lower bound D / active (every estimate of the need reads high): step
+            # down by a twentieth of the pool until the queue leaves the limit, never to a
+            # count found short.
+            step = max(1, math.floor(current / 20))
+            if floor:
+                # A count was found short, with p measured as the queue drained: down to the
+                # need plus the spread, never below what was short.
+                measured = memory.per_worker_seqs_s or per_worker
+                spread = self.removal_margin_workers(memory, measured, startup)
+                kept = math.ceil(demand / measured + spread - 1e-9)
+                target = max(current - step, kept, floor, 0)
+            else:
+                balanced = math.ceil(need - 1e-9)
+                target = max(min(balanced, current - 1), current - step, 0)
+            if target < current and since_down >= cooldown:
+                return Decision(
+                    target=target,
+                    reason=f"{figures}; queue at the off-policy limit -> stepping down to {target}",
+                    memory=memory,
+                )
+            why = f", {short} were short" if floor >= current else ""
+            return Decision(
+                target=current,
+                reason=f"{figures}; queue at the off-policy limit{why} -> hold {current}",
+                memory=memory,
+            )
+        spread = self.removal_margin_workers(memory, per_worker, startup)
+        margin = 1.0 + spread
+        excess = current - need
+        if excess < margin or floor >= current:
+            # Fewer to spare than that: the queue rests higher (a little lag), where a removal
+            # would bring the count back up.
+            why = f"{short} were short" if floor >= current else f"a removal needs {margin:.2f}"
+            return Decision(
+                target=current,
+                reason=f"{figures}; need {need:.2f} workers, {excess:.2f} over ({why}) "
+                f"-> hold {current}",
+                memory=memory,
+            )
+        since = excess_since if excess_since is not None else t
+        memory = replace(memory, excess_since_t=since)
+        span = _REMOVAL_STARTUPS * startup + _REMOVAL_STEPS * min(step_s, startup)
+        if excess < 2 * margin and t - since < span:
+            return Decision(
+                target=current,
+                reason=f"{figures}; need {need:.2f} workers, {excess:.2f} over for "
+                f"{t - since:.0f}s of the {span:.0f}s a removal needs -> hold {current}",
+                memory=memory,
+            )
+        # The need plus the spread, and the fewest workers that keep the queue inside the band
+        # for a start-up (the time it takes to bring one back if this was wrong).
+        kept = math.ceil(need + spread - 1e-9)
         horizon = startup + 4 * step_s
         safe = math.ceil((demand - (queue - low_seqs) / horizon) / per_worker - 1e-9)
         step = max(1, math.floor(current * self.max_down_fraction))
-        if measurable:
-            # At balance the excess drains as the jitter allows; further would only empty it.
-            target = max(safe, balanced, current - step, 0)
-        else:
-            # At the limit the envs hold back and p rests on its lower bound (every estimate
-            # reads high): step down by a twentieth until the queue leaves the limit.
-            step = max(1, math.floor(current / 20))
-            target = max(min(balanced, current - 1), current - step, 0)
+        target = min(max(safe, kept, floor, current - step, 0), current)
         if target < current and since_down >= cooldown:
             return Decision(
                 target=target,
-                reason=f"{figures} -> {workers} workers; {why}stepping down to {target}",
-                memory=memory,
+                reason=f"{figures}; need {need:.2f} workers, {excess:.2f} over (a removal needs "
+                f"{margin:.2f}) -> stepping down to {target}",
+                memory=replace(memory, excess_since_t=None),
             )
         return Decision(target=current, reason=f"{figures} -> hold {current}", memory=memory)
 
@@ -621,6 +753,8 @@ class BufferPolicy:
         changes.update(pending_t=tuple(pending), startup_s=startup, startups_seen=seen)
         if context.active > memory.last_active:
             changes["active_changed_t"] = t
+        if context.active != memory.last_active:
+            changes["fresh_s"] = 0.0
         if dt <= 0:
             return replace(memory, **changes)
         step_s = self.step_s(memory, batch)
@@ -699,6 +833,8 @@ class BufferPolicy:
             changes["production_seen_s"] = min(
                 memory.production_seen_s + dt, self.production_window_s
             )
+            if context.active == memory.last_active:
+                changes["fresh_s"] = memory.fresh_s + dt
             if memory.production_seen_s >= settle:  # not the first noisy intervals
                 p = changes["per_worker_seqs_s"]
                 assert isinstance(p, float)

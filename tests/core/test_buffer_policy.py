@@ -350,3 +350,79 @@ def test_starving_at_the_maximum_tries_fewer_workers_when_production_per_worker_
                  max_workers=20, desired=15)  # fmt: skip
     assert fell.target == 20, fell.reason
     assert fell.memory.saturated_workers is None
+
+
+# --- hysteresis in whole workers -----------------------------------------------------------------
+
+
+def hold_queue(start: BufferMemory, count: int, seconds: float) -> list[Decision]:
+    """Samples every 2 s for ``seconds``, the measurements and the count held as they are (only
+    the time and what the policy remembers of the excess move on)."""
+    decisions, memory = [], start
+    for _ in range(round(seconds / 2)):
+        decision = probe(memory, count)
+        decisions.append(decision)
+        after = decision.memory
+        memory = replace(
+            start,
+            last_t=after.last_t,
+            last_step=after.last_step,
+            last_advance_t=after.last_advance_t,
+            excess_since_t=after.excess_since_t,
+        )
+    return decisions
+
+
+def test_a_marginal_excess_is_removed_only_once_it_has_lasted() -> None:
+    # Need 32 / 4.2 = 7.6 workers; 9 leave 1.4 over, more than the margin with no spread (1)
+    # but less than twice it: the queue above the band is not removed from at once, only after
+    # 3 start-ups and 8 steps (76 s) of it.
+    start = settled(queue_seqs=130.0, per_worker_seqs_s=4.2, last_active=9, last_desired=9)
+    decisions = hold_queue(start, 9, 100.0)
+    removals = [k for k, d in enumerate(decisions) if d.target < 9]
+    assert removals, decisions[-1].reason
+    first = removals[0]
+    assert 2.0 * first >= 76.0  # the excess was first seen at the first sample
+    assert "of the 76s a removal needs" in decisions[0].reason
+    assert decisions[first].target == 8
+    # Twice the margin over is clear: at once.
+    assert probe(settled(queue_seqs=130.0), 10).target == 8
+
+
+def test_no_removal_leaves_less_than_a_whole_worker_plus_the_spread() -> None:
+    # Production wanders by 0.5 worker over a start-up (4 seq/s x 0.5 x 20 s): 9 workers leave
+    # 1 over, under the 1.5 a removal needs, however long the queue stays above the band (the
+    # target is 1 + 40 / 64 batches, the band's top 136 seq).
+    memory = settled(queue_seqs=150.0, spread_var_seqs2=40.0**2, spreads_seen=5, last_active=9)
+    decisions = hold_queue(memory, 9, 300.0)
+    assert all(d.target == 9 for d in decisions), decisions[-1].reason
+    assert "a removal needs 1.50" in decisions[-1].reason
+    # 12 leave 4 over, more than twice the margin: down to the need plus the spread, 9.
+    assert probe(memory, 12).target == 9
+
+
+def test_no_removal_goes_back_to_a_count_found_short() -> None:
+    # 8 workers emptied the queue at this demand (an addition brought a 9th): with the queue
+    # above the band and p reading a need of 32 / 4.5 = 7.1, the pool stays at 9.
+    short = settled(queue_seqs=130.0, per_worker_seqs_s=4.5, short_workers=8,
+                    short_demand_seqs_s=32.0)  # fmt: skip
+    decisions = hold_queue(short, 9, 200.0)
+    assert all(d.target == 9 for d in decisions), decisions[-1].reason
+    assert "8 were short" in decisions[-1].reason
+    assert probe(short, 12).target == 9
+    # Demand halved (a slower trainer, not the jitter of the estimate): 8 may go.
+    slower = replace(short, demand_seqs_s=16.0, fast_demand_seqs_s=16.0, last_advance_t=98.0)
+    assert probe(slower, 9).target < 9
+
+
+def test_an_addition_with_the_pool_in_place_marks_the_count_short() -> None:
+    # 8 workers for a while, p measured over its window, and the queue would empty within a
+    # start-up (8 x 4 < 36 seq/s): more, and 8 is short.
+    memory = settled(queue_seqs=40.0, active_changed_t=0.0, production_seen_s=300.0,
+                     demand_seqs_s=36.0, fast_demand_seqs_s=36.0)  # fmt: skip
+    decision = probe(memory, 8)
+    assert decision.target >= 9, decision.reason
+    assert decision.memory.short_workers == 8
+    # The cold start's pool, just in place: no mark (its p is from the first groups).
+    fresh = replace(memory, active_changed_t=95.0, production_seen_s=30.0)
+    assert probe(fresh, 8).memory.short_workers is None
