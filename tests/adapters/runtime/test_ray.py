@@ -22,6 +22,16 @@ from typing import Any
 
 import pytest
 
+#: For the cluster's processes, this test process and each deo (set before Ray is imported: it
+#: reads them then): loopback addresses stay loopback (Ray otherwise swaps 127.0.0.1 for the
+#: host's address), and a head outage of a few seconds ends no Raylet or driver.
+RAY_ENVIRON = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_gcs_rpc_server_reconnect_timeout_s": "300",
+}
+for _key, _value in RAY_ENVIRON.items():
+    os.environ.setdefault(_key, _value)
+
 ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -44,13 +54,6 @@ NODE_ARGS: dict[str, Any] = {
     # Workers' ports from the kernel, not Ray's fixed range another suite's cluster shares.
     "min_worker_port": 0,
     "max_worker_port": 0,
-}
-#: For the cluster's processes, this test process and each deo: loopback addresses stay
-#: loopback (Ray otherwise swaps 127.0.0.1 for the host's address), and a head outage of a few
-#: seconds ends no Raylet or driver.
-RAY_ENVIRON = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_gcs_rpc_server_reconnect_timeout_s": "300",
 }
 
 
@@ -140,20 +143,11 @@ class RayCluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RayCluster]:
-    saved = {key: os.environ.get(key) for key in RAY_ENVIRON}
-    os.environ.update(RAY_ENVIRON)
+    started = RayCluster()
     try:
-        started = RayCluster()
-        try:
-            yield started
-        finally:
-            started.shutdown()
+        yield started
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        started.shutdown()
 
 
 @pytest.fixture
@@ -596,6 +590,8 @@ def test_a_head_outage_raises_one_alert_blocks_nothing_and_ends_with_it(
     )
     d.config.write_text(d.config.read_text() + "call_timeout_s = 1.0\n")
     d.start()
+    # Started: its actors reconciled and its configuration taken (both ask the head).
+    wait_for("deo running", lambda: d.events("Configured") and d.events("Tick"))
     alert = {"alert": "cluster_unreachable", "subject": cluster.address}
     gcs = cluster.gcs_pid()
     os.kill(gcs, signal.SIGSTOP)  # the head stops answering, its state intact
