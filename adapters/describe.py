@@ -65,6 +65,10 @@ def event_line(event: e.Event) -> str | None:
             return f"started    {w} pid {pid}"
         case e.SourceDown(pool=p, error=err):
             return f"source     {p} down: {err}"
+        case e.ClusterUnreachable(address=addr, error=err):
+            return f"cluster    {addr} unreachable: {err}"
+        case e.ClusterReachable(address=addr):
+            return f"cluster    {addr} answers again"
         case e.GpuLost(gpu_id=g, error=err):
             return f"gpu-lost   GPU {g}: {err}"
         case e.AutoscalingPaused(pool=p):

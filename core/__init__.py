@@ -38,6 +38,8 @@ from core.errors import (
 from core.events import (
     AutoscalingPaused,
     AutoscalingResumed,
+    ClusterReachable,
+    ClusterUnreachable,
     Configured,
     DrainRequested,
     EngineAsleep,
@@ -74,6 +76,8 @@ from core.state import Gpu, PoolState, State, Worker
 __all__ = [
     "AutoscalingPaused",
     "AutoscalingResumed",
+    "ClusterReachable",
+    "ClusterUnreachable",
     "Command",
     "Config",
     "ConfigError",

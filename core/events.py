@@ -17,6 +17,8 @@ from core.errors import InvalidEvent
 __all__ = [
     "AutoscalingPaused",
     "AutoscalingResumed",
+    "ClusterReachable",
+    "ClusterUnreachable",
     "Configured",
     "DrainRequested",
     "EngineAsleep",
@@ -197,6 +199,23 @@ class SourceDown(Event):
 
     pool: Name
     error: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class ClusterUnreachable(Event):
+    """The cluster the workers run on (a Ray head at ``address``) does not answer: its workers
+    are not taken for lost on a guess, and a ``cluster_unreachable`` alert stays raised until
+    :class:`ClusterReachable`."""
+
+    address: Name
+    error: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class ClusterReachable(Event):
+    """The cluster at ``address`` answers again (or answered when deo started)."""
+
+    address: Name
 
 
 # --- workers -------------------------------------------------------------------------------------

@@ -367,6 +367,19 @@ def _uncordon_requested(step: Step, event: e.GpuUncordonRequested) -> None:
         step.resolve_alert(alert, gpu.gpu_id, "operator uncordon")
 
 
+def _cluster_unreachable(step: Step, event: e.ClusterUnreachable) -> None:
+    step.raise_alert(
+        AlertName.CLUSTER_UNREACHABLE,
+        event.address,
+        f"the cluster at {event.address} does not answer ({event.error}): no worker is taken "
+        f"for lost until it does",
+    )
+
+
+def _cluster_reachable(step: Step, event: e.ClusterReachable) -> None:
+    step.resolve_alert(AlertName.CLUSTER_UNREACHABLE, event.address, "the cluster answers again")
+
+
 def _sampled(step: Step, event: e.QueueSampled | e.LoadSampled) -> None:
     step.sampled(step.pool(event.pool, event), event)
 
@@ -612,6 +625,8 @@ HANDLERS: Mapping[type, Callable[[Step, Any], None]] = MappingProxyType(
         e.QueueSampled: _sampled,
         e.LoadSampled: _sampled,
         e.SourceDown: _source_down,
+        e.ClusterUnreachable: _cluster_unreachable,
+        e.ClusterReachable: _cluster_reachable,
         e.WorkerStarted: _started,
         e.WorkerReady: _ready,
         e.WorkerExited: _exited,

@@ -47,6 +47,7 @@ class AlertName(enum.StrEnum):
     BELOW_MIN = "below_min"  # pool: fewer counted workers than its minimum
     PRESSURE_STALE = "pressure_stale"  # pool: no pressure sample for too long
     SOURCE_DOWN = "source_down"  # pool: its pressure source fails
+    CLUSTER_UNREACHABLE = "cluster_unreachable"  # cluster address: the executor's cluster is down
     QUEUE_BACKLOG = "queue_backlog"  # pool: more queued than the trainer can use fresh
     GPU_ERRORS = "gpu_errors"  # GPU: new XID/ECC errors
     GPU_LOST = "gpu_lost"  # GPU: gone from the driver

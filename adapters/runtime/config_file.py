@@ -64,6 +64,9 @@ class ExecutorSettings:
     namespace: str | None = None
     #: How long a worker's actor may wait to be placed before its spawn fails.
     spawn_timeout_s: float = 120.0
+    #: How long one call to the cluster may go unanswered before the cluster counts as
+    #: unreachable (a ``cluster_unreachable`` alert).
+    call_timeout_s: float = 30.0
 
     def __attrs_post_init__(self) -> None:
         if self.kind not in EXECUTOR_KINDS:
@@ -74,8 +77,10 @@ class ExecutorSettings:
             raise ConfigError("executor.address: empty")
         if self.namespace is not None and not self.namespace:
             raise ConfigError("executor.namespace: empty")
-        if not (math.isfinite(self.spawn_timeout_s) and self.spawn_timeout_s > 0):
-            raise ConfigError(f"executor.spawn_timeout_s must be > 0, got {self.spawn_timeout_s}")
+        for key in ("spawn_timeout_s", "call_timeout_s"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"executor.{key} must be > 0, got {value}")
 
 
 @attrs.frozen(slots=True, kw_only=True)

@@ -81,6 +81,7 @@ __all__ = [
     "become_child_subreaper",
     "process_start_time",
     "processes_with",
+    "signal_for",
 ]
 
 log = logging.getLogger("deo.processes")
@@ -245,7 +246,7 @@ def _describe(exc: BaseException) -> str:
     return str(exc)
 
 
-def _signal_for(command: _Signalling) -> tuple[signal.Signals, bool]:
+def signal_for(command: _Signalling) -> tuple[signal.Signals, bool]:
     """The signal a command sends and whether it goes to the whole process group."""
     if isinstance(command, DrainWorker):
         try:
@@ -388,7 +389,7 @@ class LocalProcesses:
         if isinstance(command, SpawnWorker):
             self._spawn(command)
         elif isinstance(command, DrainWorker | TerminateWorker | KillWorker):
-            _signal_for(command)  # a bad signal name fails here, not when it is finally applied
+            signal_for(command)  # a bad signal name fails here, not when it is finally applied
             worker = self._workers.get(command.worker_id)
             if worker is not None:
                 self._signal(worker, command)
@@ -614,7 +615,7 @@ class LocalProcesses:
         self._watch(worker)
 
     def _signal(self, worker: _Worker, command: _Signalling) -> None:
-        sig, group = _signal_for(command)
+        sig, group = signal_for(command)
         if worker.exit is not None:
             return
         # The identity check and the signal run with no await between them. A child of ours

@@ -14,9 +14,13 @@ its process on a Ray node. What it reports is what the local executor reports: `
   custom resource ``deo-node:NODE`` when its Raylet starts (``ray start --resources
   '{"deo-node:gpu-a": 1}'``), and INDEX the GPU's CUDA index on that node. A worker on
   ``gpu-a:2,gpu-a:3`` is an actor placed on node gpu-a (it asks for a sliver of the node's
-  resource) that reserves 2 of Ray's ``GPU`` resources there, and the worker gets
+  resource) that reserves ``deo-gpu:gpu-a:2``, ``deo-gpu:gpu-a:3`` and 2 of Ray's ``GPU`` resources
+  there, and the worker gets
   ``CUDA_VISIBLE_DEVICES=2,3``: the core's choice, which is what the log records and what cordons
-  and GPU losses refer to. The GPUs of one worker must be on one node. CPU workers (no GPU) go
+  and GPU losses refer to. Each GPU is also declared as the custom resource ``deo-gpu:NODE:INDEX``
+  and the actor asks for those of its GPUs, so Ray reserves exactly them; a spawn whose GPUs Ray
+  counts under other indices fails (``SpawnFailed``) rather than share a GPU with something Ray
+  placed. The GPUs of one worker must be on one node. CPU workers (no GPU) go
   wherever Ray finds room.
 - Drain sends the pool's signal to the worker alone; terminate SIGTERM and kill SIGKILL go to its
   process group, as locally. The core's deadlines escalate.
@@ -24,8 +28,9 @@ its process on a Ray node. What it reports is what the local executor reports: `
   it) and is reported as ``WorkerExited`` without a code. A node that leaves the cluster loses
   its workers (their actors die with it) and its GPUs: ``GpuLost`` for each, so the core cordons
   them and places replacements elsewhere. When the cluster cannot be asked (the head does not
-  answer), every pool gets ``SourceDown``: the pools hold their counts, with an alert, and
-  nothing is scaled down on a guess.
+  answer within ``call_timeout_s``), deo says so once with ``ClusterUnreachable`` (a
+  ``cluster_unreachable`` alert) and ``ClusterReachable`` when it answers again; meanwhile no
+  worker is taken for lost and no GPU for gone on a guess.
 
 Ray's client calls block, so each runs in a worker thread (:func:`anyio.to_thread.run_sync`); one
 loop collects the exits of every worker with a single ``ray.wait``.
@@ -36,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -46,7 +52,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from adapters.runtime.config_file import RunSettings
-from adapters.runtime.processes import _signal_for
+from adapters.runtime.processes import signal_for
 from adapters.runtime.ray_host import GpuAgent, WorkerHost
 from adapters.sources.heartbeat import HEARTBEAT_ENV, heartbeat_path
 from adapters.sources.nvml import (
@@ -57,6 +63,8 @@ from adapters.sources.nvml import (
     sample_filter,
 )
 from core import (
+    ClusterReachable,
+    ClusterUnreachable,
     Command,
     ConfigError,
     DrainWorker,
@@ -65,7 +73,6 @@ from core import (
     KillWorker,
     LeftoverProcesses,
     LeftoverProcessesStopped,
-    SourceDown,
     SpawnFailed,
     SpawnWorker,
     State,
@@ -75,9 +82,11 @@ from core import (
     WorkerLost,
     WorkerStarted,
 )
+from core.vocabulary import AlertName
 
 __all__ = [
     "ACTOR_PREFIX",
+    "GPU_RESOURCE_PREFIX",
     "NODE_RESOURCE_PREFIX",
     "RayExecutor",
     "actor_name",
@@ -85,16 +94,20 @@ __all__ = [
     "default_namespace",
     "split_gpu_id",
 ]
-
 log = logging.getLogger("deo.ray")
 
 #: A node's deo name is declared as this custom resource plus the name (amount 1).
 NODE_RESOURCE_PREFIX = "deo-node:"
+#: Each GPU deo may use is declared as this custom resource plus ``NODE:INDEX`` (amount 1): a
+#: worker's actor asks for its GPUs' resources, so Ray reserves exactly the GPUs the core chose.
+GPU_RESOURCE_PREFIX = "deo-gpu:"
 #: Actors are named this plus the worker id, in the namespace of the deo log.
 ACTOR_PREFIX = "worker:"
 #: The sliver of a node's name resource an actor asks for: it only pins the actor to the node.
 _NODE_SLIVER = 0.001
 _Signalling = DrainWorker | TerminateWorker | KillWorker
+#: How many ended workers are remembered (a late command for one of them is ignored).
+_FINISHED_KEPT = 4096
 #: Ray's setting (read from the environment at ``ray.init``) for how long a driver waits for an
 #: unreachable head before it exits, and the value deo gives it: a week.
 _GCS_RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
@@ -125,7 +138,8 @@ class _Worker:
     worker_id: str
     pool: str | None
     gpus: tuple[str, ...]
-    actor: Any
+    #: Its Ray actor, once created.
+    actor: Any = None
     #: The ``wait`` call of its actor, once the worker runs.
     waiting: Any = None
     started: bool = False
@@ -170,7 +184,9 @@ class RayExecutor:
         self._spawn_timeout_s = spawn_timeout_s
         self._call_timeout_s = call_timeout_s
         self._workers: dict[str, _Worker] = {}
-        self._finished: set[str] = set()
+        #: The workers that ended most recently, oldest first (bounded: a long run with churn
+        #: ends millions).
+        self._finished: OrderedDict[str, None] = OrderedDict()
         self._pending: dict[str, list[_Signalling]] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
         self._host_class: Any = None
@@ -202,15 +218,18 @@ class RayExecutor:
     # --- commands ---------------------------------------------------------------------------------
 
     async def execute(self, command: Command) -> None:
-        """Carry out one command (spawns finish in the background: a placement can wait)."""
+        """Carry out one command. A spawn finishes in the background: creating a named actor is
+        a blocking call to the cluster's head, and placing it can wait."""
         if isinstance(command, SpawnWorker):
             self._spawn(command)
         elif isinstance(command, DrainWorker | TerminateWorker | KillWorker):
-            _signal_for(command)  # a bad signal name fails here
+            signal_for(command)  # a bad signal name fails here
             worker = self._workers.get(command.worker_id)
-            if worker is not None and worker.started:
+            if worker is None:
+                return  # ended (its exit is reported) or never spawned here
+            if worker.started:
                 self._signal(worker, command)
-            elif command.worker_id not in self._finished:
+            else:
                 self._pending.setdefault(command.worker_id, []).append(command)
 
     def _spawn(self, command: SpawnWorker) -> None:
@@ -222,15 +241,7 @@ class RayExecutor:
         except ValueError as exc:
             self._fail(worker_id, str(exc))
             return
-        actor = self._host_class.options(
-            name=actor_name(worker_id),
-            namespace=self.namespace,
-            lifetime="detached",
-            max_restarts=0,
-            num_cpus=0,
-            **options,
-        ).remote()
-        worker = _Worker(worker_id, command.pool, tuple(command.gpus), actor)
+        worker = _Worker(worker_id, command.pool, tuple(command.gpus))
         self._workers[worker_id] = worker
         env = {
             **self._environ,
@@ -241,10 +252,10 @@ class RayExecutor:
         if command.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(split_gpu_id(g)[1] for g in command.gpus)
         log_path = str(self._log_dir / f"{worker_id}.log")
-        started = actor.start.remote(list(command.argv), env, log_path)
-        self._later(self._finish_spawn, worker, started)
+        self._later(self._start, worker, options, list(command.argv), env, log_path)
 
     def _placement(self, gpus: Iterable[str]) -> dict[str, Any]:
+        gpus = list(gpus)
         nodes = {split_gpu_id(gpu)[0] for gpu in gpus}
         if not nodes:
             return {}
@@ -254,10 +265,39 @@ class RayExecutor:
                 f"a node"
             )
         (node,) = nodes
-        return {
-            "num_gpus": len(list(gpus)),
-            "resources": {NODE_RESOURCE_PREFIX + node: _NODE_SLIVER},
-        }
+        # The GPUs' own resources make Ray reserve exactly these GPUs; num_gpus keeps Ray's
+        # count of the node's GPUs true for anything else it places there.
+        resources = {GPU_RESOURCE_PREFIX + gpu: 1.0 for gpu in gpus}
+        resources[NODE_RESOURCE_PREFIX + node] = _NODE_SLIVER
+        return {"num_gpus": len(gpus), "resources": resources}
+
+    async def _start(
+        self,
+        worker: _Worker,
+        options: dict[str, Any],
+        argv: list[str],
+        env: dict[str, str],
+        log_path: str,
+    ) -> None:
+        def create() -> tuple[Any, Any]:
+            actor = self._host_class.options(
+                name=actor_name(worker.worker_id),
+                namespace=self.namespace,
+                lifetime="detached",
+                max_restarts=0,
+                num_cpus=0,
+                **options,
+            ).remote()
+            return actor, actor.start.remote(argv, env, log_path)
+
+        try:
+            # Ray registers a named actor with a synchronous call to its head, which stalls for
+            # as long as the head does not answer: never on deo's loop.
+            worker.actor, started = await anyio.to_thread.run_sync(create, abandon_on_cancel=True)
+        except Exception as exc:  # whatever Ray raises (a timeout, a name taken) fails the spawn
+            self._fail(worker.worker_id, f"Ray could not create its actor: {_first_line(exc)}")
+            return
+        await self._finish_spawn(worker, started)
 
     async def _finish_spawn(self, worker: _Worker, started: Any) -> None:
         try:
@@ -266,17 +306,22 @@ class RayExecutor:
             await self._remove(worker.actor)
             self._fail(
                 worker.worker_id,
-                f"Ray placed no actor within {self._spawn_timeout_s:g}s (resources taken or "
-                f"no node named for GPUs {', '.join(worker.gpus) or '(none)'})",
+                f"Ray placed no actor within {self._spawn_timeout_s:g}s (resources taken, or no "
+                f"node declares {self._resources_named(worker.gpus)})",
             )
             return
         except RayError as exc:
             await self._remove(worker.actor)
             self._fail(worker.worker_id, f"its Ray actor failed: {_first_line(exc)}")
             return
-        if info["error"] is not None or info["pid"] is None or info["start_time"] is None:
+        error = info["error"]
+        if error is None and (info["pid"] is None or info["start_time"] is None):
+            error = "no process started"
+        if error is None:
+            error = _gpu_mismatch(worker.gpus, info.get("ray_gpu_ids") or [])
+        if error is not None:
             await self._remove(worker.actor)
-            self._fail(worker.worker_id, info["error"] or "no process started")
+            self._fail(worker.worker_id, error)
             return
         self._emit(
             WorkerStarted(
@@ -288,11 +333,22 @@ class RayExecutor:
         )
         self._watch(worker)
 
+    @staticmethod
+    def _resources_named(gpus: Iterable[str]) -> str:
+        named = [NODE_RESOURCE_PREFIX + split_gpu_id(g)[0] for g in gpus][:1]
+        named += [GPU_RESOURCE_PREFIX + g for g in gpus]
+        return ", ".join(named) if named else "room for it"
+
     def _fail(self, worker_id: str, error: str) -> None:
         self._workers.pop(worker_id, None)
         self._pending.pop(worker_id, None)
-        self._finished.add(worker_id)
+        self._ended(worker_id)
         self._emit(SpawnFailed(t=self._clock(), worker_id=worker_id, error=error))
+
+    def _ended(self, worker_id: str) -> None:
+        self._finished[worker_id] = None
+        while len(self._finished) > _FINISHED_KEPT:
+            self._finished.popitem(last=False)
 
     def _watch(self, worker: _Worker) -> None:
         worker.started = True
@@ -301,7 +357,7 @@ class RayExecutor:
             self._signal(worker, pending)
 
     def _signal(self, worker: _Worker, command: _Signalling) -> None:
-        sig, group = _signal_for(command)
+        sig, group = signal_for(command)
         # Fire and forget: the answer only says whether the worker was still there, and its
         # exit comes through ``wait`` either way.
         worker.actor.signal.remote(sig.name, group)
@@ -415,7 +471,7 @@ class RayExecutor:
                 worker = waiting[ref]
                 exited = await self._exit_of(worker, ref)
                 self._workers.pop(worker.worker_id, None)
-                self._finished.add(worker.worker_id)
+                self._ended(worker.worker_id)
                 self._emit(exited)
                 await self._remove(worker.actor)
 
@@ -447,7 +503,7 @@ class RayExecutor:
             if "error" in answer:
                 self._head_unreachable(answer["error"])
             else:
-                self._head_down = False
+                self._head_answers()
                 self._check_nodes(answer["nodes"])
             await anyio.sleep(self._poll_interval_s)
 
@@ -519,13 +575,27 @@ class RayExecutor:
             await anyio.sleep(settings.interval_s)
 
     def _head_unreachable(self, error: str) -> None:
-        if not self._head_down:
-            log.warning("the Ray cluster at %s does not answer: %s", self.address, error)
+        """The cluster does not answer: said once per outage, as a ``cluster_unreachable``
+        alert that stays raised until :meth:`_head_answers`."""
+        if self._head_down:
+            return
+        log.warning("the Ray cluster at %s does not answer: %s", self.address, error)
         self._head_down = True
-        for pool in self._state().pools:
-            self._emit(
-                SourceDown(t=self._clock(), pool=pool, error=f"Ray head unreachable: {error}")
+        self._emit(
+            ClusterUnreachable(
+                t=self._clock(), address=self.address, error=f"Ray head unreachable: {error}"
             )
+        )
+
+    def _head_answers(self) -> None:
+        """The cluster answered: an outage seen by this deo, or one recorded before a restart
+        (the alert is in the state), is over."""
+        recorded = (AlertName.CLUSTER_UNREACHABLE, self.address) in self._state().alerts
+        if self._head_down or recorded:
+            if self._head_down:
+                log.warning("the Ray cluster at %s answers again", self.address)
+            self._emit(ClusterReachable(t=self._clock(), address=self.address))
+        self._head_down = False
 
     def _check_nodes(self, nodes: list[dict[str, Any]]) -> None:
         alive: set[str] = set()
@@ -583,6 +653,23 @@ def _ready(refs: list[Any], timeout_s: float) -> list[Any]:
     return list(ready)
 
 
+def _gpu_mismatch(gpus: Iterable[str], ray_gpu_ids: Iterable[str]) -> str | None:
+    """Why a worker on ``gpus`` may not run with the GPUs Ray reserved for its actor, or None.
+
+    Ray hands an actor the lowest free GPUs of its node; the worker uses the core's (the log
+    records them). Where the two differ, Ray's books say another GPU is taken, and it may place
+    something else on the worker's GPU."""
+    wanted = sorted(split_gpu_id(gpu)[1] for gpu in gpus)
+    reserved = sorted(str(gpu) for gpu in ray_gpu_ids)
+    if wanted == reserved:
+        return None
+    return (
+        f"Ray reserved GPU(s) {','.join(reserved) or 'none'} of its node for it, not deo's "
+        f"{','.join(gpus)}: start the node's Raylet seeing all its GPUs, and leave the node's "
+        f"GPUs to deo (see docs/ray.md)"
+    )
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -618,6 +705,7 @@ async def connect_ray_executor(
         environ=environ,
         secret_environ=secret_environ,
         spawn_timeout_s=executor_settings.spawn_timeout_s,
+        call_timeout_s=executor_settings.call_timeout_s,
         nvml=settings.nvml,
         gpus=settings.config.gpus,
         out=out,

@@ -64,6 +64,7 @@ GOOD: dict[str, Any] = {
     "level": 1,
     "timeout_s": 30.0,
     "attempt": 1,
+    "address": "10.0.0.1:6379",
 }
 # The last field in a signal's place differs by class: DrainWorker's is the signal's name.
 GOOD_BY_CLASS: dict[tuple[type, str], Any] = {(c.DrainWorker, "signal"): "SIGUSR1"}

@@ -2,20 +2,35 @@
 
 One cluster serves the whole module (Ray's start-up is slow): a head without GPUs and nodes
 ``a`` and ``b`` declaring two GPUs each (``num_gpus`` they need not have: Ray only counts them).
-Each test runs its own ``deo run`` on its own log, so in its own Ray namespace.
+Each test runs its own ``deo run`` on its own log, so in its own Ray namespace. The cluster
+listens on 127.0.0.1 only (Ray has no authentication) and on ports the kernel picks, so two
+suites can run on one machine at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+#: For the cluster's processes, this test process and each deo (set before Ray is imported: it
+#: reads them then): loopback addresses stay loopback (Ray otherwise swaps 127.0.0.1 for the
+#: host's address), and a head outage of a few seconds ends no Raylet or driver.
+RAY_ENVIRON = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_gcs_rpc_server_reconnect_timeout_s": "300",
+}
+for _key, _value in RAY_ENVIRON.items():
+    os.environ.setdefault(_key, _value)
 
 ray = pytest.importorskip("ray")
 
@@ -24,6 +39,7 @@ from test_run import STUBBORN, Deo, alive, pool, script, verified, wait_for  # n
 
 from adapters.runtime.ray_executor import (  # noqa: E402
     ACTOR_PREFIX,
+    GPU_RESOURCE_PREFIX,
     NODE_RESOURCE_PREFIX,
     default_namespace,
 )
@@ -33,7 +49,20 @@ from adapters.runtime.ray_host import WorkerHost  # noqa: E402
 NODE_ARGS: dict[str, Any] = {
     "num_cpus": 1,
     "object_store_memory": 80 * 2**20,
+    # Loopback only: nothing beyond this machine can reach the test cluster.
+    "node_ip_address": "127.0.0.1",
+    # Workers' ports from the kernel, not Ray's fixed range another suite's cluster shares.
+    "min_worker_port": 0,
+    "max_worker_port": 0,
 }
+
+
+def node_resources(name: str, gpus: int) -> dict[str, float]:
+    """The custom resources of deo node ``name`` with ``gpus`` GPUs."""
+    resources = {NODE_RESOURCE_PREFIX + name: 1.0}
+    resources.update({f"{GPU_RESOURCE_PREFIX}{name}:{index}": 1.0 for index in range(gpus)})
+    return resources
+
 
 #: Records what the worker got (its GPUs, its node) in DIR/WORKER_ID.json, then works until
 #: drained (SIGUSR1: exit 0).
@@ -67,11 +96,19 @@ class RayCluster:
         )
         self.nodes: dict[str, Any] = {}
         for name in ("a", "b"):
-            self.nodes[name] = self.cluster.add_node(
-                **NODE_ARGS, num_gpus=2, resources={NODE_RESOURCE_PREFIX + name: 1}
-            )
+            self.add_node(name)
         self.cluster.wait_for_nodes()
         ray.init(address=self.cluster.address, log_to_driver=False)
+
+    def add_node(self, name: str) -> None:
+        """Start deo node ``name`` with two GPUs (declared, not real)."""
+        self.nodes[name] = self.cluster.add_node(
+            **NODE_ARGS, num_gpus=2, resources=node_resources(name, 2)
+        )
+
+    def gcs_pid(self) -> int:
+        """The pid of the head's GCS server (the part that answers for the head)."""
+        return int(self.cluster.head_node.all_processes["gcs_server"][0].process.pid)
 
     @property
     def address(self) -> str:
@@ -234,30 +271,41 @@ def test_a_lost_node_loses_its_gpus_and_workers_and_replacements_go_elsewhere(
             gpus_per_worker=1,
             policy='name = "static"\ncount = 2',
         ),
-        ["a:0", "b:0", "a:1", "b:1"],
+        ["a:0", "c:0", "a:1", "c:1"],
     )
+    # A node of this test's own: the nodes the other tests use stay.
+    cluster.add_node("c")
+    try:
+        cluster.cluster.wait_for_nodes()
+        lose_node_c(d, cluster, seen_dir)
+    finally:
+        if "c" in cluster.nodes:
+            cluster.cluster.remove_node(cluster.nodes.pop("c"))
+    d.stop()
+    verified(d)
+
+
+def lose_node_c(d: Deo, cluster: RayCluster, seen_dir: Path) -> None:
     d.start()
     wait_for("two workers", lambda: len(d.workers("active")) == 2)
-    on_b = [w for w, [gpu] in gpus_of(d).items() if gpu.startswith("b:")]
-    assert len(on_b) == 1, gpus_of(d)
-    pid_on_b = wait_for("its record", lambda: recorded(seen_dir).get(on_b[0]))["pid"]
+    on_c = [w for w, [gpu] in gpus_of(d).items() if gpu.startswith("c:")]
+    assert len(on_c) == 1, gpus_of(d)
+    pid_on_c = wait_for("its record", lambda: recorded(seen_dir).get(on_c[0]))["pid"]
 
-    cluster.cluster.remove_node(cluster.nodes.pop("b"))
-    wait_for("b's GPUs lost", lambda: len(d.events("GpuLost")) == 2)
-    assert {e["gpu_id"] for e in d.events("GpuLost")} == {"b:0", "b:1"}
-    wait_for("its worker gone", lambda: not alive(pid_on_b))
+    cluster.cluster.remove_node(cluster.nodes.pop("c"))
+    wait_for("c's GPUs lost", lambda: len(d.events("GpuLost")) == 2)
+    assert {e["gpu_id"] for e in d.events("GpuLost")} == {"c:0", "c:1"}
+    wait_for("its worker gone", lambda: not alive(pid_on_c))
     wait_for(
         "a replacement on a",
         lambda: (
             len(gpus_of(d)) == 2
-            and on_b[0] not in gpus_of(d)
+            and on_c[0] not in gpus_of(d)
             and all(g.startswith("a:") for [g] in gpus_of(d).values())
         ),
     )
     status = d.status()
-    assert {"alert": "gpu_lost", "subject": "b:0"} in status["alerts"], status["alerts"]
-    d.stop()
-    verified(d)
+    assert {"alert": "gpu_lost", "subject": "c:0"} in status["alerts"], status["alerts"]
 
 
 def test_a_worker_ignoring_the_drain_is_terminated_then_killed_over_ray(
@@ -298,7 +346,7 @@ def test_a_crash_loop_over_ray_backs_off_and_alerts(
     crasher = script(tmp_path, "crash.py", "import sys; sys.exit(3)")
     d = ray_deo(
         pool("envs", [sys.executable, crasher], min_workers=1, max_workers=1)
-        + "[pools.envs.crash_loop]\nbackoff_base_s = 0.5\nbackoff_cap_s = 2.0\nalert_after = 3\n",
+        + "[pools.envs.crash_loop]\nbackoff_base_s = 0.2\nbackoff_cap_s = 0.5\nalert_after = 2\n",
         [],
     )
     d.start()
@@ -308,7 +356,7 @@ def test_a_crash_loop_over_ray_backs_off_and_alerts(
     )
     d.stop()
     exits = d.events("WorkerExited")
-    assert len(exits) >= 3 and all(e["exit_code"] == 3 for e in exits), exits
+    assert len(exits) >= 2 and all(e["exit_code"] == 3 for e in exits), exits
     assert len(d.commands("SpawnWorker")) <= len(exits) + 1  # no spawn storm
     # Every ended worker's actor was removed; none is left behind.
     wait_for("no actor left", lambda: not cluster.actors(default_namespace(d.log)))
@@ -374,11 +422,61 @@ def test_node_losses_and_an_unreachable_head_become_events(tmp_path: Path) -> No
     assert events == []
 
     executor._head_unreachable("no answer in 30s")
+    executor._head_unreachable("no answer in 30s")  # one outage, said once
     [down] = events
-    assert (type(down).__name__, down.pool) == ("SourceDown", "gen")
+    assert (type(down).__name__, down.address) == ("ClusterUnreachable", "127.0.0.1:1")
     assert down.error == "Ray head unreachable: no answer in 30s"
     reducer.step(down)
-    assert reducer.state.pools["gen"].source_error == down.error
+    assert ("cluster_unreachable", "127.0.0.1:1") in reducer.state.alerts
+    assert reducer.state.pools["gen"].source_error is None  # no pool is left marked down
+    events.clear()
+    executor._head_answers()
+    [up] = events
+    assert (type(up).__name__, up.address) == ("ClusterReachable", "127.0.0.1:1")
+    reducer.step(up)
+    assert not reducer.state.alerts
+
+    # An outage recorded before a restart ends at the first answer of the next deo.
+    reducer.step(down)
+    restarted: list[Any] = []
+    RayExecutor(
+        restarted.append,
+        clock=lambda: 6.0,
+        state=lambda: reducer.state,
+        log_dir=tmp_path,
+        address="127.0.0.1:1",
+        namespace="n",
+    )._head_answers()
+    assert [type(e).__name__ for e in restarted] == ["ClusterReachable"]
+
+
+def test_ended_workers_are_remembered_within_a_bound(tmp_path: Path) -> None:
+    from adapters.runtime import ray_executor
+    from core import State
+
+    events: list[Any] = []
+    executor = ray_executor.RayExecutor(
+        events.append,
+        clock=lambda: 1.0,
+        state=State,
+        log_dir=tmp_path,
+        address="127.0.0.1:1",
+        namespace="n",
+    )
+    kept = ray_executor._FINISHED_KEPT
+    for index in range(kept + 10):
+        executor._fail(f"w{index}", "refused")
+    assert len(executor._finished) == kept
+    assert "w0" not in executor._finished and f"w{kept + 9}" in executor._finished
+    assert len(events) == kept + 10
+
+
+def test_ray_gpus_other_than_the_cores_are_refused() -> None:
+    from adapters.runtime.ray_executor import _gpu_mismatch
+
+    assert _gpu_mismatch(["a:1", "a:0"], ["0", "1"]) is None
+    why = _gpu_mismatch(["a:1"], ["0"])
+    assert why is not None and "Ray reserved GPU(s) 0 of its node for it, not deo's a:1" in why
 
 
 def test_gpus_not_named_by_node_are_refused_before_anything_starts(tmp_path: Path) -> None:
@@ -458,3 +556,69 @@ def test_a_multi_gpu_worker_gets_its_gpus_on_one_node_and_never_across_nodes(
     assert not d.events("SpawnFailed") and len(d.commands("SpawnWorker")) == 1
     d.stop()
     verified(d)
+
+
+def test_a_worker_whose_gpu_ray_counts_elsewhere_is_refused(
+    ray_deo: Callable[[str, list[str]], Deo], tmp_path: Path
+) -> None:
+    """deo puts the worker on a:1 while a:0 is free: Ray, which hands out the lowest free GPU,
+    would book GPU 0 for it and leave GPU 1 free for anything else."""
+    d = ray_deo(
+        pool(
+            "gen",
+            [sys.executable, "-c", "import time; time.sleep(600)"],
+            min_workers=0,
+            max_workers=1,
+            gpus_per_worker=1,
+            policy='name = "static"\ncount = 1',
+        ),
+        ["a:1", "a:0"],
+    )
+    d.start()
+    failed = wait_for("the spawn refused", lambda: d.events("SpawnFailed"))[0]
+    assert "Ray reserved GPU(s) 0 of its node for it, not deo's a:1" in failed["error"], failed
+    assert not d.events("WorkerStarted")
+    d.stop()
+    verified(d)
+
+
+def test_a_head_outage_raises_one_alert_blocks_nothing_and_ends_with_it(
+    ray_deo: Callable[[str, list[str]], Deo], cluster: RayCluster
+) -> None:
+    d = ray_deo(
+        pool(
+            "envs",
+            [sys.executable, "-c", "import time; time.sleep(600)"],
+            min_workers=0,
+            max_workers=1,
+            policy='name = "static"\ncount = 0',
+        ),
+        [],
+    )
+    d.config.write_text(d.config.read_text() + "call_timeout_s = 1.0\n")
+    d.start()
+    # Started: its actors reconciled and its configuration taken (both ask the head).
+    wait_for("deo running", lambda: d.events("Configured") and d.events("Tick"))
+    alert = {"alert": "cluster_unreachable", "subject": cluster.address}
+    gcs = cluster.gcs_pid()
+    os.kill(gcs, signal.SIGSTOP)  # the head stops answering, its state intact
+    safety = threading.Timer(50.0, os.kill, (gcs, signal.SIGCONT))
+    safety.start()
+    try:
+        wait_for("the outage noticed", lambda: d.events("ClusterUnreachable"))
+        # Naming a worker's actor is a call to the head that waits for it: deo's loop must not.
+        assert d.post("/v1/pools/envs/pin", {"count": 1}).status_code == 200
+        wait_for("the spawn", lambda: d.commands("SpawnWorker"))
+        status = d.status()
+        assert alert in status["alerts"], status["alerts"]
+        assert len(d.events("ClusterUnreachable")) == 1
+    finally:
+        os.kill(gcs, signal.SIGCONT)
+        safety.cancel()
+    wait_for("the cluster back", lambda: d.events("ClusterReachable"))
+    wait_for("the worker started once the head answers", lambda: d.workers("active"))
+    assert alert not in d.status()["alerts"]
+    assert not d.events("SpawnFailed") and not d.events("WorkerLost")
+    d.stop()
+    verified(d)
+    wait_for("every node alive", lambda: {"a", "b"} <= set(cluster.node_ids()))

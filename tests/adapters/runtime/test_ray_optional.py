@@ -40,6 +40,7 @@ def test_the_executor_table_is_checked_with_its_keys(tmp_path: Path) -> None:
         ('[executor]\nkind = "slurm"\n', "executor.kind: 'slurm' is not one of 'local', 'ray'"),
         ('[executor]\nnamespace = ""\n', "executor.namespace: empty"),
         ("[executor]\nspawn_timeout_s = 0\n", "executor.spawn_timeout_s must be > 0"),
+        ("[executor]\ncall_timeout_s = -1\n", "executor.call_timeout_s must be > 0"),
         ('[executor]\nadress = "x"\n', "executor.adress"),
     ):
         config.write_text(text)
