@@ -750,8 +750,15 @@ class SampleFilter:
         self._sent: dict[str, tuple[float, GpuSampled, bool]] = {}
 
     def begin(self) -> None:
-        """Take the core's current rules and GPU holders, once per poll."""
-        self._rules = self._rules_now()
+        """Take the core's current rules and GPU holders, once per poll.
+
+        New rules clear what was sent: a crossing is judged under the rules it was sent under,
+        so after a change every GPU's next reading goes to the core at once.
+        """
+        rules = self._rules_now()
+        if rules != self._rules:
+            self._sent.clear()
+        self._rules = rules
         self._held = self._held_now()
 
     def forget(self, gpu: str) -> None:

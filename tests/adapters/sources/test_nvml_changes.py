@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import pytest
 
 from adapters.sources.nvml import (
@@ -94,6 +95,19 @@ def test_full_memory_is_sent_again_when_a_deo_worker_takes_or_leaves_the_gpu() -
     assert sent(gpus, 6.0, full) == []
 
 
+def test_new_rules_take_effect_at_the_next_reading() -> None:
+    rules = [RULES]
+    changes = sample_filter(NvmlSettings(keepalive_s=600.0), lambda: rules[0])
+    gpus = GpuMonitor(["a:0"], changes)
+    warm = health(temperature_c=85.0)
+    assert len(sent(gpus, 0.0, warm)) == 1
+    assert sent(gpus, 2.0, warm) == []  # under 90 C: nothing new for the core
+    rules[0] = attrs.evolve(RULES, max_temperature_c=80.0)
+    # The same reading is over the new limit: the core hears it now, not a keep-alive later.
+    assert len(sent(gpus, 4.0, warm)) == 1
+    assert sent(gpus, 6.0, warm) == []
+
+
 def test_after_a_loss_or_a_failed_read_the_next_reading_is_sent() -> None:
     gpus = monitor(keepalive_s=600.0)
     sent(gpus, 0.0, health())
@@ -122,6 +136,11 @@ def test_the_poller_emits_a_steady_file_gpu_once(tmp_path: Path) -> None:
     settings = NvmlSettings(backend="file", file=path, interval_s=0.01, keepalive_s=600.0)
     emitted: list[Event] = []
     lines: list[str] = []
+    polls = [0]
+
+    def rules() -> CordonRules:
+        polls[0] += 1  # the filter reads the rules once per poll
+        return RULES
 
     async def main() -> None:
         with anyio.move_on_after(60):
@@ -133,14 +152,13 @@ def test_the_poller_emits_a_steady_file_gpu_once(tmp_path: Path) -> None:
                     emitted.append,
                     anyio.current_time,
                     lines.append,
-                    lambda: RULES,
+                    rules,
                 )
                 while not emitted:
                     await anyio.sleep(0.01)
-                polled = 0
-                while polled < 20:  # twenty more polls of the same reading
+                first = polls[0]
+                while polls[0] < first + 20:  # twenty more polls of the same reading
                     await anyio.sleep(0.01)
-                    polled += 1
                 path.write_text(json.dumps({"0": {**reading, "temperature_c": 95}}))
                 while len(emitted) < 2:
                     await anyio.sleep(0.01)
