@@ -260,9 +260,8 @@ def _tick(state: ArbiterState, event: e.Tick) -> Any:
 
 
 def _gpu_lost(state: ArbiterState, event: e.GpuLost) -> Any:
-    if event.gpu_id not in state.gpus:
-        raise UnknownSubject(f"GpuLost: GPU {event.gpu_id!r} is not in the arbiter's inventory")
-    if event.gpu_id in state.lost:
+    if event.gpu_id not in state.gpus or event.gpu_id in state.lost:
+        # Another GPU on the same event stream (deo's reducer ignores unknown GPUs too).
         return state, Plan(), []
     state = attrs.evolve(state, lost=state.lost | {event.gpu_id}, idle=state.idle - {event.gpu_id})
     shrinks = []
