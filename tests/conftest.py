@@ -12,11 +12,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import settings
 
 from adapters.sim.driver import simulate
 from adapters.sim.scenario import EnvPool, Fault, Scenario
 
 REPO = Path(__file__).resolve().parents[1]
+
+#: `pytest --hypothesis-profile=ci-long` explores the property tests further than a default run.
+settings.register_profile("ci-long", max_examples=150)
 
 
 def write_simulated_log(path: Path) -> None:
