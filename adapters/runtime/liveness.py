@@ -15,9 +15,6 @@ sighting a worker's record is old enough to need, recorded just before it at the
 time (or a little after). Why a silent worker is still found on time: its last sighting is
 recorded with the time it was made, not the time it was recorded, so its deadline is that
 sighting plus its grace, to within a tick interval.
-
-:meth:`Liveness.due` is the older rule (a quarter of the grace, each taken as seen when
-recorded), kept for code that records without a tick interval.
 """
 
 from __future__ import annotations
@@ -87,24 +84,3 @@ class Liveness:
                 by_time.items(), key=lambda item: t if item[0] is None else item[0]
             )
         ]
-
-    def due(self, state: State, t: float) -> WorkersSeen | None:
-        """The sightings due by the older rule (a quarter of the grace), as one event taken as
-        seen at ``t`` (None if none). Those not due yet stay pending; those of workers gone since
-        are dropped."""
-        due: set[str] = set()
-        for worker_id in list(self._pending):
-            worker = state.workers.get(worker_id)
-            if worker is None:
-                del self._pending[worker_id]
-                continue
-            grace = state.pools[worker.pool].spec.heartbeat_grace_s
-            refresh = UNJUDGED_REFRESH_S if grace is None else grace * REFRESH_FRACTION
-            last = state.last_seen.get(worker_id)
-            if last is None or t - last >= refresh:
-                due.add(worker_id)
-        if not due:
-            return None
-        for worker_id in due:
-            del self._pending[worker_id]
-        return WorkersSeen(t=t, worker_ids=due)

@@ -60,9 +60,11 @@ class Deo:
     async def seen(self) -> float | None:
         """The worker's last sign of life in the core, after recording the sightings pending
         now, as the runner's next tick would (the tests' runner does not tick)."""
-        sightings = self.runner.liveness.due(self.runner.state, self.clock())
-        if sightings is not None:
-            await self.runner.submit(sightings)
+        runner = self.runner
+        for sightings in runner.liveness.records(
+            runner.state, self.clock(), runner.tick_interval_s
+        ):
+            await runner.submit(sightings)
         return self.runner.state.last_seen.get(WORKER_ID)
 
 

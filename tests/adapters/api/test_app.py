@@ -393,10 +393,12 @@ async def test_heartbeat_with_the_worker_token(tmp_path: Path) -> None:
         assert response.json() == {"commands": []}
         # Batched: a tick records the sighting once the core needs it (a pool judging no
         # heartbeat: once its record is 30 s old).
-        assert h.runner.liveness.due(h.runner.state, 7.5) is None
-        assert h.runner.liveness.due(h.runner.state, 31.5) == WorkersSeen(
-            t=31.5, worker_ids={"envs-0"}
-        )
+        interval_s = h.runner.tick_interval_s
+        assert h.runner.liveness.records(h.runner.state, 7.5, interval_s) == []
+        assert h.runner.liveness.records(h.runner.state, 31.5, interval_s) == [
+            # Seen at 7.5 s, rounded up to the runner's hour-long tick: never past the record.
+            WorkersSeen(t=31.5, worker_ids={"envs-0"}, seen_t=31.5)
+        ]
         # The operator token is accepted as well.
         response = await h.client.post("/v1/workers/envs-0/heartbeat", headers=OPERATOR)
         assert response.status_code == 200
@@ -545,7 +547,8 @@ async def test_a_worker_reports_ready_and_becomes_active(tmp_path: Path) -> None
         assert h.runner.state.workers["envs-0"].state.value == "active"
         assert h.log_bytes().count(b"WorkerReady") == 1
         # A tick late enough to record the heartbeat's sighting, which leaves none pending.
-        assert h.runner.liveness.due(h.runner.state, h.clock() + 3600.0) is not None
+        late_t = h.clock() + 3600.0
+        assert h.runner.liveness.records(h.runner.state, late_t, h.runner.tick_interval_s) != []
         assert h.runner.liveness.pending == frozenset()
         # Reported again by an active worker: a sighting for the next tick, never logged.
         again = await h.client.post("/v1/workers/envs-0/ready", headers=WORKER)

@@ -9,40 +9,15 @@ from typing import Any
 import pytest
 
 from adapters.runtime.liveness import Liveness
-from core import (
-    Config,
-    Configured,
-    InvalidEvent,
-    PolicySpec,
-    PoolSpec,
-    Reducer,
-    TerminateWorker,
-    Tick,
-    WorkersSeen,
-    WorkerStarted,
-)
+from core import InvalidEvent, TerminateWorker, Tick, WorkersSeen
+from tests.adapters.runtime.liveness_helpers import running
 
 GRACE_S = 20.0
 TICK_S = 1.0
 
 
-def running(count: int, grace_s: float | None = GRACE_S) -> Reducer:
-    spec = PoolSpec(
-        name="envs",
-        argv=["w"],
-        max_workers=count,
-        heartbeat_grace_s=grace_s,
-        policy=PolicySpec(name="static", params={"count": count}),
-    )
-    reducer = Reducer(check_invariants=True)
-    reducer.step(Configured(t=0.0, config=Config(pools=[spec])))
-    for k in range(count):
-        reducer.step(WorkerStarted(t=0.0, worker_id=f"envs-{k}", pid=100 + k, start_time=k))
-    return reducer
-
-
 def test_a_sighting_waits_until_the_record_is_nearly_a_grace_old_and_keeps_its_time() -> None:
-    reducer, liveness = running(2), Liveness()
+    reducer, liveness = running(2, GRACE_S), Liveness()
     liveness.saw(reducer.state, "envs-0", 0.4)
     liveness.saw(reducer.state, "envs-1", 1.3)
     assert liveness.records(reducer.state, 17.0, TICK_S) == []  # 17 s < 20 s - 2 ticks
@@ -56,7 +31,7 @@ def test_a_sighting_waits_until_the_record_is_nearly_a_grace_old_and_keeps_its_t
 
 
 def test_a_record_never_moves_a_sign_of_life_back_and_never_ahead_of_its_time() -> None:
-    reducer = running(1)
+    reducer = running(1, GRACE_S)
     reducer.step(WorkersSeen(t=5.0, worker_ids={"envs-0"}))
     reducer.step(WorkersSeen(t=6.0, worker_ids={"envs-0"}, seen_t=2.0))
     assert reducer.state.last_seen["envs-0"] == 5.0
@@ -69,7 +44,7 @@ def simulate(seed: int, beat_s: float, stops: dict[str, float]) -> dict[str, Any
     second and records through :meth:`Liveness.records`. Returns when each worker was found hung
     and how many ids were recorded."""
     rng = random.Random(seed)
-    reducer, liveness = running(8), Liveness()
+    reducer, liveness = running(8, GRACE_S), Liveness()
     next_beat = {w: rng.uniform(0, beat_s) for w in reducer.state.workers}
     hung: dict[str, float] = {}
     recorded = 0
