@@ -5,7 +5,8 @@ Run from the repository root::
     .venv/bin/python bench/ray_scale.py                 # 600 s of cluster time: one keep-alive
     .venv/bin/python bench/ray_scale.py --window-s 60 --gpu-keepalive-s 60   # quicker, same mix
     .venv/bin/python bench/ray_scale.py --nvml-interval-s 0   # GPU health off
-    .venv/bin/python bench/ray_scale.py --gpu-keepalive-s 0 --liveness quarter-grace  # as before
+    .venv/bin/python bench/ray_scale.py --gpu-keepalive-s 0   # every GPU reading logged
+    .venv/bin/python bench/ray_scale.py --workers 16 --nodes 2 --window-s 30   # a smoke run
 
 One pool of ``--workers`` one-GPU workers on ``--nodes`` nodes (GPUs ``nN:I``) is brought up (not
 timed), then ``--window-s`` seconds of cluster time are generated at the rates deo would see with
@@ -21,8 +22,9 @@ the Ray executor, and each event goes through the real reducer and the real even
   agents' readings go: only those that matter to the cordon rules, and one per GPU per
   ``--gpu-keepalive-s``, become ``GpuSampled`` records (0: every reading);
 - a ``LoadSampled`` for the pool each second;
-- worker exits at ``--exits-per-hour`` (Ray actor deaths, crashes): each ``WorkerExited`` makes
-  the core respawn, and the replacement's ``WorkerStarted`` follows 2 s later.
+- worker exits at ``--exits-per-worker-hour`` (Ray actor deaths, crashes; 0.36: one a second
+  at 10,000 workers): each ``WorkerExited`` makes the core respawn, and the replacement's
+  ``WorkerStarted`` follows 2 s later.
 
 It prints deo's CPU time per second of cluster time (cores at that rate), the log's bytes per day
 at that rate, and the time to handle each event (a decision is made when its event is handled: a
@@ -39,9 +41,9 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
+import attrs
 import orjson
 
 from adapters.log import EventLog
@@ -82,22 +84,40 @@ def build_config(workers: int, nodes: int, grace_s: float) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workers", type=int, default=10_000)
-    parser.add_argument("--nodes", type=int, default=1_250)
-    # A keep-alive long: every GPU's keep-alive falls in the window once.
-    parser.add_argument("--window-s", type=float, default=600.0)
-    parser.add_argument("--tick-s", type=float, default=1.0)
-    parser.add_argument("--nvml-interval-s", type=float, default=2.0)
-    parser.add_argument("--exits-per-hour", type=float, default=3600.0)
-    parser.add_argument("--grace-s", type=float, default=30.0)
-    parser.add_argument("--heartbeat-s", type=float, default=5.0)
-    parser.add_argument("--gpu-keepalive-s", type=float, default=NvmlSettings().keepalive_s)
     parser.add_argument(
-        "--liveness",
-        choices=("grace", "quarter-grace"),
-        default="grace",
-        help="grace: deo's records (nearly a grace apart, with sighting times); quarter-grace: "
-        "one record per worker per quarter grace, taken as seen when recorded (the older rule)",
+        "--workers", type=int, default=10_000, help="one-GPU workers in the pool (10,000)"
+    )
+    parser.add_argument(
+        "--nodes", type=int, default=1_250, help="nodes the workers' GPUs are spread over"
+    )
+    parser.add_argument(
+        "--window-s",
+        type=float,
+        default=600.0,
+        help="cluster time measured (600: one GPU keep-alive, so each falls in it once)",
+    )
+    parser.add_argument("--tick-s", type=float, default=1.0, help="deo's tick interval")
+    parser.add_argument(
+        "--nvml-interval-s",
+        type=float,
+        default=2.0,
+        help="seconds between readings of every GPU (0: GPU health off)",
+    )
+    parser.add_argument(
+        "--exits-per-worker-hour",
+        type=float,
+        default=0.36,
+        help="worker exits per worker per hour, each replaced (0.36: one a second at 10,000)",
+    )
+    parser.add_argument("--grace-s", type=float, default=30.0, help="the pool's heartbeat_grace_s")
+    parser.add_argument(
+        "--heartbeat-s", type=float, default=5.0, help="seconds between a worker's heartbeats"
+    )
+    parser.add_argument(
+        "--gpu-keepalive-s",
+        type=float,
+        default=NvmlSettings().keepalive_s,
+        help="nvml.keepalive_s: a steady GPU's reading is logged this often (0: every reading)",
     )
     args = parser.parse_args(argv)
     command = "bench/ray_scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -173,11 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                         liveness.saw(state, worker_id, beat_t)
                 previous_tick_t = event_t
                 # The runner records the sightings due, then the tick (Runner._ticks).
-                if args.liveness == "grace":
-                    extras: list[Event] = list(liveness.records(state, event_t, args.tick_s))
-                else:
-                    quarter = liveness.due(state, event_t)
-                    extras = [] if quarter is None else [quarter]
+                extras: list[Event] = list(liveness.records(state, event_t, args.tick_s))
                 cpu += time.process_time() - cpu_start
                 spawned: list[SpawnWorker] = []
                 for extra in (*extras, event):
@@ -264,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-@dataclass(frozen=True)
+@attrs.frozen(slots=True)
 class _Poll:
     """One poll of every GPU's NVML (the per-node agents' answers, gathered)."""
 
@@ -293,8 +309,9 @@ def _schedule(
         rounds = int(args.window_s / args.nvml_interval_s) + 1
         for r in range(rounds):
             push(t0 + r * args.nvml_interval_s, _Poll(round=r + 1))
-    if args.exits_per_hour > 0:
-        gap = 3600.0 / args.exits_per_hour
+    exits_per_hour = args.exits_per_worker_hour * args.workers
+    if exits_per_hour > 0:
+        gap = 3600.0 / exits_per_hour
         k = 1
         while k * gap < args.window_s:
             t = t0 + k * gap + 0.25
