@@ -150,6 +150,22 @@ def _name(key: ClusterKey) -> str:
     return f"{key[0]}/{key[1]}"
 
 
+def _acceptors(
+    board: _Board,
+    eligible: Iterable[ClusterKey],
+    targets: dict[ClusterKey, int],
+    stuck: set[ClusterKey],
+) -> list[ClusterKey]:
+    """The eligible clusters below their target that can still wake a rank (not stuck)."""
+    return [
+        k
+        for k in eligible
+        if k not in stuck
+        and board.active_gpus(k) < targets[k]
+        and len(board.active[k]) < board.specs[k].dp_limit
+    ]
+
+
 def _priorities(board: _Board, shrink_when_blocked: bool) -> None:
     """Serve waiting non-generation requests in priority order (see the module's docstring)."""
     waiting = sorted(
@@ -289,13 +305,7 @@ class GapRatioPlanner:
         targets = self._targets(board, eligible, remaining, probes)
         stuck: set[ClusterKey] = set()
         while True:
-            acceptors = [
-                k
-                for k in eligible
-                if k not in stuck
-                and board.active_gpus(k) < targets[k]
-                and len(board.active[k]) < board.specs[k].dp_limit
-            ]
+            acceptors = _acceptors(board, eligible, targets, stuck)
             if not acceptors:
                 break
             key = min(
@@ -482,13 +492,7 @@ class RlixPlanner:
         }
         stuck: set[ClusterKey] = set()
         while True:
-            acceptors = [
-                k
-                for k in eligible
-                if k not in stuck
-                and board.active_gpus(k) < targets[k]
-                and len(board.active[k]) < board.specs[k].dp_limit
-            ]
+            acceptors = _acceptors(board, eligible, targets, stuck)
             if not acceptors:
                 break
             key = min(

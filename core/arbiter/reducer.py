@@ -314,32 +314,19 @@ def _spec_of(state: ArbiterState, key: ClusterKey) -> Cluster:
     return state.pipelines[key[0]].clusters[key[1]]
 
 
+def _rank_command(
+    kind: type[ShrinkGeneration | ExpandGeneration], pre: ArbiterState, op: RankOp
+) -> c.Command:
+    spec = _spec_of(pre, op.key).spec
+    gpus = tuple(g for r in op.ranks for g in spec.bundle(r))
+    return kind(
+        reason=op.reason, pipeline=op.pipeline, cluster=op.cluster, ranks=op.ranks, gpus=gpus
+    )
+
+
 def _commands(pre: ArbiterState, plan: Plan, after: ArbiterState) -> list[c.Command]:
-    out: list[c.Command] = []
-    for op in plan.shrinks:
-        spec = _spec_of(pre, op.key).spec
-        gpus = tuple(g for r in op.ranks for g in spec.bundle(r))
-        out.append(
-            ShrinkGeneration(
-                reason=op.reason,
-                pipeline=op.pipeline,
-                cluster=op.cluster,
-                ranks=op.ranks,
-                gpus=gpus,
-            )
-        )
-    for op in plan.expands:
-        spec = _spec_of(pre, op.key).spec
-        gpus = tuple(g for r in op.ranks for g in spec.bundle(r))
-        out.append(
-            ExpandGeneration(
-                reason=op.reason,
-                pipeline=op.pipeline,
-                cluster=op.cluster,
-                ranks=op.ranks,
-                gpus=gpus,
-            )
-        )
+    out: list[c.Command] = [_rank_command(ShrinkGeneration, pre, op) for op in plan.shrinks]
+    out += [_rank_command(ExpandGeneration, pre, op) for op in plan.expands]
     for grant in plan.grants:
         request = _spec_of(pre, grant.key).request
         assert request is not None  # the planner grants waiting requests only
