@@ -4,9 +4,9 @@ Runs each scenario of ``--scenarios`` (default ``bench/scenarios``) under ``--se
 (default 3: tables give the mean and the worst seed, targets must hold on every seed), under
 deo's default policy, the baselines (the Atropos DEO proposal, Ray Serve, verl, the Kubernetes
 HPA, a static pool), the reactive oracle and the lower bound; prints one line per scenario and
-policy; writes its
-section of ``--out`` (between ``<!-- deo_bench:start -->`` and ``<!-- deo_bench:end -->``, the
-rest of the file untouched) and one PNG per scenario into ``--plots``.
+policy; writes its section of ``--out`` (between ``<!-- deo_bench:start -->`` and
+``<!-- deo_bench:end -->``, the rest of the file untouched) and one PNG per scenario into
+``--plots``.
 
 Exit status: 0 when the report was written, whether or not deo met its targets (the report says
 which it missed); 2 on bad input (a missing scenarios directory, an unknown ``--only`` name, an

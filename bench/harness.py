@@ -538,6 +538,11 @@ def _hours(value: float) -> str:
     return f"{value:.2f}"
 
 
+def _ratio(value: float) -> str:
+    """A ratio to the oracle's worker-hours; "n/a" where the oracle held no worker."""
+    return "n/a" if math.isinf(value) else f"{value:.2f}"
+
+
 def _seeded_rows(report: ScenarioReport) -> list[str]:
     """The table's rows over every seed: per figure the mean and, in brackets, the worst."""
     reports = report.every_seed
@@ -554,7 +559,7 @@ def _seeded_rows(report: ScenarioReport) -> list[str]:
         f"| lower bound (clairvoyant) | "
         f"{_mean_worst([o.bound_starvation_share for o in oracles], _pct)} | "
         f"{_mean_worst([o.bound_worker_hours for o in oracles], _hours)} | "
-        f"{_mean_worst([ratio(o.bound_worker_hours, o.worker_hours) for o in oracles], _hours)}"
+        f"{_mean_worst([ratio(o.bound_worker_hours, o.worker_hours) for o in oracles], _ratio)}"
         " | - | - | - | - | - |",
     ]
     for i, run in enumerate(report.runs):
@@ -564,7 +569,7 @@ def _seeded_rows(report: ScenarioReport) -> list[str]:
         rows.append(
             f"| {name} | {_mean_worst([m.starvation_share for m in ms], _pct)} | "
             f"{_mean_worst([m.worker_hours for m in ms], _hours)} | "
-            f"{_mean_worst(ratios, _hours)} | "
+            f"{_mean_worst(ratios, _ratio)} | "
             f"{_mean_worst([m.mean_lag_steps for m in ms], _steps)} | "
             f"{_mean_worst([m.p95_lag_steps for m in ms], _steps)} | "
             f"{_mean_worst([float(m.scale_actions) for m in ms], lambda v: f'{v:.0f}')} | "

@@ -452,3 +452,13 @@ def test_seeded_tables_give_the_mean_and_the_worst_seed(tmp_path: Path) -> None:
     assert "| **deo** | 3.00% (4.00%) | 10.00 (11.00) | 1.11 (1.22) | 1.00 (1.00) |" in text
     assert "runs under 2 seeds" in text
     assert "deo met every target on 0 of them" in text  # 1.22 x oracle on seed 2
+
+
+def test_a_seed_whose_oracle_held_no_worker_reads_n_a(tmp_path: Path) -> None:
+    idle = make_report(metrics(), metrics(worker_hours=99.0))
+    idle = attrs.evolve(idle, oracle=attrs.evolve(idle.oracle, worker_hours=0.0))
+    report = seeded(make_report(metrics(), metrics(worker_hours=99.0)), idle)
+    text = render_section([report], command="deo bench", out_dir=tmp_path, plots={})
+    assert "| **deo** | 5.00% (5.00%) | 10.00 (10.00) | n/a (n/a) |" in text
+    rows = [line for line in text.splitlines() if line.startswith(("| **deo**", "| lower", "| b0"))]
+    assert len(rows) == 3 and not any("inf" in row for row in rows), rows
