@@ -326,9 +326,7 @@ def fit_trainer(facts: RunFacts, intervals: list[Interval]) -> TrainerFit:
             else:
                 fed_since = fed_since and i.q_end >= batch
     fed_s = sum(seconds for _, seconds, _ in spans)
-    # Windows of 30 s or 20 steps, but at least three in the run (a short run's phases stay
-    # apart), and never under 8 steps (too few to measure a step time).
-    window_s = min(max(30.0, 20.0 * typical), max(facts.duration_s / 3, 8.0 * typical))
+    window_s = max(30.0, 20.0 * typical)
     end = facts.duration_s
     windows: list[tuple[float, float, float, int]] = []
     measured: list[float | None] = []
@@ -828,14 +826,15 @@ def fit_scenario(
     notes: list[str] = []
     phases = ", ".join(f"{s:.2f} s from {a:.0f} s" for a, s in trainer.phases)
     window = trainer.windows[0][1] - trainer.windows[0][0]
-    if trainer.fed_s > 0:
+    if any(trainer.seen):
         measured_from = (
             f"measured over {trainer.fed_s:.0f} s of step-to-step spans with a batch queued "
             f"throughout (the trainer was the bottleneck), per {window:.0f} s window"
         )
     else:
         measured_from = (
-            "bounded by the pace it kept: no step-to-step span had a batch queued throughout"
+            f"the pace it kept, per {window:.0f} s window: too few step-to-step spans had a "
+            f"batch queued throughout to measure it"
         )
     notes.append(
         f"trainer: batches of {trainer.batch_size_seqs} sequences; step time {phases}: "

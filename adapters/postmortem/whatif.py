@@ -332,8 +332,12 @@ def _table(
     for row in (headers, *rows):
         line = "  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row))
         print(line.rstrip(), file=out)
-    print(f"  recorded policy: {describe_policy(fitted.scenario.pools[0])}", file=out)
-    print(f"  what-if policy:  {describe_policy(changed_scenario.pools[0])}", file=out)
+    for label, pool in (
+        ("recorded", fitted.scenario.pools[0]),
+        ("what-if", changed_scenario.pools[0]),
+    ):
+        policy = f"  {label} policy:".ljust(19) + describe_policy(pool)
+        print(textwrap.fill(policy, WIDTH, subsequent_indent=" " * 19), file=out)
     print(
         "  (log read: measured from event logs the same way for the recorded run and the\n"
         "  simulated ones, so those columns compare; the indented rows are the simulator's own\n"
