@@ -22,7 +22,9 @@ What a log shows, and how each value is read from it:
   filling, no discards), else production per producing worker; then calibrated by simulation
   (:func:`fit_scenario`). Latency growth: the same reading in the first and last thirds. Its
   spread is not visible in samples of a queue: lognormal sigma 0.8 is assumed.
-* Start-up: SpawnWorker to WorkerReady (``require_ready``) or WorkerStarted.
+* Start-up: SpawnWorker to WorkerReady (``require_ready``). Without it, SpawnWorker to
+  WorkerStarted plus the time a started worker took to first grow the queue, beyond a group's
+  latency, read from workers that started with none other producing.
 * Faults: a worker exit deo did not ask for (no drain or stop before it) is a crash; exits within
   the configuration's ``early_exit_s`` of the start are a crash loop; ``GpuLost`` a lost GPU;
   ``SourceDown`` a source outage. Throttling and inference saturation are not fitted.
@@ -637,7 +639,7 @@ def fit_pool(facts: RunFacts, intervals: list[Interval], trainer: TrainerFit) ->
             "the queue rarely stayed a batch below the off-policy limit for long with the same "
             "workers (groups were discarded), so that latency reading is rough"
         )
-    startup, startup_sigma = _startup(facts, notes)
+    startup, startup_sigma = _startup(facts, intervals, latency, notes)
     return PoolFit(
         group_size=group,
         groups_in_flight=capacity,
@@ -665,7 +667,9 @@ def _little(
     return in_flight / (completed / span)
 
 
-def _startup(facts: RunFacts, notes: list[str]) -> tuple[float, float]:
+def _startup(
+    facts: RunFacts, intervals: list[Interval], latency_s: float, notes: list[str]
+) -> tuple[float, float]:
     ready = facts.pool.require_ready
     times = []
     for life in facts.workers.values():
@@ -674,15 +678,45 @@ def _startup(facts: RunFacts, notes: list[str]) -> tuple[float, float]:
             times.append(max(up - life.spawned_t, 0.0))
     if not times:
         raise FitError(f"{facts.path}: no worker came up: start-up time cannot be measured")
-    mean = statistics.fmean(times)
+    extra_s, seen = (0.0, 0) if ready else _unready_s(facts, intervals, latency_s)
+    mean = statistics.fmean(times) + extra_s
     positive = [math.log(x) for x in times if x > 0]
     sigma = statistics.pstdev(positive) if len(positive) >= 3 else 0.0
     sigma = round(min(sigma, 1.0), 2)
-    notes.append(
-        f"start-up {mean:.1f} s mean, spread {sigma} (log-sd): SpawnWorker to "
-        f"{'WorkerReady' if ready else 'WorkerStarted'} of {len(times)} workers"
-    )
+    read = f"SpawnWorker to {'WorkerReady' if ready else 'WorkerStarted'} of {len(times)} workers"
+    if extra_s >= 0.05:
+        read += (
+            f", plus {extra_s:.1f} s a started worker took to produce beyond a group's latency "
+            f"(first queue growth after it started, from {seen} worker(s) that started with "
+            f"none other producing)"
+        )
+    notes.append(f"start-up {mean:.1f} s mean, spread {sigma} (log-sd): {read}")
     return round(mean, 3), sigma
+
+
+def _unready_s(facts: RunFacts, intervals: list[Interval], latency_s: float) -> tuple[float, int]:
+    """Without ``require_ready``, WorkerStarted is not producing: the mean time a started worker
+    took to first grow the queue beyond a group's latency and a sample interval, and the number
+    of workers it is read from. Only workers that started while no other was producing (and none
+    had produced since the last sample) show it: otherwise the growth is not theirs alone."""
+    sample_s = _sample_interval(facts)
+    starts = [i.start for i in intervals]
+    extras = []
+    for life in facts.workers.values():
+        up = life.started_t
+        if up is None or _active(facts, up) > 1:
+            continue
+        at = bisect.bisect_right(starts, up) - 1
+        if at >= 0 and intervals[at].start < up and intervals[at].produced > 0:
+            continue  # the queue was already growing as it started
+        first = next((i for i in intervals[max(at, 0) :] if i.produced > 0 and i.end > up), None)
+        if first is None:
+            continue
+        if life.exited_t is not None and life.exited_t < first.start:
+            continue
+        produced_t = max((first.start + first.end) / 2, up)
+        extras.append(max(produced_t - up - latency_s - sample_s, 0.0))
+    return (statistics.fmean(extras), len(extras)) if extras else (0.0, 0)
 
 
 def fit_faults(facts: RunFacts, notes: list[str]) -> list[Fault]:
@@ -791,16 +825,27 @@ def fit_scenario(
     observed = observe(facts, trainer)
     notes: list[str] = []
     phases = ", ".join(f"{s:.2f} s from {a:.0f} s" for a, s in trainer.phases)
+    window = trainer.windows[0][1] - trainer.windows[0][0]
+    if any(trainer.seen):
+        measured_from = (
+            f"measured over {trainer.fed_s:.0f} s of step-to-step spans with a batch queued "
+            f"throughout (the trainer was the bottleneck), per {window:.0f} s window"
+        )
+    else:
+        measured_from = (
+            f"the pace it kept, per {window:.0f} s window: too few step-to-step spans had a "
+            f"batch queued throughout to measure it"
+        )
     notes.append(
         f"trainer: batches of {trainer.batch_size_seqs} sequences; step time {phases}: "
-        f"measured over the {trainer.fed_s:.0f} s when a batch was queued (the trainer was "
-        f"the bottleneck), per {trainer.windows[0][1] - trainer.windows[0][0]:.0f} s window"
+        f"{measured_from}"
     )
     if trainer.hidden_s > 0.05 * facts.duration_s:
         notes.append(
-            f"the trainer was never seen with a batch waiting for {trainer.hidden_s:.0f} s "
-            f"({trainer.hidden_s / facts.duration_s:.0%} of the run): its demand there is only "
-            f"bounded (at most the pace it kept), so starvation there reads low"
+            f"in windows covering {trainer.hidden_s:.0f} s of running "
+            f"({trainer.hidden_s / facts.duration_s:.0%} of the run) too few steps had a batch "
+            f"queued throughout to measure the step time: it is only bounded there (at most "
+            f"the pace it kept), so starvation there may read low"
         )
     for start, stop in trainer.pauses:
         notes.append(

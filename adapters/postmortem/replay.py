@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="fitted_out",
         type=Path,
         metavar="FILE",
-        help="where --what-if writes the fitted scenario (default: LOG.fitted.toml beside it)",
+        help="write the scenario --what-if fits to FILE (replay writes nothing without it)",
     )
     parser.add_argument(
         "-q", "--quiet", action="store_true", help="no timeline: verify and summarize only"
@@ -79,7 +79,9 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         print(f"deo replay: {path}: no such log file", file=sys.stderr)
         return 2
     problems: list[LogProblem] = []
-    if args.what_if:
+    # A caller may build the Namespace by hand, without the closed-loop options.
+    what_if: list[str] = getattr(args, "what_if", None) or []
+    if what_if:
         if args.set:
             print(
                 "deo replay: --set (open loop) and --what-if (closed loop) ask different "
@@ -92,9 +94,9 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         try:
             return whatif.run_what_if(
                 path,
-                args.what_if,
-                seeds=args.what_if_seeds,
-                fitted_out=args.fitted_out,
+                what_if,
+                seeds=getattr(args, "what_if_seeds", 3),
+                fitted_out=getattr(args, "fitted_out", None),
                 out=out,
             )
         except (whatif.WhatIfError, whatif.FitError) as exc:

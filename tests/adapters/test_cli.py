@@ -135,7 +135,7 @@ def test_the_demo_log_answers_a_closed_loop_what_if(
     assert "trainer: batches of 32 sequences" in out
     assert "groups of 8 sequences" in out
     assert "(assumed: the log has no in-flight samples)" in out
-    assert re.search(r"^fit error \(.*\): starvation [-+]\d+\.\d\d points", out, re.M), out
+    assert re.search(r"^fit error \(.*\):\n  starvation [-+]\d+\.\d\d points", out, re.M), out
     assert "static (count=8)" in out
     assert (cwd / "tmp" / "fitted.toml").is_file()
 
