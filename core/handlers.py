@@ -254,7 +254,9 @@ def _configured(step: Step, event: e.Configured) -> None:
             )
             step.put_pool(pool)
             continue
-        memory = pool.policy_memory if pool.spec.policy == spec.policy else None
+        # The same policy with other parameters keeps what it measured (rates, start-up): those
+        # do not depend on the parameters, and a policy without them acts as on a cold pool.
+        memory = pool.policy_memory if pool.spec.policy.name == spec.policy.name else None
         pinned = pool.pinned
         if pinned is not None:
             pinned = min(max(pinned, spec.min_workers), spec.max_workers)

@@ -53,15 +53,19 @@ frozen while the count is pinned at a bound, and clamped); the proportional time
 
 Rules, in order:
 
-1. Cold start: until D and p are known, a pool whose queue is short of the target starts every
-   worker it may (the fastest way to a first batch; not a scale-up for the stabilization window,
-   so the excess is shed as soon as both are known), and otherwise holds.
+1. Cold start: until D and p are known, a cold pool (no worker active yet, or a trainer that has
+   taken no batch) whose queue is short of the target starts every worker it may (the fastest
+   way to a first batch; not a scale-up for the stabilization window, so the excess is shed as
+   soon as both are known); otherwise the pool holds. A reconfigured pool keeps what the policy
+   measured when only the parameters change.
 2. Starving: Q under 0.6 batch and no sample of the last two reaching a batch: the trainer waits
    and takes only what the envs make, so demand is at least that. Once a start-up has passed
    since the last applied addition, grow by 1 + (``max_up_factor`` - 1) x the hungry share (a
    dip in the jitter adds a worker or two; a trainer that sped up unseen doubles the pool per
    start-up), unless the shared inference saturates (or the pool is at its maximum), and not
-   while the last addition's workers have just become active.
+   while the last addition's workers have just become active. No batch for the time the active
+   workers at the measured p make two is an outage of production (inference down), not demand:
+   the pool holds. Saturation is judged on the production measured, never on p x workers.
 3. Add: a queue below the target that, projected a start-up ahead (workers still starting count
    half-way through it), would empty, or stays below the band: up to max(n, balance, count + 1)
    (not the + 1 while workers are still starting).
@@ -108,6 +112,8 @@ _PAUSE_STEPS = 4.0
 #: A removal within twice its margin waits this many start-ups plus trainer steps of excess.
 _REMOVAL_STARTUPS = 3.0
 _REMOVAL_STEPS = 8.0
+#: Starving, no batch for the time the pool makes this many at its measured rate: an outage.
+_OUTAGE_BATCHES = 2.0
 
 
 def _floats(value: Iterable[float]) -> tuple[float, ...]:
@@ -229,6 +235,12 @@ class BufferPolicy:
     down_cooldown_s: float = 0.0
 
     def __attrs_post_init__(self) -> None:
+        for field in attrs.fields(type(self)):
+            # An infinite or NaN parameter passes the range checks below but breaks the
+            # arithmetic (a pool of infinitely many workers, a cooldown no time ever exceeds).
+            value = getattr(self, field.name)
+            if not math.isfinite(value):
+                raise ConfigError(f"policy.{field.name} must be a finite number, got {value!r}")
         for key in (
             "integral_s",
             "rate_window_s",
@@ -562,14 +574,29 @@ class BufferPolicy:
         """Rule 2: the trainer starves. Grow by up to ``max_up_factor`` (per start-up), unless
         the last growth showed the shared inference saturated."""
         t, current, active = context.t, self.in_force(context), context.active
-        # What the active workers make at the measured p (intervals near the off-policy limit and
-        # just after workers came are left out of p).
-        production = (memory.per_worker_seqs_s or 0.0) * active
+        # What entered the queue, measured (starving, the queue never nears the off-policy
+        # limit, so this is all the pool makes).
+        production = memory.production_seqs_s or 0.0
         # Production is averaged over a settle time: two of them after the last worker came,
         # it shows what the workers added make (to 86%).
         settle = self._production_settle_s(memory, batch)
         settled = t - memory.active_changed_t >= 2 * settle
         startup = self.startup(memory)
+        # Starving, the trainer takes each batch as soon as the envs complete it, so at the
+        # measured rate a batch comes every B / (p x active). No batch over twice that: the envs
+        # make less than half of what they did (an inference outage), not what the trainer
+        # wants; more workers would add nothing.
+        since_advance = 0.0 if memory.last_advance_t is None else t - memory.last_advance_t
+        expected = (memory.per_worker_seqs_s or 0.0) * active * since_advance
+        if expected >= _OUTAGE_BATCHES * batch:
+            return Decision(
+                target=current,
+                reason=f"{figures}; trainer starving, but no batch for {since_advance:.0f}s, in "
+                f"which {active} active workers at {memory.per_worker_seqs_s or 0.0:.2f} seq/s "
+                f"make {expected / batch:.1f} batches: production stopped, not a demand to "
+                f"chase -> hold {current}",
+                memory=memory,
+            )
         probing = (
             memory.probe_workers > 0
             and active >= max(1.2 * memory.probe_workers, memory.probe_workers + 2)
@@ -873,8 +900,13 @@ class BufferPolicy:
         self, context: PolicyContext, memory: BufferMemory, queued_batches: float
     ) -> Decision:
         current = self.in_force(context)
-        target_batches = self.target(memory, 1)
-        if queued_batches < target_batches:
+        sample = context.queue
+        assert sample is not None
+        target_batches = self.target(memory, sample.batch_size_seqs)
+        # A cold pool has no worker active yet or a trainer that has taken no batch. A pool
+        # already running (production stopped, or this policy just took it over) is held.
+        cold = context.active == 0 or sample.trainer_step == 0
+        if cold and queued_batches < target_batches:
             # A cold pool: every worker it may have reaches the first batch soonest.
             target = max(current, context.max_workers)
             return Decision(
@@ -886,11 +918,13 @@ class BufferPolicy:
                 memory=memory,
                 stabilize=False,
             )
+        compared = ">=" if queued_batches >= target_batches else "<"
+        running = "" if cold else f", {context.active} workers active"
         return Decision(
             target=current,
             reason=(
-                f"queue {queued_batches:.2f} batches >= target {target_batches:g}; "
-                f"rates not measured yet -> hold {current}"
+                f"queue {queued_batches:.2f} batches {compared} target {target_batches:g}; "
+                f"rates not measured yet{running} -> hold {current}"
             ),
             memory=memory,
         )

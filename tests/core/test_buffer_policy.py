@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from core import Config, ConfigError, Configured, PolicySpec, PoolSpec, Reducer
 from core.events import QueueSampled
 from core.policies import BufferMemory, BufferPolicy, Decision, PolicyContext
 from core.records import replace
@@ -98,6 +99,63 @@ def test_cold_start_starts_every_worker_without_opening_the_stabilization_window
     assert decision.target == 12
     assert decision.stabilize is False  # the excess is shed as soon as the rates are known
     assert "rates not measured yet" in decision.reason
+
+
+def test_a_running_pool_without_rates_holds_rather_than_starting_every_worker() -> None:
+    # 40 workers active, the trainer at step 500, no rates in memory (the policy just took the
+    # pool over, or production stopped): not a cold pool.
+    decision = BufferPolicy().decide(ctx(0.0, 10, 500, current=40, max_workers=128), None)
+    assert decision.target == 40, decision.reason
+    assert "40 workers active -> hold 40" in decision.reason
+    # Before any worker is active it is.
+    cold = BufferPolicy().decide(ctx(0.0, 10, 500, current=4, active=0, max_workers=128), None)
+    assert cold.target == 128, cold.reason
+
+
+def test_without_rates_the_target_reads_the_spread_in_sequences() -> None:
+    # A spread of half a batch (32 sequences): target 1.5 batches, not the 2-batch ceiling
+    # that a spread read as 32 batches would give.
+    memory = settled(
+        demand_seqs_s=None,
+        fast_demand_seqs_s=None,
+        last_advance_t=None,
+        queue_seqs=112.0,
+        spread_var_seqs2=32.0**2,
+        spreads_seen=5,
+    )
+    decision = probe(memory, 8, queued=112, steps=0)
+    assert "target 1.5;" in decision.reason, decision.reason
+    assert decision.target == 8
+
+
+def test_reconfiguring_the_parameters_keeps_the_measurements() -> None:
+    def config(target_batches: float) -> Config:
+        spec = PolicySpec(name="buffer", params={"target_batches": target_batches})
+        return Config(pools=[PoolSpec(name="envs", argv=["env"], max_workers=128, policy=spec)])
+
+    reducer = Reducer(check_invariants=True)
+    reducer.step(Configured(t=0.0, config=config(1.5)))
+    reducer.step(
+        QueueSampled(t=1.0, pool="envs", queued_sequences=0, batch_size_seqs=BATCH, trainer_step=0)
+    )
+    measured = reducer.state.pools["envs"].policy_memory
+    assert isinstance(measured, BufferMemory)
+    reducer.step(Configured(t=2.0, config=config(2.0)))
+    assert reducer.state.pools["envs"].policy_memory == measured
+    # Another policy starts afresh.
+    hpa = PolicySpec(name="hpa")
+    other = Config(pools=[PoolSpec(name="envs", argv=["env"], max_workers=128, policy=hpa)])
+    reducer.step(Configured(t=3.0, config=other))
+    assert reducer.state.pools["envs"].policy_memory is None
+
+
+@pytest.mark.parametrize(
+    "key", ["max_up_factor", "down_cooldown_s", "integral_s", "refill_s", "startup_prior_s"]
+)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_a_parameter_that_is_not_finite_is_refused(key: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=f"policy.{key} must be a finite number"):
+        BufferPolicy(**{key: value})
 
 
 def test_cold_start_with_a_full_queue_holds() -> None:
@@ -243,6 +301,23 @@ def test_a_starving_trainer_grows_the_pool_in_proportion_to_how_long_it_waited()
     assert probe(recent, 10, queued=8).target < 20
 
 
+def test_a_production_outage_holds_the_pool() -> None:
+    # A settled pool of 8 (p = 4 seq/s, the trainer fed); then nothing enters the queue and the
+    # trainer takes nothing for ten minutes. Every worker reported active at once.
+    policy, memory, count = BufferPolicy(), settled(), 8
+    decisions = []
+    for i in range(1, 301):
+        t = 100.0 + 2 * i
+        decision = policy.decide(ctx(t, 0, 50, current=count, max_workers=100), memory)
+        memory, count = decision.memory, decision.target
+        decisions.append(decision)
+    # (At its onset a few seconds without production read as a dip: one small growth.)
+    assert max(d.target for d in decisions) <= 10, [d.reason for d in decisions]
+    assert "production stopped" in decisions[-1].reason, decisions[-1].reason
+    # No reason claims a production nobody measured.
+    assert not any("seq/s, " in d.reason and "make" in d.reason for d in decisions)
+
+
 def test_saturation_stops_growth_and_sheds() -> None:
     # The last growth went from 10 active workers making 40 seq/s to 20 active, and p fell
     # to 2.1: 42 seq/s. Inference, not workers, is the limit: hold what makes that, 11.
@@ -251,6 +326,7 @@ def test_saturation_stops_growth_and_sheds() -> None:
         last_queued_seqs=8,
         hungry_share=1.0,
         per_worker_seqs_s=2.1,
+        production_seqs_s=42.0,
         last_active=20,
         probe_workers=10,
         probe_seqs_s=40.0,
