@@ -10,15 +10,15 @@ pool's ``control_attempts``, then the engine is stopped (and, for a wake, replac
 Each engine gets the lowest port of its pool's range that no live engine holds; a drained engine
 is stopped (SIGTERM: engines take no drain signal) once its in-flight requests reach 0.
 
-The functions here work on a :class:`~core.step.Step`; the handlers are in
-:data:`ENGINE_HANDLERS`.
+The functions here work on an :class:`EngineStep` (the part of :class:`~core.step.Step` they
+use, so that this module sits below ``core.step``); the handlers are in :data:`ENGINE_HANDLERS`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from core import commands as c
 from core import events as e
@@ -26,14 +26,12 @@ from core.config import PoolSpec
 from core.errors import Refused
 from core.lifecycle import ASLEEP, Trigger, WorkerState
 from core.records import replace
-from core.state import PoolState, Worker
+from core.state import Gpu, PoolState, Worker
 from core.vocabulary import AlertName, DecisionSource, StopCause
-
-if TYPE_CHECKING:
-    from core.step import Step
 
 __all__ = [
     "ENGINE_HANDLERS",
+    "EngineStep",
     "call_deadline_s",
     "drain_done",
     "enforce_max_asleep",
@@ -49,6 +47,29 @@ __all__ = [
 S = WorkerState
 
 
+class EngineStep(Protocol):
+    """What the engine rules use of a reducer step (:class:`core.step.Step` provides it)."""
+
+    t: float
+    pools: Mapping[str, PoolState]
+    workers: Mapping[str, Worker]
+    gpus: Mapping[str, Gpu]
+    worker_counts: Mapping[str, tuple[int, int]]
+    commands: list[c.Command]
+    dirty_pools: set[str]
+
+    def put_worker(self, worker: Worker) -> None: ...
+    def put_pool(self, pool: PoolState) -> None: ...
+    def pool(self, name: str, event: e.Event) -> PoolState: ...
+    def worker(self, worker_id: str, event: e.Event) -> Worker | None: ...
+    def raise_alert(self, alert: AlertName, subject: str, reason: str) -> None: ...
+    def resolve_alert(self, alert: AlertName, subject: str, reason: str) -> None: ...
+    def transition(self, worker: Worker, trigger: Trigger, **changes: Any) -> Worker: ...
+    def came_up(self, worker: Worker) -> None: ...
+    def drain(self, worker: Worker, cause: StopCause, why: str) -> None: ...
+    def terminate(self, worker: Worker, cause: StopCause, why: str) -> None: ...
+
+
 def call_deadline_s(spec: PoolSpec) -> float:
     """How long deo waits for the answer to a sleep or wake call before it gives up on the
     engine: the call's own timeout (a confirmation included) and as long again for the report
@@ -56,7 +77,7 @@ def call_deadline_s(spec: PoolSpec) -> float:
     return 2 * spec.control_timeout_s
 
 
-def free_port(step: Step, spec: PoolSpec) -> int | None:
+def free_port(step: EngineStep, spec: PoolSpec) -> int | None:
     """The lowest port of the pool's range that no live engine holds, or None."""
     held = {w.port for w in step.workers.values() if w.port is not None}
     return next((port for port in spec.port_range() if port not in held), None)
@@ -90,7 +111,7 @@ def _wake_command(worker: Worker, spec: PoolSpec, attempt: int, why: str) -> c.W
 # --- sleep ----------------------------------------------------------------------------------------
 
 
-def _sleep(step: Step, worker: Worker, why: str) -> None:
+def _sleep(step: EngineStep, worker: Worker, why: str) -> None:
     """An active engine leaves routing; the sleep call goes once a count reported after that
     says nothing is in flight (a count from while it was routed is forgotten with the
     transition: the router may have sent it requests since), or at the drain timeout."""
@@ -109,7 +130,7 @@ def _sleep(step: Step, worker: Worker, why: str) -> None:
     step.dirty_pools.add(worker.pool)
 
 
-def release(step: Step, worker: Worker, why: str) -> None:
+def release(step: EngineStep, worker: Worker, why: str) -> None:
     """Send the sleep call (again, after a failure); its answer is awaited until a deadline."""
     spec = step.pools[worker.pool].spec
     attempt = worker.control_attempts + 1
@@ -122,7 +143,7 @@ def release(step: Step, worker: Worker, why: str) -> None:
     step.commands.append(_sleep_command(worker, spec, attempt, why))
 
 
-def _asleep_of(step: Step, pool: str) -> list[Worker]:
+def _asleep_of(step: EngineStep, pool: str) -> list[Worker]:
     return [w for w in step.workers.values() if w.pool == pool and w.state in ASLEEP]
 
 
@@ -133,12 +154,12 @@ def _oldest_sleeping(asleep: list[Worker]) -> Worker | None:
     return min(sleeping, key=lambda w: (w.asleep_t or 0.0, w.index))
 
 
-def on_cordoned_gpu(step: Step, worker: Worker) -> bool:
+def on_cordoned_gpu(step: EngineStep, worker: Worker) -> bool:
     """Whether one of ``worker``'s GPUs is cordoned (by the operator, a GPU error or a limit)."""
     return any(step.gpus[g].causes for g in worker.gpus if g in step.gpus)
 
 
-def _can_sleep(step: Step, pool: PoolState) -> bool:
+def _can_sleep(step: EngineStep, pool: PoolState) -> bool:
     """Whether an active engine of ``pool`` scaled down now would go to sleep (not exit)."""
     spec = pool.spec
     if pool.removed or spec.max_asleep == 0:
@@ -148,7 +169,7 @@ def _can_sleep(step: Step, pool: PoolState) -> bool:
 
 
 def victims(
-    step: Step,
+    step: EngineStep,
     pool: PoolState,
     counted: list[Worker],
     excess: int,
@@ -166,7 +187,9 @@ def victims(
     return ranked[:excess]
 
 
-def shrink(step: Step, pool: PoolState, victims: list[Worker], why: str, cause: StopCause) -> None:
+def shrink(
+    step: EngineStep, pool: PoolState, victims: list[Worker], why: str, cause: StopCause
+) -> None:
     """Take ``victims`` (counted engines, in the order they should go) out of service: an active
     one sleeps while the pool's ``max_asleep`` allows (the one asleep longest stopped to make
     room), any other is stopped; a removed pool's engines, or one on a cordoned GPU, are drained
@@ -196,7 +219,7 @@ def shrink(step: Step, pool: PoolState, victims: list[Worker], why: str, cause: 
         _sleep(step, worker, f"{why}: {worker.worker_id} goes to sleep")
 
 
-def enforce_max_asleep(step: Step, pool: PoolState) -> None:
+def enforce_max_asleep(step: EngineStep, pool: PoolState) -> None:
     """Stop the engines asleep longest while more than ``max_asleep`` sleep (every one, once the
     pool is removed)."""
     spec = pool.spec
@@ -219,7 +242,7 @@ def enforce_max_asleep(step: Step, pool: PoolState) -> None:
 # --- wake -----------------------------------------------------------------------------------------
 
 
-def _send_wake(step: Step, worker: Worker, attempt: int, why: str) -> None:
+def _send_wake(step: EngineStep, worker: Worker, attempt: int, why: str) -> None:
     spec = step.pools[worker.pool].spec
     step.transition(
         worker,
@@ -231,7 +254,7 @@ def _send_wake(step: Step, worker: Worker, attempt: int, why: str) -> None:
     step.commands.append(_wake_command(worker, spec, attempt, why))
 
 
-def wake_for(step: Step, pool: PoolState, count: int) -> int:
+def wake_for(step: EngineStep, pool: PoolState, count: int) -> int:
     """Wake engines toward the pool's target before any is started: first those going to sleep
     (their memory is still there: back in routing at once), then those asleep, the one asleep
     shortest first. One on a cordoned GPU is never put back in service there (a new engine
@@ -266,7 +289,7 @@ def wake_for(step: Step, pool: PoolState, count: int) -> int:
 # --- handlers -------------------------------------------------------------------------------------
 
 
-def _engine(step: Step, worker_id: str, event: e.Event) -> tuple[Worker, PoolSpec] | None:
+def _engine(step: EngineStep, worker_id: str, event: e.Event) -> tuple[Worker, PoolSpec] | None:
     """The live engine ``worker_id`` with its pool's spec; None if it already exited; refused if
     it is no engine."""
     worker = step.worker(worker_id, event)
@@ -281,7 +304,7 @@ def _engine(step: Step, worker_id: str, event: e.Event) -> tuple[Worker, PoolSpe
     return worker, spec
 
 
-def _asleep(step: Step, event: e.EngineAsleep) -> None:
+def _asleep(step: EngineStep, event: e.EngineAsleep) -> None:
     found = _engine(step, event.worker_id, event)
     if found is None:
         return
@@ -296,7 +319,7 @@ def _asleep(step: Step, event: e.EngineAsleep) -> None:
     # Any other state: a late answer (the engine was stopped, or woken since); nothing to do.
 
 
-def _awake(step: Step, event: e.EngineAwake) -> None:
+def _awake(step: EngineStep, event: e.EngineAwake) -> None:
     found = _engine(step, event.worker_id, event)
     if found is None:
         return
@@ -323,7 +346,7 @@ def _awake(step: Step, event: e.EngineAwake) -> None:
         step.dirty_pools.add(spec.name)
 
 
-def _sleep_failed(step: Step, event: e.EngineSleepFailed) -> None:
+def _sleep_failed(step: EngineStep, event: e.EngineSleepFailed) -> None:
     found = _engine(step, event.worker_id, event)
     if found is None:
         return
@@ -344,7 +367,7 @@ def _sleep_failed(step: Step, event: e.EngineSleepFailed) -> None:
     step.terminate(worker, StopCause.SLEEP_FAILED, why)
 
 
-def _wake_failed(step: Step, event: e.EngineWakeFailed) -> None:
+def _wake_failed(step: EngineStep, event: e.EngineWakeFailed) -> None:
     found = _engine(step, event.worker_id, event)
     if found is None:
         return
@@ -369,7 +392,7 @@ def _wake_failed(step: Step, event: e.EngineWakeFailed) -> None:
     step.terminate(worker, StopCause.WAKE_FAILED, why)
 
 
-def _load_sampled(step: Step, event: e.EngineLoadSampled) -> None:
+def _load_sampled(step: EngineStep, event: e.EngineLoadSampled) -> None:
     found = _engine(step, event.worker_id, event)
     if found is None:
         return
@@ -387,7 +410,7 @@ def _load_sampled(step: Step, event: e.EngineLoadSampled) -> None:
         drain_done(step, worker)
 
 
-def drain_done(step: Step, worker: Worker) -> None:
+def drain_done(step: EngineStep, worker: Worker) -> None:
     """Nothing is in flight at ``worker``: a drain to sleep sends the sleep call, a drain to exit
     stops the engine (SIGTERM)."""
     if worker.state is S.GOING_TO_SLEEP:
@@ -400,7 +423,7 @@ def drain_done(step: Step, worker: Worker) -> None:
         )
 
 
-def release_at_deadline(step: Step, worker: Worker, spec: PoolSpec) -> None:
+def release_at_deadline(step: EngineStep, worker: Worker, spec: PoolSpec) -> None:
     """The drain before a sleep ran out: the sleep call goes now (what is still in flight is
     aborted by the engine; the router retries it elsewhere)."""
     in_flight = "unknown" if worker.in_flight_requests is None else worker.in_flight_requests
@@ -412,7 +435,7 @@ def release_at_deadline(step: Step, worker: Worker, spec: PoolSpec) -> None:
     )
 
 
-def repeat_control(step: Step, worker: Worker) -> None:
+def repeat_control(step: EngineStep, worker: Worker) -> None:
     """After a restart, an adopted engine's pending call is sent again (its answer was lost with
     deo), and one the log says sleeps is asked whether it does."""
     spec = step.pools[worker.pool].spec
@@ -441,7 +464,7 @@ def repeat_control(step: Step, worker: Worker) -> None:
         )
 
 
-def _wake_requested(step: Step, event: e.EnginesWakeRequested) -> None:
+def _wake_requested(step: EngineStep, event: e.EnginesWakeRequested) -> None:
     pool = step.pool(event.pool, event)
     spec = pool.spec
     if not spec.is_engine:
@@ -464,7 +487,7 @@ def _wake_requested(step: Step, event: e.EnginesWakeRequested) -> None:
     step.dirty_pools.add(spec.name)
 
 
-def end_wake_hold(step: Step, pool: PoolState, why: str) -> PoolState:
+def end_wake_hold(step: EngineStep, pool: PoolState, why: str) -> PoolState:
     """The pool's wake hold ends: its policy decides again, from the count the hold left."""
     if not pool.wake_held:
         return pool
@@ -482,7 +505,7 @@ def end_wake_hold(step: Step, pool: PoolState, why: str) -> PoolState:
 
 
 #: The reducer's handlers of the engine events.
-ENGINE_HANDLERS: Mapping[type, Callable[[Step, Any], None]] = MappingProxyType(
+ENGINE_HANDLERS: Mapping[type, Callable[[EngineStep, Any], None]] = MappingProxyType(
     {
         e.EngineAsleep: _asleep,
         e.EngineAwake: _awake,
