@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import anyio
-import attrs
 import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -39,6 +38,9 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from adapters.api.serving import serve
+from adapters.engine_endpoints import EngineEndpoint, EngineProvider
 
 __all__ = ["MAX_BODY_BYTES", "EngineEndpoint", "EngineProvider", "EngineRouter", "serve_router"]
 
@@ -69,19 +71,6 @@ _BEFORE_FIRST_BYTE = (
     httpx.WriteError,
     httpx.PoolTimeout,
 )
-
-
-@attrs.frozen(slots=True, kw_only=True)
-class EngineEndpoint:
-    """One engine as the router sees it: its worker id, its base URL, whether to send it work."""
-
-    worker_id: str
-    base_url: str
-    routable: bool
-
-
-#: Called for each request: the pool's engines, in a stable order (ties go to the first).
-EngineProvider = Callable[[], Sequence[EngineEndpoint]]
 
 
 class EngineRouter:
@@ -404,9 +393,6 @@ async def serve_router(
     socket bound beforehand, replaces ``host`` and ``port``. Rollouts keep
     many requests open at once, so the connection cap is far above the API's.
     """
-    # Imported here: adapters.api.app pulls in the runner, which the router does not need.
-    from adapters.api.app import serve
-
     try:
         await serve(
             router.app(),

@@ -35,18 +35,14 @@ handled yet, 503 while deo stops.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
-import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
-import anyio
 import attrs
 import orjson
-import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -55,17 +51,13 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from uvicorn.server import ServerState
 
 from adapters.api.guard import (
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_REQUEST_TIMEOUT_S,
-    ConnectionGuard,
     GuardCounters,
-    connection_cap,
 )
+from adapters.api.serving import listen, serve
 from adapters.describe import pool_summary
-from adapters.runtime.engine_pools import engine_figures
+from adapters.engine_endpoints import engine_figures
 from adapters.runtime.runner import Runner
 from core import (
     AutoscalingPaused,
@@ -87,12 +79,6 @@ from core import (
 from core.state import PoolState, Worker, split_worker_id
 
 __all__ = ["MAX_WORKER_ID_CHARS", "build_app", "listen", "serve", "worker_token"]
-
-#: How long a cancelled server waits for requests in flight before cutting them off.
-SHUTDOWN_GRACE_S = 5
-
-#: Connections the kernel queues for the accept loop (capped by net.core.somaxconn).
-LISTEN_BACKLOG = 2048
 
 #: Worker states reported per pool; exited workers are forgotten by the core, so never counted.
 _LIVE_STATES: tuple[WorkerState, ...] = tuple(s for s in WorkerState if s is not WorkerState.EXITED)
@@ -737,78 +723,3 @@ def build_app(
     # serve() counts its connections here, for /metrics.
     app.state.guard_counters = connections
     return app
-
-
-# --- serving -------------------------------------------------------------------------------------
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A listening socket for :func:`serve`; bind it early to learn the port before serving."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # A long kernel queue costs no descriptors: connections wait there while the guard is full.
-    return socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
-
-
-async def serve(
-    app: Starlette,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8787,
-    started: Callable[[int], None] | None = None,
-    sock: socket.socket | None = None,
-    max_connections: int = DEFAULT_MAX_CONNECTIONS,
-    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-) -> None:
-    """Serve ``app`` until cancelled, then shut down gracefully. Needs the asyncio backend.
-
-    Loopback by default because the GET endpoints are open. ``port=0`` picks a free port;
-    ``started(port)`` is called with the actual one once the server listens. ``sock``, from
-    :func:`listen`, replaces ``host`` and ``port``. Connections are accepted by a
-    :class:`~adapters.api.guard.ConnectionGuard`: at most ``max_connections`` (fewer where the
-    open-file limit leaves less beside the descriptors kept for workers), each given
-    ``request_timeout_s`` to deliver a complete request. ValueError if the open-file limit is too
-    low to serve at all.
-    """
-    # Bind here rather than in uvicorn: a port in use then raises OSError to the caller, where
-    # uvicorn would log it and call sys.exit.
-    if sock is None:
-        sock = listen(host, port)
-    try:
-        counters = getattr(app.state, "guard_counters", None)
-        guard = ConnectionGuard(
-            cap=connection_cap(max_connections),
-            request_timeout_s=request_timeout_s,
-            counters=counters if isinstance(counters, GuardCounters) else None,
-        )
-        config = uvicorn.Config(
-            app,
-            log_level="warning",
-            # None keeps uvicorn from replacing the process's logging configuration with its own.
-            log_config=None,
-            lifespan="off",
-        )
-        config.load()
-        server_state = ServerState()
-        protocol = guard.protocol_class()
-
-        def connection() -> asyncio.Protocol:
-            return protocol(config=config, server_state=server_state, app_state={})
-
-        if started is not None:
-            started(sock.getsockname()[1])
-        try:
-            await guard.accept_forever(sock, connection)
-        finally:
-            # Shielded, so that cancelling serve() stops in order: no new connections, idle
-            # ones closed, requests in flight given SHUTDOWN_GRACE_S to finish.
-            with anyio.CancelScope(shield=True):
-                sock.close()
-                guard.shutdown()
-                with anyio.move_on_after(SHUTDOWN_GRACE_S):
-                    while server_state.tasks:
-                        await anyio.sleep(0.05)
-                for task in list(server_state.tasks):
-                    task.cancel()
-                guard.abort_all()
-    finally:
-        sock.close()

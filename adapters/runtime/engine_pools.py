@@ -16,8 +16,9 @@ For every pool of kind ``engine`` in the configuration:
   whenever its count changes (taking the router's count where it is larger), so a drain ends at
   0 in flight rather than at its timeout.
 
-:func:`engine_figures` computes verl's figures for a pool from the state (``/global-status``
-and ``/metrics`` show them): load ratio, engines active/draining/inactive/starting, capacity.
+:func:`~adapters.engine_endpoints.engine_figures` (re-exported here) computes verl's figures for
+a pool from the state (``/global-status`` and ``/metrics`` show them): load ratio, engines
+active/draining/inactive/starting, capacity.
 
 Routers bind when deo starts (:func:`bind_routers`), before the log is touched, so a port in
 use is an error at start-up, not a task failing later.
@@ -27,13 +28,14 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import anyio
 import attrs
 import httpx
 
-from adapters.router import EngineEndpoint, EngineRouter, serve_router
+from adapters.api.serving import listen
+from adapters.engine_endpoints import EngineEndpoint, engine_figures
+from adapters.router import EngineRouter, serve_router
 from adapters.runtime.engines import engine_url
 from adapters.sources.engine_metrics import EngineMetricsSource, sample_engine_metrics
 from core import Config, EngineLoadSampled, Event, LoadSampled, PoolSpec, State, WorkerState
@@ -52,8 +54,6 @@ MEASURED_STATES = frozenset({WorkerState.ACTIVE, WorkerState.GOING_TO_SLEEP, Wor
 #: How often draining engines are read (their drains end at 0 in flight).
 DRAIN_WATCH_S = 0.25
 _DRAINING = frozenset({WorkerState.GOING_TO_SLEEP, WorkerState.DRAINING})
-_ASLEEP = frozenset({WorkerState.FALLING_ASLEEP, WorkerState.SLEEPING})
-_STARTING = frozenset({WorkerState.REQUESTED, WorkerState.STARTING, WorkerState.WAKING})
 
 
 def engine_endpoints(
@@ -70,36 +70,6 @@ def engine_endpoints(
         for worker in state.workers_of(pool)
         if worker.port is not None and (states is None or worker.state in states)
     ]
-
-
-def engine_figures(state: State, pool: str) -> dict[str, Any] | None:
-    """verl's figures for an engine pool (None for other pools): engines by verl's state, the
-    capacity of the active ones, the last load sample and their ratio."""
-    found = state.pools.get(pool)
-    if found is None or not found.spec.is_engine:
-        return None
-    workers = state.workers_of(pool)
-    active = sum(1 for w in workers if w.state is WorkerState.ACTIVE)
-    capacity = active * found.spec.capacity_per_engine
-    in_flight = found.load.in_flight_requests if found.load is not None else None
-    return {
-        "engine": found.spec.engine,
-        "active": active,
-        "draining": sum(1 for w in workers if w.state in _DRAINING),
-        "inactive": sum(1 for w in workers if w.state in _ASLEEP),
-        "starting": sum(1 for w in workers if w.state in _STARTING),
-        "capacity_per_engine": found.spec.capacity_per_engine,
-        "total_capacity": capacity,
-        "in_flight_requests": in_flight,
-        # verl's rule: requests in flight over the active engines' capacity.
-        "load_ratio": None if in_flight is None or capacity == 0 else in_flight / capacity,
-        # Only draining engines are counted one by one (their drains end at 0); the router's
-        # GET /router/engines shows every engine's.
-        "in_flight_by_engine": {
-            w.worker_id: w.in_flight_requests for w in workers if w.state in _DRAINING
-        },
-        "router_port": found.spec.router_port or None,
-    }
 
 
 @attrs.define(slots=True, kw_only=True)
@@ -125,7 +95,6 @@ def bind_routers(
 ) -> list[EnginePool]:
     """An :class:`EnginePool` per engine pool, routers bound on loopback; OSError (the socket's)
     naming the pool if a port cannot be bound (earlier ones closed)."""
-    from adapters.api.app import listen
 
     pools: list[EnginePool] = []
     try:

@@ -28,7 +28,7 @@ import attrs
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from adapters.router import EngineEndpoint
+from adapters.engine_endpoints import EngineEndpoint
 from core import ConfigError, EngineLoadSampled, Event, LoadSampled, SourceDown
 
 __all__ = [
