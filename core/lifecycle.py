@@ -17,7 +17,7 @@ worker is terminated (SIGTERM), a stopping one is killed with its process group 
 SIGKILL), and a killed one that still has not exited is given up on (GIVE_UP -> EXITED: its GPUs
 are cordoned and an alert raised, since its process may still hold them).
 
-A worker counts toward its pool's size while it is REQUESTED, STARTING, ACTIVE or SLEEPING: those
+A worker counts toward its pool's size while it is REQUESTED, STARTING, ACTIVE or WAKING: those
 are the workers that are or will be producing. DRAINING, STOPPING and KILLED workers are on their
 way out; they still hold their GPUs until EXITED, which is why a GPU is never handed out twice.
 
