@@ -422,7 +422,12 @@ async def test_a_worker_gets_the_inherited_environment_and_the_commands_env_unto
     [event] = events
     assert isinstance(event, WorkerStarted)
     track(event.pid)
-    raw = Path(f"/proc/{event.pid}/environ").read_bytes().split(b"\0")
+    # Until the child has exec'd, /proc shows the environment of the fork (or none): wait for it.
+    environ = Path(f"/proc/{event.pid}/environ")
+    deadline = time.monotonic() + 30
+    while b"DEO_WORKER_ID=" not in environ.read_bytes() and time.monotonic() < deadline:
+        await anyio.sleep(0.02)
+    raw = environ.read_bytes().split(b"\0")
     env = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
     # The command's env as the core wrote it wins over what is inherited; the executor adds
     # only the heartbeat file beside the worker's log.

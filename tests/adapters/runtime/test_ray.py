@@ -226,6 +226,7 @@ def test_workers_run_on_the_nodes_of_their_gpus_drain_and_are_adopted_after_kill
     assert len(kept) == 2
 
     # deo dies without a word; its workers do not. The next deo adopts them by their names.
+    spawned = len(d.commands("SpawnWorker"))  # a spawn that timed out under load is replaced
     d.kill9()
     assert all(alive(pid) for pid in kept.values())
     # An actor of this namespace the log does not name (a worker it lost) is an orphan to remove.
@@ -243,7 +244,7 @@ def test_workers_run_on_the_nodes_of_their_gpus_drain_and_are_adopted_after_kill
     wait_for("the orphan removed", lambda: not alive(ghost_pid))
     assert cluster.actors(namespace) == sorted(ACTOR_PREFIX + w for w in kept)
     assert [e["worker_id"] for e in d.events("LeftoverProcesses")] == ["ghost"]
-    assert len(d.commands("SpawnWorker")) == 3  # no duplicate was started
+    assert len(d.commands("SpawnWorker")) == spawned  # no duplicate was started
     assert not d.events("WorkerLost")
 
     # Removing the actor (as Ray does when its node dies) ends its worker: reported, replaced.
