@@ -188,6 +188,9 @@ class RayExecutor:
         #: ends millions).
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._pending: dict[str, list[_Signalling]] = {}
+        #: One GPU worker placed at a time per node: Ray hands a node's lowest free GPU indices to
+        #: whichever actor it places first, so concurrent placements can swap two workers' GPUs.
+        self._placing: dict[str, anyio.Lock] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
         self._host_class: Any = None
         #: Node names seen alive, and those whose loss was reported.
@@ -290,6 +293,14 @@ class RayExecutor:
             ).remote()
             return actor, actor.start.remote(argv, env, log_path)
 
+        if not worker.gpus:
+            await self._place(worker, create)
+            return
+        node = split_gpu_id(worker.gpus[0])[0]
+        async with self._placing.setdefault(node, anyio.Lock()):
+            await self._place(worker, create)
+
+    async def _place(self, worker: _Worker, create: Callable[[], tuple[Any, Any]]) -> None:
         try:
             # Ray registers a named actor with a synchronous call to its head, which stalls for
             # as long as the head does not answer: never on deo's loop.
