@@ -293,6 +293,10 @@ def test_sigterms_during_a_stop_never_end_deo_uncleanly(
     )
     d.start()
     [worker] = wait_for("the worker", lambda: d.workers("active"))
+    # It prints its child once it ignores the drain signal and SIGTERM: a signal sent before
+    # then would end it.
+    log = d.dir / "deo-workers" / f"{worker['id']}.log"
+    wait_for("the worker's handlers", lambda: log.exists() and "child" in log.read_text())
     if drain:
         assert d.post("/v1/stop", {"drain": True}).status_code == 200
         wait_for("the drain", lambda: "DrainWorker" in d.log.read_text())
