@@ -89,18 +89,21 @@ async def test_engines_under_load_become_per_engine_and_pool_samples(engine: str
         async with anyio.create_task_group() as tasks:
             for _ in range(3):
                 tasks.start_soon(complete)
-            with anyio.fail_after(60):
-                while True:
-                    events = await sample_engine_metrics(client, source, endpoints, clock)
-                    if events[-1] == LoadSampled(t=5.0, pool="gen", in_flight_requests=3):
-                        break
-                    await anyio.sleep(0.05)
-            assert events[:2] == [
+            # Every request is counted as waiting until it takes a slot: wait for the
+            # settled state (two running, one waiting), not merely three in flight.
+            settled = [
                 EngineLoadSampled(
                     t=5.0, pool="gen", worker_id="busy", in_flight_requests=3, waiting_requests=1
                 ),
                 EngineLoadSampled(t=5.0, pool="gen", worker_id="idle", in_flight_requests=0),
+                LoadSampled(t=5.0, pool="gen", in_flight_requests=3),
             ]
+            with anyio.fail_after(60):
+                while True:
+                    events = await sample_engine_metrics(client, source, endpoints, clock)
+                    if events == settled:
+                        break
+                    await anyio.sleep(0.05)
             # The router knows of requests the engine has not seen yet: the larger count wins.
             routed = await sample_engine_metrics(client, source, endpoints, clock, {"idle": 2})
             assert routed[1] == EngineLoadSampled(
