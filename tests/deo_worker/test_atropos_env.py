@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import AtroposApi, free_port
+from waiting import DEADLINE_S, wait_for
 
 from deo_worker import Drain, Heartbeat, drainable, serve_until_drained
 from deo_worker.demo_env import parse_args
@@ -32,16 +33,6 @@ from deo_worker.demo_env import parse_args
 ROOT = Path(__file__).resolve().parents[2]
 GROUP = 4
 BATCH = 16
-
-
-def wait_until(what: str, check: Callable[[], Any], timeout_s: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def queue_groups(api: AtroposApi) -> int:
@@ -87,13 +78,13 @@ class DemoEnvProcess:
     def output(self) -> str:
         return "\n".join(self.lines)
 
-    def wait_for_line(self, pattern: str, timeout_s: float = 15.0) -> re.Match[str]:
+    def wait_for_line(self, pattern: str, timeout_s: float = DEADLINE_S) -> re.Match[str]:
         def found() -> re.Match[str] | None:
             assert self.proc.poll() is None or self._reader.is_alive(), self.output
             return next((m for line in self.lines if (m := re.search(pattern, line))), None)
 
         try:
-            match: re.Match[str] = wait_until(f"a line matching {pattern!r}", found, timeout_s)
+            match: re.Match[str] = wait_for(f"a line matching {pattern!r}", found, timeout_s)
         except AssertionError:
             raise AssertionError(f"no line matching {pattern!r} in:\n{self.output}") from None
         return match
@@ -141,7 +132,7 @@ def test_groups_reach_the_queue_and_make_batches(
     atropos_api.register_trainer(batch_size_seqs=BATCH)
     env = demo_env(atropos_api.url, *flags(latency_s=0.1, in_flight=2))
     env.wait_for_line(r"^envs-0: registered as env 0$")
-    wait_until("a batch worth of groups", lambda: queue_groups(atropos_api) >= BATCH // GROUP)
+    wait_for("a batch worth of groups", lambda: queue_groups(atropos_api) >= BATCH // GROUP)
     batch = httpx.get(atropos_api.url + "/batch").json()["batch"]
     assert sum(len(group["tokens"]) for group in batch) == BATCH
     for group in batch:
@@ -159,7 +150,7 @@ def test_it_stops_at_max_batches_offpolicy_and_resumes_when_the_trainer_pulls(
     atropos_api.register_trainer(batch_size_seqs=BATCH)
     limit_groups = 2 * BATCH // GROUP  # 2 batches of 16 sequences, in groups of 4
     env = demo_env(atropos_api.url, *flags(latency_s=0.05, in_flight=4, max_batches=2))
-    wait_until("the queue to fill", lambda: queue_groups(atropos_api) >= limit_groups)
+    wait_for("the queue to fill", lambda: queue_groups(atropos_api) >= limit_groups)
     seen = []
     deadline = time.monotonic() + 1.5  # ~30 generation times: ample to overshoot if it would
     while time.monotonic() < deadline:
@@ -170,7 +161,7 @@ def test_it_stops_at_max_batches_offpolicy_and_resumes_when_the_trainer_pulls(
     # refills it within ~0.1 s, too soon to see the queue short reliably on a busy machine; the
     # count of groups it posted shows the refill instead.
     assert len(httpx.get(atropos_api.url + "/batch").json()["batch"]) == BATCH // GROUP
-    wait_until("the queue to refill", lambda: queue_groups(atropos_api) == limit_groups)
+    wait_for("the queue to refill", lambda: queue_groups(atropos_api) == limit_groups)
     time.sleep(0.5)
     assert queue_groups(atropos_api) == limit_groups
     env.proc.send_signal(signal.SIGUSR1)
@@ -190,7 +181,7 @@ def test_sigusr1_mid_generation_posts_what_is_in_flight_disconnects_and_exits_0(
     assert weight_of(atropos_api, other) == pytest.approx(0.5)  # two connected envs
     # Every group takes 3 s: two land at ~3 s, two more are generating from the env's next poll
     # until ~6 s; the drain must come in between, which leaves a busy machine seconds to spare.
-    wait_until("the first two groups", lambda: queue_groups(atropos_api) == 2)
+    wait_for("the first two groups", lambda: queue_groups(atropos_api) == 2)
     time.sleep(1.0)  # past the env's next poll (every 0.1 s), when the next two start
     env.proc.send_signal(signal.SIGUSR1)
     draining = env.wait_for_line(r"^envs-0: draining, (\d+) groups in flight$")
@@ -225,7 +216,7 @@ def test_an_api_down_at_start_is_retried_then_it_registers(
         env.wait_for_line(r"waiting for the trainer to start")
         api.register_trainer(batch_size_seqs=BATCH)
         env.wait_for_line(r"registered as env 0$")
-        wait_until("groups in the queue", lambda: queue_groups(api) >= 1)
+        wait_for("groups in the queue", lambda: queue_groups(api) >= 1)
         env.proc.send_signal(signal.SIGUSR1)
         assert env.exit_code(timeout_s=10) == 0, env.output
     finally:

@@ -15,12 +15,13 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = ROOT / "examples" / "worker.py"
@@ -91,19 +92,6 @@ def workdir(tmp_path: Path) -> Iterator[tuple[Path, str]]:
                 os.killpg(int(entry.name), signal.SIGKILL)
 
 
-def wait_for(
-    what: str, check: Callable[[], Any], tick: Callable[[], None], timeout_s: float
-) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        tick()
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 def test_slow_clients_leave_the_operator_and_spawns_served(workdir: tuple[Path, str]) -> None:
     tmp_path, marker = workdir
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -131,9 +119,7 @@ def test_slow_clients_leave_the_operator_and_spawns_served(workdir: tuple[Path, 
     )
     slow: SlowClients | None = None
     try:
-        found = wait_for(
-            "the API", lambda: re.search(r"API on (http://\S+)", out.read_text()), lambda: None, 60
-        )
+        found = wait_for("the API", lambda: re.search(r"API on (http://\S+)", out.read_text()))
         url = found.group(1)
         port = int(url.rsplit(":", 1)[1])
         operator = {"Authorization": f"Bearer {TOKEN}"}
@@ -142,7 +128,7 @@ def test_slow_clients_leave_the_operator_and_spawns_served(workdir: tuple[Path, 
             body = httpx.get(f"{url}/v1/workers", timeout=30).json()
             return [w for w in body["workers"] if w["state"] == "active"]
 
-        workers = wait_for("two workers", lambda: len(active()) == 2 and active(), lambda: None, 60)
+        workers = wait_for("two workers", lambda: len(active()) == 2 and active())
 
         slow = SlowClients(port, SLOW_CONNECTIONS)
         for _ in range(5):  # the attack is under way: every connection opened and trickling
@@ -167,7 +153,7 @@ def test_slow_clients_leave_the_operator_and_spawns_served(workdir: tuple[Path, 
             return False
 
         started = time.monotonic()
-        wait_for("a replacement worker", replaced, slow.trickle, 60)
+        wait_for("a replacement worker", replaced, between=slow.trickle, interval_s=0.2)
         respawn_s = time.monotonic() - started
         open_fds = len(os.listdir(f"/proc/{deo.pid}/fd"))
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
@@ -214,9 +200,7 @@ def test_the_operator_token_is_never_printed_and_is_kept_in_a_private_file(
         start_new_session=True,
     )
     try:
-        found = wait_for(
-            "the API", lambda: re.search(r"API on (http://\S+)", out.read_text()), lambda: None, 60
-        )
+        found = wait_for("the API", lambda: re.search(r"API on (http://\S+)", out.read_text()))
         url = found.group(1)
         token_file = tmp_path / "run.jsonl.token"
         token = token_file.read_text().strip()
@@ -260,8 +244,6 @@ def test_listening_beyond_loopback_warns_and_closes_reads(workdir: tuple[Path, s
         found = wait_for(
             "the API",
             lambda: re.search(r"API on http://\S+:(\d+)", out.read_text()),
-            lambda: None,
-            60,
         )
         local = f"http://127.0.0.1:{found.group(1)}"
         assert "beyond loopback" in out.read_text()
@@ -312,9 +294,7 @@ def test_workers_of_a_pool_that_requires_readiness_report_it_and_stay(
         start_new_session=True,
     )
     try:
-        found = wait_for(
-            "the API", lambda: re.search(r"API on (http://\S+)", out.read_text()), lambda: None, 60
-        )
+        found = wait_for("the API", lambda: re.search(r"API on (http://\S+)", out.read_text()))
         url = found.group(1)
 
         def workers() -> list[dict[str, Any]]:
@@ -325,7 +305,7 @@ def test_workers_of_a_pool_that_requires_readiness_report_it_and_stay(
             return [w for w in workers() if w["state"] == "active"]
 
         # Only a readiness report makes a worker of this pool active.
-        wait_for("two ready workers", lambda: len(active()) == 2, lambda: None, 60)
+        wait_for("two ready workers", lambda: len(active()) == 2)
         records = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
         events = [r["event"]["@"] for r in records if r.get("kind") == "event"]
         assert events.count("WorkerReady") == 2

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from waiting import wait_for
 
 from bench.ports import reserve_port_range
 
@@ -28,17 +29,6 @@ OPERATOR = {"Authorization": f"Bearer {TOKEN}"}
 DEADLINE_S = 60.0
 #: The stand-in's memory: what a sleep must visibly free (its RSS falls by most of it).
 MEMORY_MIB = 64
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float = DEADLINE_S) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            value = check()
-            if value:
-                return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def rss_bytes(pid: int) -> int:
@@ -129,7 +119,7 @@ class Deo:
             states = {w: workers[w]["state"] if w in workers else "exited" for w in wanted}
             return workers if states == wanted else None
 
-        return wait_for(f"states {wanted}", reached)
+        return wait_for(f"states {wanted}", reached, retry_on=(httpx.HTTPError,))
 
     def records(self) -> list[dict[str, Any]]:
         lines = (self.dir / "run.jsonl").read_text().splitlines()

@@ -17,12 +17,13 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "test-operator-token"
@@ -37,16 +38,6 @@ HEALTHY: dict[str, Any] = {
     "throttle_reasons": [],
     "errors_total": 0,
 }
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def alive(pid: int) -> bool:

@@ -15,7 +15,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "test-operator-token"
@@ -75,18 +75,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-    """Poll ``check`` until it returns something true; the deadline is only a safety net, far
-    beyond what a passing run needs on a busy machine."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 class Deo:

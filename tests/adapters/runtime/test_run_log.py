@@ -10,13 +10,12 @@ import resource
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from waiting import wait_for
 
 from adapters.log import segments, snapshot_path
 from adapters.run import (
@@ -40,16 +39,6 @@ def marked(marker: str) -> list[int]:
                 if f"TEST_DEO_MARKER={marker}".encode() in environ:
                     found.append(int(entry.name))
     return found
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 class Deo:
