@@ -6,13 +6,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from hypothesis import settings
+from waiting import wait_for
 
 from adapters.sim.driver import simulate
 from adapters.sim.scenario import EnvPool, Fault, Scenario
@@ -67,15 +67,18 @@ class AtroposApi:
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60  # a safety net: a busy machine starts it slowly
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(self.url + "/status", timeout=1).raise_for_status()
-                return self
-            except httpx.HTTPError:
-                assert self.proc.poll() is None, self.log_path.read_text()
-                time.sleep(0.1)
-        raise AssertionError(f"atroposlib API server did not answer: {self.log_path.read_text()}")
+        proc = self.proc
+
+        def answers() -> bool:
+            assert proc.poll() is None, "the atroposlib API server exited"
+            httpx.get(self.url + "/status", timeout=1).raise_for_status()
+            return True
+
+        try:
+            wait_for("the atroposlib API server", answers, retry_on=(httpx.HTTPError,))
+        except AssertionError as error:
+            raise AssertionError(f"{error}: {self.log_path.read_text()}") from None
+        return self
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -6,11 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import TracebackType
 
 import httpx
+from waiting import wait_for
 
 from bench.ports import reserve_port
 
@@ -65,16 +65,17 @@ class Standin:
         return self
 
     def wait_healthy(self, deadline_s: float = START_DEADLINE_S) -> None:
-        deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             assert self.proc is not None and self.proc.poll() is None, "the stand-in exited"
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"stand-in on {self.url} not healthy after {deadline_s} s")
+            return httpx.get(self.url + "/health", timeout=5).status_code == 200
+
+        wait_for(
+            f"the stand-in on {self.url} to be healthy",
+            healthy,
+            deadline_s,
+            interval_s=0.05,
+            retry_on=(httpx.TransportError,),
+        )
 
     @property
     def pid(self) -> int:

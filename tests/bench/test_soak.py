@@ -11,13 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
 from conftest import deo_command
+from waiting import wait_for
 
 from bench.soak import (
     END_MARK,
@@ -246,9 +246,7 @@ def test_a_process_carrying_the_marker_is_found_and_cleaned_up(tmp_path: Path) -
         env={**os.environ, MARKER_ENV: deo.marker},
     )
     try:
-        deadline = time.monotonic() + 30
-        while child.pid not in deo.leftovers() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for("the marked process found", lambda: child.pid in deo.leftovers())
         assert deo.leftovers() == [child.pid]
         cleanup(deo)
         assert child.wait(timeout=30) < 0  # killed by a signal
@@ -303,10 +301,8 @@ def test_a_soak_stopped_by_sigterm_kills_deo_and_its_workers(tmp_path: Path) -> 
         assert marker
         marked = f"{MARKER_ENV}={marker}"
         # Workers start: the soak's deo is asked for 3 by its static policy.
-        deadline = time.monotonic() + 60
-        while len(processes_with([marked])) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(processes_with([marked])) >= 2  # deo and at least one worker
+        # deo and at least one worker
+        wait_for("deo and a worker", lambda: len(processes_with([marked])) >= 2)
         soak.send_signal(signal.SIGTERM)
         _, err = soak.communicate(timeout=60)
     finally:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from waiting import wait_for
 
 from deo_worker import Drain
 
@@ -156,10 +157,7 @@ def test_the_example_worker_finishes_its_item_and_exits_0_on_sigusr1(tmp_path: P
         assert proc.stdout is not None
         first = proc.stdout.readline()  # printed once the handler is installed
         assert first.startswith("envs-7: started"), first
-        deadline = time.monotonic() + 10
-        while not heartbeat.exists():
-            assert time.monotonic() < deadline, "no heartbeat file"
-            time.sleep(0.02)
+        wait_for("the heartbeat file", heartbeat.exists, interval_s=0.02)
         proc.send_signal(signal.SIGUSR1)
         out, _ = proc.communicate(timeout=10)
     finally:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 
 import anyio
@@ -11,6 +10,7 @@ import httpx
 import pytest
 from engine_standins import Standin
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_for
 
 MIB = 1024 * 1024
 DEADLINE_S = 60.0
@@ -180,14 +180,13 @@ def test_sglang_answers_503_while_starting() -> None:
     standin = Standin("sglang", startup_s=600).start(wait=False)
     try:
         with httpx.Client(base_url=standin.url, timeout=10) as client:
-            deadline = time.monotonic() + DEADLINE_S
-            while True:
-                try:
-                    health = client.get("/health")
-                    break
-                except httpx.TransportError:
-                    assert time.monotonic() < deadline, "the stand-in never listened"
-                    time.sleep(0.05)
+            health = wait_for(
+                "the stand-in to listen",
+                lambda: client.get("/health"),
+                DEADLINE_S,
+                interval_s=0.05,
+                retry_on=(httpx.TransportError,),
+            )
             assert health.status_code == 503
             assert client.post("/v1/completions", json={"max_tokens": 1}).status_code == 503
     finally:

@@ -7,7 +7,6 @@ groups and draining on SIGUSR1. Every scenario ends with tools/replay verifying 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -18,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 from conftest import AtroposApi
-from test_run import Deo, deo, pool, verified, wait_for
+from test_run import Deo, deo, pool, verified
+from waiting import wait_for
 
 __all__ = ["deo"]  # the fixture, imported for these tests
 
@@ -26,24 +26,13 @@ GROUP = 4
 BATCH = 16
 
 
-def records(instance: Deo) -> list[dict[str, Any]]:
-    """The log's complete records after its header (deo may be writing the last one)."""
-    raw = instance.log.read_bytes()
-    return [json.loads(line) for line in raw[: raw.rfind(b"\n") + 1].splitlines()[1:]]
-
-
-def events_of(instance: Deo, kind: str) -> list[dict[str, Any]]:
-    return [
-        r["event"] for r in records(instance) if r["kind"] == "event" and r["event"]["@"] == kind
-    ]
-
-
 def commands_of(instance: Deo, kind: str) -> list[dict[str, Any]]:
-    found = []
-    for record in records(instance):
-        if record["kind"] == "commands":
-            found += [c for c in record["commands"] if c["@"] == kind]
-    return found
+    return [command for _, command in instance.commands(kind)]
+
+
+def ticked_past(instance: Deo, t_s: float) -> bool:
+    """Whether deo has judged the run up to ``t_s`` (wall clock): a tick at or after it."""
+    return any(e["t"] >= t_s for e in instance.events("Tick"))
 
 
 @pytest.fixture
@@ -116,7 +105,7 @@ def test_starving_trainer_scales_up_then_slow_trainer_scales_down_and_envs_disco
     wait_for("scale-down to the minimum", lambda: len(d.workers()) == 1, timeout_s=60)
     drained = {c["worker_id"] for c in commands_of(d, "DrainWorker")}
     assert drained
-    exits = {e["worker_id"]: e for e in events_of(d, "WorkerExited")}
+    exits = {e["worker_id"]: e for e in d.events("WorkerExited")}
     for worker_id in drained:
         wait_for(f"{worker_id} to exit", lambda w=worker_id: w in exits_of(d), timeout_s=15)
     exits = exits_of(d)
@@ -127,7 +116,7 @@ def test_starving_trainer_scales_up_then_slow_trainer_scales_down_and_envs_disco
 
 
 def exits_of(instance: Deo) -> dict[str, dict[str, Any]]:
-    return {e["worker_id"]: e for e in events_of(instance, "WorkerExited")}
+    return {e["worker_id"]: e for e in instance.events("WorkerExited")}
 
 
 def queued_batches(instance: Deo) -> float:
@@ -144,7 +133,8 @@ def test_unregistered_trainer_holds_with_a_clear_status(
         "the source to report no trainer",
         lambda: "no trainer registered" in (d.status()["pools"]["envs"]["source_error"] or ""),
     )
-    time.sleep(2)
+    reported_t = time.time()
+    wait_for("two seconds of ticks", lambda: ticked_past(d, reported_t + 2))
     status = d.status()
     assert {"alert": "source_down", "subject": "envs"} in status["alerts"]
     assert len(d.workers()) == 1  # held at the minimum: nothing to scale on
@@ -174,7 +164,9 @@ def test_api_server_down_holds_the_count_and_recovers(
         lambda: {"alert": "source_down", "subject": "envs"} in d.status()["alerts"],
     )
     target = d.status()["pools"]["envs"]["target"]
-    time.sleep(4)  # longer than the stabilization window and the policy's down cooldown
+    # Longer than the stabilization window and the policy's down cooldown.
+    seen_t = time.time()
+    wait_for("four seconds of ticks", lambda: ticked_past(d, seen_t + 4))
     assert d.status()["pools"]["envs"]["target"] == target
     assert len(d.workers()) >= 3
     downs = [c for c in commands_of(d, "DrainWorker")]

@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 import pytest
 from conftest import free_port
-from test_run import WELL_BEHAVED, Deo, alive, deo, pool, verified, wait_for
+from test_run import WELL_BEHAVED, Deo, alive, deo, pool, verified
+from waiting import wait_for
 
 __all__ = ["deo"]  # the fixture, shared with test_run
 

@@ -17,9 +17,10 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_for
 
 from bench.ports import reserve_port
-from tests.adapters.runtime.test_engines_run import Deo, deo, wait_for
+from tests.adapters.runtime.test_engines_run import Deo, deo
 
 __all__ = ["deo"]  # the fixture, used by name
 
@@ -41,7 +42,11 @@ def test_router_serves_active_engines_and_a_scale_down_under_load_loses_nothing(
     run = deo(router_port=router_port, drain_timeout_s=60.0).start()
     run.wait_states({"gen-0": "active", "gen-1": "active"})
     router = f"http://127.0.0.1:{router_port}"
-    wait_for("the router", lambda: httpx.get(f"{router}/health", timeout=10).status_code == 200)
+    wait_for(
+        "the router",
+        lambda: httpx.get(f"{router}/health", timeout=10).status_code == 200,
+        retry_on=(httpx.HTTPError,),
+    )
     # The second request is sent while the first is in flight: it goes to the other engine.
     with httpx.Client(timeout=60) as http:
         long = {**BODY, "max_tokens": 400, "stream": True}
@@ -51,7 +56,11 @@ def test_router_serves_active_engines_and_a_scale_down_under_load_loses_nothing(
             assert second.status_code == 200, second.text
             served = {first.headers["x-deo-engine"], second.headers["x-deo-engine"]}
     assert served == {"gen-0", "gen-1"}
-    wait_for("a load sample", lambda: figures(run)["load_ratio"] is not None)
+    wait_for(
+        "a load sample",
+        lambda: figures(run)["load_ratio"] is not None,
+        retry_on=(httpx.HTTPError,),
+    )
     shown = figures(run)
     assert (shown["active"], shown["draining"], shown["inactive"], shown["starting"]) == (
         2,
@@ -156,7 +165,11 @@ def test_a_pool_with_its_own_source_still_ends_drains_at_zero_in_flight(
         ).start()
         run.wait_states({"gen-0": "active", "gen-1": "active"})
         router = f"http://127.0.0.1:{router_port}"
-        wait_for("the router", lambda: httpx.get(f"{router}/health", timeout=10).status_code == 200)
+        wait_for(
+            "the router",
+            lambda: httpx.get(f"{router}/health", timeout=10).status_code == 200,
+            retry_on=(httpx.HTTPError,),
+        )
         answers: list[tuple[int, str]] = []
         errors: list[str] = []
         stop = threading.Event()

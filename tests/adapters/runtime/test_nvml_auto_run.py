@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from test_nvml_run import TOKEN, Deo, environ, wait_for
+from test_nvml_run import TOKEN, Deo, environ
+from waiting import wait_for
 
 AUTO = 'gpus = "auto"'
 

@@ -344,7 +344,11 @@ def test_a_lost_gpu_terminates_its_worker_and_stays_cordoned(deo: Deo) -> None:
     )
     assert new["gpus"] == [free]
     assert {"alert": "gpu_lost", "subject": lost} in deo.alerts()
-    time.sleep(1.0)  # several polls of a still-lost GPU
+    polled_t = time.time()  # several polls of a still-lost GPU: a keep-alive of another later
+    wait_for(
+        "a keep-alive past several polls",
+        lambda: any(s["t"] > polled_t + 1.0 for s in deo.samples(free)),
+    )
     assert len([r for r in deo.records() if r.get("event", {}).get("@") == "GpuLost"]) == 1
     # It answers again (a reset): still cordoned, whatever the samples say, until an operator.
     deo.set_gpu(lost)

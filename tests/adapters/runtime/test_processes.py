@@ -15,6 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
+from waiting import wait_for
 
 from adapters.runtime.processes import LocalProcesses, process_start_time
 from core import (
@@ -540,10 +541,11 @@ def test_leftover_alerts_are_resolved_once_nothing_of_their_worker_is_left(
     track(left.pid)
     # Until it has executed, the child still has this process's environment, without the marks.
     marked = b"DEO_WORKER_ID=envs-3"
-    deadline = time.monotonic() + 60
-    while marked not in Path(f"/proc/{left.pid}/environ").read_bytes().split(b"\0"):
-        assert time.monotonic() < deadline, "the left-over process never started"
-        time.sleep(0.01)
+    wait_for(
+        "the left-over process to start",
+        lambda: marked in Path(f"/proc/{left.pid}/environ").read_bytes().split(b"\0"),
+        interval_s=0.01,
+    )
     reducer = Reducer()
     reducer.step(Configured(t=0.0, config=Config()))
     for worker_id in ("envs-3", "envs-4"):

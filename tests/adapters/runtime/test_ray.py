@@ -35,7 +35,8 @@ for _key, _value in RAY_ENVIRON.items():
 ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
-from test_run import STUBBORN, Deo, alive, pool, script, verified, wait_for  # noqa: E402
+from test_run import STUBBORN, Deo, alive, pool, script, verified  # noqa: E402
+from waiting import wait_for  # noqa: E402
 
 from adapters.runtime.ray_executor import (  # noqa: E402
     ACTOR_PREFIX,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from waiting import wait_for
 
 from tests.adapters.runtime.test_run import (
     STUBBORN,
@@ -29,7 +30,6 @@ from tests.adapters.runtime.test_run import (
     pool,
     script,
     verified,
-    wait_for,
 )
 
 #: A worker that starts six kinds of descendants, says their pids, and exits at once with code 3

@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
-from tests.adapters.runtime.test_run import Deo, alive, pool, script, verified, wait_for
+from tests.adapters.runtime.test_run import Deo, alive, pool, script, verified
 
 GRACE_S = 2.0
 STOPPED_S = 3 * GRACE_S

@@ -768,10 +768,12 @@ async def test_a_read_stuck_in_the_driver_does_not_hold_up_a_stopping_deo(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     release = threading.Event()
+    reading = threading.Event()
     closed = threading.Event()
 
     class StuckReader:
         def read(self) -> dict[str, Any]:
+            reading.set()
             release.wait(30)  # a wedged driver
             return {}
 
@@ -786,7 +788,8 @@ async def test_a_read_stuck_in_the_driver_does_not_hold_up_a_stopping_deo(
                 tg.start_soon(
                     poll_gpus, NvmlSettings(), {"0": "0"}, print, lambda: 1.0, lines.append
                 )
-                await anyio.sleep(0.2)
+                while not reading.is_set():  # stuck in the read
+                    await anyio.sleep(0.01)
                 tg.cancel_scope.cancel()
     finally:
         release.set()
