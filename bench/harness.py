@@ -412,7 +412,12 @@ def check_targets(report: ScenarioReport) -> tuple[Check, ...]:
     deo = report.deo.metrics
     unavoidable = report.oracle.unavoidable_starvation_share
     oracle_hours = report.oracle.worker_hours
-    ratio = deo.worker_hours / oracle_hours if oracle_hours > 0 else math.inf
+    if oracle_hours > 0:
+        hours = (
+            f"{deo.worker_hours:.2f} = {deo.worker_hours / oracle_hours:.2f} x {oracle_hours:.2f}"
+        )
+    else:  # no ratio to give: the oracle needed no worker at all
+        hours = f"{deo.worker_hours:.2f} (the oracle held no worker)"
     checks = [
         Check(
             target=f"starvation <= {AVOIDABLE_STARVATION:.0%} beyond the reactive oracle's",
@@ -422,7 +427,7 @@ def check_targets(report: ScenarioReport) -> tuple[Check, ...]:
         ),
         Check(
             target=f"worker-hours <= {WORKER_HOURS_X_ORACLE:g} x oracle",
-            value=f"{deo.worker_hours:.2f} = {ratio:.2f} x {oracle_hours:.2f}",
+            value=hours,
             ok=deo.worker_hours <= WORKER_HOURS_X_ORACLE * oracle_hours + _HOURS_TIE,
         ),
         Check(

@@ -462,3 +462,12 @@ def test_a_seed_whose_oracle_held_no_worker_reads_n_a(tmp_path: Path) -> None:
     assert "| **deo** | 5.00% (5.00%) | 10.00 (10.00) | n/a (n/a) |" in text
     rows = [line for line in text.splitlines() if line.startswith(("| **deo**", "| lower", "| b0"))]
     assert len(rows) == 3 and not any("inf" in row for row in rows), rows
+
+
+def test_the_worker_hours_target_reads_plainly_when_the_oracle_held_no_worker() -> None:
+    report = make_report(metrics(worker_hours=0.5), metrics(worker_hours=99.0))
+    idle = attrs.evolve(report, oracle=attrs.evolve(report.oracle, worker_hours=0.0))
+    hours = check_targets(idle)[1]
+    assert hours.value == "0.50 (the oracle held no worker)"
+    assert not hours.ok  # 0.5 worker-hours against the oracle's none
+    assert check_targets(report)[1].value == "0.50 = 0.06 x 9.00"
