@@ -15,12 +15,13 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from spawned import kill_marked
 from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -80,47 +81,72 @@ class SlowClients:
 def workdir(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     marker = uuid.uuid4().hex
     yield tmp_path, marker
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = Path(entry.path, "environ").read_bytes()
-        except OSError:
-            continue
-        if f"TEST_DEO_MARKER={marker}".encode() in environ.split(b"\0"):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(int(entry.name), signal.SIGKILL)
+    kill_marked(marker)
 
 
-def test_slow_clients_leave_the_operator_and_spawns_served(workdir: tuple[Path, str]) -> None:
+#: Starts ``deo run`` on a config's text; gives the process and its API's URL.
+StartDeo = Callable[..., tuple["subprocess.Popen[bytes]", str]]
+
+
+@pytest.fixture
+def start_deo(workdir: tuple[Path, str]) -> Iterator[StartDeo]:
+    """``deo run`` as a real process in the test's directory (config in deo.toml, output in
+    deo.out), its processes marked for clean-up; stopped (SIGTERM, then SIGKILL) afterwards.
+    ``token=None`` starts it without ``DEO_TOKEN``."""
+    tmp_path, marker = workdir
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(
+        config: str, *, token: str | None = TOKEN, preexec_fn: Callable[[], None] | None = None
+    ) -> tuple[subprocess.Popen[bytes], str]:
+        (tmp_path / "deo.toml").write_text(config)
+        env = {k: v for k, v in os.environ.items() if k != "DEO_TOKEN"}
+        if token is not None:
+            env["DEO_TOKEN"] = token
+        out = tmp_path / "deo.out"
+        deo = subprocess.Popen(
+            [sys.executable, "-m", "adapters.cli", "run", "--config", "deo.toml"],
+            cwd=tmp_path,
+            env={**env, "TEST_DEO_MARKER": marker},
+            stdout=out.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec_fn,
+        )
+        started.append(deo)
+        found = wait_for("the API", lambda: re.search(r"API on (http://\S+)", out.read_text()))
+        return deo, found.group(1)
+
+    yield start
+    for deo in started:
+        if deo.poll() is None:
+            deo.send_signal(signal.SIGTERM)
+            try:
+                deo.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                deo.kill()
+                deo.wait()
+
+
+def test_slow_clients_leave_the_operator_and_spawns_served(
+    workdir: tuple[Path, str], start_deo: StartDeo
+) -> None:
     tmp_path, marker = workdir
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 2 * SLOW_CONNECTIONS:
         pytest.skip(f"needs {2 * SLOW_CONNECTIONS} open files for the slow clients")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2 * SLOW_CONNECTIONS), hard))
-    config = tmp_path / "deo.toml"
-    config.write_text(
+    deo, url = start_deo(
         '[deo]\nlog = "run.jsonl"\ntick_interval_s = 0.2\n[api]\nport = 0\n'
         "[pools.envs]\n"
         f'argv = ["{sys.executable}", "{WORKER}", "0.2"]\n'
         f'env = {{ TEST_DEO_MARKER = "{marker}" }}\n'
         "min_workers = 2\nmax_workers = 2\n"
-        '[pools.envs.policy]\nname = "static"\ncount = 2\n'
-    )
-    out = tmp_path / "deo.out"
-    deo = subprocess.Popen(
-        [sys.executable, "-m", "adapters.cli", "run", "--config", str(config)],
-        cwd=tmp_path,
-        env={**os.environ, "DEO_TOKEN": TOKEN, "TEST_DEO_MARKER": marker},
-        stdout=out.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+        '[pools.envs.policy]\nname = "static"\ncount = 2\n',
         preexec_fn=_limit_open_files,
     )
     slow: SlowClients | None = None
     try:
-        found = wait_for("the API", lambda: re.search(r"API on (http://\S+)", out.read_text()))
-        url = found.group(1)
         port = int(url.rsplit(":", 1)[1])
         operator = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -168,92 +194,51 @@ def test_slow_clients_leave_the_operator_and_spawns_served(workdir: tuple[Path, 
         assert pin_s < 5.0  # well under 1 s when measured; generous for a loaded machine
         assert open_fds < NOFILE_LIMIT - 64  # the reserve for workers was never touched
         assert "deo_api_connections_closed_total" in metrics
-        output = out.read_text()
+        output = (tmp_path / "deo.out").read_text()
         assert output.count("out of system resource") == 0
         assert output.count("cannot accept connections") <= 1
     finally:
         if slow is not None:
             slow.close()
-        if deo.poll() is None:
-            deo.send_signal(signal.SIGTERM)
-            try:
-                deo.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                deo.kill()
-                deo.wait()
 
 
 def test_the_operator_token_is_never_printed_and_is_kept_in_a_private_file(
-    workdir: tuple[Path, str],
+    workdir: tuple[Path, str], start_deo: StartDeo
 ) -> None:
-    tmp_path, marker = workdir
-    config = tmp_path / "deo.toml"
-    config.write_text('[deo]\nlog = "run.jsonl"\n[api]\nport = 0\n')
-    out = tmp_path / "deo.out"
+    tmp_path, _ = workdir
     env = {k: v for k, v in os.environ.items() if k != "DEO_TOKEN"}
-    deo = subprocess.Popen(
-        [sys.executable, "-m", "adapters.cli", "run", "--config", str(config)],
-        cwd=tmp_path,
-        env={**env, "TEST_DEO_MARKER": marker},
-        stdout=out.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    deo, url = start_deo('[deo]\nlog = "run.jsonl"\n[api]\nport = 0\n', token=None)
+    token_file = tmp_path / "run.jsonl.token"
+    token = token_file.read_text().strip()
+    assert token and token not in (tmp_path / "deo.out").read_text()
+    assert f"operator token written to {token_file}" in (tmp_path / "deo.out").read_text()
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    cli = [sys.executable, "-m", "adapters.cli"]
+    without = subprocess.run(
+        [*cli, "stop", "--url", url], env=env, capture_output=True, text=True, timeout=30
     )
-    try:
-        found = wait_for("the API", lambda: re.search(r"API on (http://\S+)", out.read_text()))
-        url = found.group(1)
-        token_file = tmp_path / "run.jsonl.token"
-        token = token_file.read_text().strip()
-        assert token and token not in out.read_text()
-        assert f"operator token written to {token_file}" in out.read_text()
-        assert token_file.stat().st_mode & 0o777 == 0o600
-        cli = [sys.executable, "-m", "adapters.cli"]
-        without = subprocess.run(
-            [*cli, "stop", "--url", url], env=env, capture_output=True, text=True, timeout=30
-        )
-        assert without.returncode == 2 and "--log" in without.stderr
-        stop = subprocess.run(
-            [*cli, "stop", "--url", url, "--log", str(tmp_path / "run.jsonl")],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        assert stop.returncode == 0, stop.stderr
-        assert deo.wait(timeout=30) == 0
-    finally:
-        if deo.poll() is None:
-            deo.kill()
-            deo.wait()
+    assert without.returncode == 2 and "--log" in without.stderr
+    stop = subprocess.run(
+        [*cli, "stop", "--url", url, "--log", str(tmp_path / "run.jsonl")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert stop.returncode == 0, stop.stderr
+    assert deo.wait(timeout=30) == 0
 
 
-def test_listening_beyond_loopback_warns_and_closes_reads(workdir: tuple[Path, str]) -> None:
-    tmp_path, marker = workdir
-    config = tmp_path / "deo.toml"
-    config.write_text('[deo]\nlog = "run.jsonl"\n[api]\nhost = "0.0.0.0"\nport = 0\n')
-    out = tmp_path / "deo.out"
-    deo = subprocess.Popen(
-        [sys.executable, "-m", "adapters.cli", "run", "--config", str(config)],
-        cwd=tmp_path,
-        env={**os.environ, "DEO_TOKEN": TOKEN, "TEST_DEO_MARKER": marker},
-        stdout=out.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        found = wait_for(
-            "the API",
-            lambda: re.search(r"API on http://\S+:(\d+)", out.read_text()),
-        )
-        local = f"http://127.0.0.1:{found.group(1)}"
-        assert "beyond loopback" in out.read_text()
-        assert httpx.get(f"{local}/global-status", timeout=30).status_code == 401
-        operator = {"Authorization": f"Bearer {TOKEN}"}
-        assert httpx.get(f"{local}/global-status", headers=operator, timeout=30).status_code == 200
-    finally:
-        if deo.poll() is None:
-            deo.send_signal(signal.SIGTERM)
-            deo.wait(timeout=30)
+def test_listening_beyond_loopback_warns_and_closes_reads(
+    workdir: tuple[Path, str], start_deo: StartDeo
+) -> None:
+    tmp_path, _ = workdir
+    _, url = start_deo('[deo]\nlog = "run.jsonl"\n[api]\nhost = "0.0.0.0"\nport = 0\n')
+    local = f"http://127.0.0.1:{url.rsplit(':', 1)[1]}"
+    assert "beyond loopback" in (tmp_path / "deo.out").read_text()
+    assert httpx.get(f"{local}/global-status", timeout=30).status_code == 401
+    operator = {"Authorization": f"Bearer {TOKEN}"}
+    assert httpx.get(f"{local}/global-status", headers=operator, timeout=30).status_code == 200
 
 
 READY_WORKER = """
@@ -270,13 +255,12 @@ while True:
 
 
 def test_workers_of_a_pool_that_requires_readiness_report_it_and_stay(
-    workdir: tuple[Path, str],
+    workdir: tuple[Path, str], start_deo: StartDeo
 ) -> None:
     tmp_path, marker = workdir
     worker = tmp_path / "ready_worker.py"
     worker.write_text(READY_WORKER)
-    config = tmp_path / "deo.toml"
-    config.write_text(
+    _, url = start_deo(
         '[deo]\nlog = "run.jsonl"\ntick_interval_s = 0.2\n[api]\nport = 0\n'
         "[pools.envs]\n"
         f'argv = ["{sys.executable}", "{worker}"]\n'
@@ -284,36 +268,20 @@ def test_workers_of_a_pool_that_requires_readiness_report_it_and_stay(
         "min_workers = 2\nmax_workers = 2\nrequire_ready = true\nstart_timeout_s = 30.0\n"
         '[pools.envs.policy]\nname = "static"\ncount = 2\n'
     )
-    out = tmp_path / "deo.out"
-    deo = subprocess.Popen(
-        [sys.executable, "-m", "adapters.cli", "run", "--config", str(config)],
-        cwd=tmp_path,
-        env={**os.environ, "DEO_TOKEN": TOKEN, "TEST_DEO_MARKER": marker},
-        stdout=out.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        found = wait_for("the API", lambda: re.search(r"API on (http://\S+)", out.read_text()))
-        url = found.group(1)
 
-        def workers() -> list[dict[str, Any]]:
-            body: dict[str, Any] = httpx.get(f"{url}/v1/workers", timeout=30).json()
-            return body["workers"]
+    def workers() -> list[dict[str, Any]]:
+        body: dict[str, Any] = httpx.get(f"{url}/v1/workers", timeout=30).json()
+        return body["workers"]
 
-        def active() -> list[dict[str, Any]]:
-            return [w for w in workers() if w["state"] == "active"]
+    def active() -> list[dict[str, Any]]:
+        return [w for w in workers() if w["state"] == "active"]
 
-        # Only a readiness report makes a worker of this pool active.
-        wait_for("two ready workers", lambda: len(active()) == 2)
-        records = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
-        events = [r["event"]["@"] for r in records if r.get("kind") == "event"]
-        assert events.count("WorkerReady") == 2
-        assert "SpawnFailed" not in events and "WorkerExited" not in events
-        status = httpx.get(f"{url}/global-status", timeout=30).json()
-        assert status["alerts"] == []
-        assert {w["id"] for w in active()} == {"envs-0", "envs-1"}  # the first two, kept
-    finally:
-        if deo.poll() is None:
-            deo.send_signal(signal.SIGTERM)
-            deo.wait(timeout=30)
+    # Only a readiness report makes a worker of this pool active.
+    wait_for("two ready workers", lambda: len(active()) == 2)
+    records = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    events = [r["event"]["@"] for r in records if r.get("kind") == "event"]
+    assert events.count("WorkerReady") == 2
+    assert "SpawnFailed" not in events and "WorkerExited" not in events
+    status = httpx.get(f"{url}/global-status", timeout=30).json()
+    assert status["alerts"] == []
+    assert {w["id"] for w in active()} == {"envs-0", "envs-1"}  # the first two, kept

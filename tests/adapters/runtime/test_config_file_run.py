@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from test_run import WELL_BEHAVED, Deo, deo, marked_processes, pool
+from spawned import marked_processes
+from test_run import WELL_BEHAVED, Deo, deo, pool
 
 __all__ = ["deo"]  # the fixture, shared with test_run
 

@@ -6,7 +6,6 @@ whether they sleep."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -20,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from spawned import alive, kill_marked
 from waiting import wait_for
 
 from bench.ports import reserve_port_range
@@ -163,17 +163,7 @@ def deo(tmp_path: Path) -> Iterator[Callable[..., Deo]]:
     yield make
     for one in made:
         one.stop()
-    for entry in os.scandir("/proc"):  # every engine this test started, whatever happened
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = Path(entry.path, "environ").read_bytes()
-        except OSError:
-            continue
-        if f"TEST_DEO_MARKER={marker}".encode() in environ.split(b"\0"):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(int(entry.name), signal.SIGCONT)
-                os.killpg(int(entry.name), signal.SIGKILL)
+    kill_marked(marker)  # every engine this test started, whatever happened
 
 
 def is_sleeping(port: int) -> bool:
@@ -247,15 +237,7 @@ def test_a_wake_that_keeps_failing_gets_the_engine_replaced(deo: Callable[..., D
     assert [c["alert"] for c in run.commands("RaiseAlert") if c["subject"] == "gen-1"] == [
         "engine_control"
     ]
-    wait_for("gen-1's process to end", lambda: not running(failing["pid"]))
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    wait_for("gen-1's process to end", lambda: not alive(failing["pid"]))
 
 
 def test_kill_9_of_deo_with_a_sleeping_engine_restart_adopts_it_asleep(

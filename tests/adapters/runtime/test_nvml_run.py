@@ -8,7 +8,6 @@ workers with one GPU each: one GPU is always free.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -23,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from spawned import alive, kill_marked
 from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -38,14 +38,6 @@ HEALTHY: dict[str, Any] = {
     "throttle_reasons": [],
     "errors_total": 0,
 }
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 class Deo:
@@ -195,16 +187,7 @@ count = 2
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=10)
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                environ = Path(entry.path, "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if f"TEST_DEO_MARKER={self.marker}".encode() in environ:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(int(entry.name), signal.SIGKILL)
+        kill_marked(self.marker)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
+from spawned import alive
 from waiting import wait_for
 
 from adapters.runtime.processes import LocalProcesses, process_start_time
@@ -71,15 +72,6 @@ def track() -> Iterator[Track]:
         with contextlib.suppress(ChildProcessError):
             while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
                 time.sleep(0.01)
-
-
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie (a zombie is dead, only not reaped)."""
-    try:
-        data = Path(f"/proc/{pid}/stat").read_bytes()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return data[data.rindex(b")") + 1 :].split()[0] != b"Z"
 
 
 async def wait_dead(pid: int, timeout_s: float = 30.0) -> None:

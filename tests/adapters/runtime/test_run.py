@@ -8,7 +8,6 @@ and kills whatever a failed test leaves behind.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -22,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from spawned import alive, kill_marked, marked_processes
 from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -54,27 +54,6 @@ OPERATOR_EVENTS = frozenset(
         "GpuUncordonRequested",
     }
 )
-
-
-def marked_processes(marker: str) -> list[int]:
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                environ = Path(entry.path, "environ").read_bytes()
-            except OSError:
-                continue
-            if f"TEST_DEO_MARKER={marker}".encode() in environ.split(b"\0"):
-                found.append(int(entry.name))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 class Deo:
@@ -169,6 +148,16 @@ class Deo:
             if command["@"] == kind
         ]
 
+    def worker_log(self, worker: dict[str, Any]) -> Path:
+        """Where deo writes ``worker``'s output."""
+        return self.dir / "deo-workers" / f"{worker['id']}.log"
+
+    def logged_child(self, worker: dict[str, Any]) -> int:
+        """The pid ``worker`` printed as ``child N`` in its output, once it has printed it."""
+        log = self.worker_log(worker)
+        found = wait_for("its child", lambda: re.search(r"child (\d+)", log.read_text()))
+        return int(found.group(1))
+
     def kill9(self) -> None:
         assert self.process is not None
         self.process.kill()
@@ -191,9 +180,7 @@ class Deo:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=10)
-        for pid in marked_processes(self.marker):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+        kill_marked(self.marker)
 
 
 @pytest.fixture
@@ -348,8 +335,7 @@ def test_a_worker_ignoring_the_drain_is_terminated_then_killed_with_its_group(
     )
     d.start()
     [worker] = wait_for("the worker", lambda: d.workers("active"))
-    log = d.dir / "deo-workers" / f"{worker['id']}.log"
-    child = int(wait_for("its child", lambda: re.search(r"child (\d+)", log.read_text())).group(1))
+    child = d.logged_child(worker)
     assert alive(child)
     assert d.post("/v1/pools/envs/pin", {"count": 0}).status_code == 200
     wait_for("the worker gone", lambda: not alive(worker["pid"]))

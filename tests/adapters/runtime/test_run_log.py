@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from spawned import marked_processes
 from waiting import wait_for
 
 from adapters.log import segments, snapshot_path
@@ -28,17 +29,6 @@ from adapters.run import (
 ROOT = Path(__file__).resolve().parents[3]
 
 SILENT = "import time; time.sleep(600)"
-
-
-def marked(marker: str) -> list[int]:
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                environ = Path(entry.path, "environ").read_bytes().split(b"\0")
-                if f"TEST_DEO_MARKER={marker}".encode() in environ:
-                    found.append(int(entry.name))
-    return found
 
 
 class Deo:
@@ -71,7 +61,7 @@ class Deo:
         )
 
     def workers(self) -> list[int]:
-        return marked(self.marker)
+        return marked_processes(self.marker)
 
     def run_two_workers_and_stop(self) -> None:
         """Start deo, wait for both workers to be logged as started, stop deo (they live on)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from spawned import marked_processes
 from waiting import wait_for
 
 from tests.adapters.runtime.test_run import (
@@ -26,7 +27,6 @@ from tests.adapters.runtime.test_run import (
     WELL_BEHAVED,
     Deo,
     alive,
-    marked_processes,
     pool,
     script,
     verified,
@@ -141,7 +141,7 @@ def test_what_a_drained_worker_leaves_behind_is_stopped_and_named_in_an_alert(
     d = deo(leaver_pool(tmp_path))
     d.start()
     [worker] = wait_for("the worker", lambda: d.workers("active"))
-    log = d.dir / "deo-workers" / f"{worker['id']}.log"
+    log = d.worker_log(worker)
     wait_for("its descendants", lambda: "ready" in log.read_text())
     left = left_pids(log)
     assert len(left) == 6 and all(alive(pid) for pid in left), left
@@ -179,8 +179,7 @@ def test_a_killed_workers_session_leaders_are_stopped_too(
     )
     d.start()
     [worker] = wait_for("the worker", lambda: d.workers("active"))
-    log = d.dir / "deo-workers" / f"{worker['id']}.log"
-    child = int(wait_for("its child", lambda: re.search(r"child (\d+)", log.read_text())).group(1))
+    child = d.logged_child(worker)
     assert d.post("/v1/pools/envs/pin", {"count": 0}).status_code == 200
     wait_for("the worker killed", lambda: not alive(worker["pid"]))
     wait_for("its setsid child gone too", lambda: not alive(child))
@@ -194,7 +193,7 @@ def test_processes_of_the_run_the_log_does_not_name_are_stopped_before_any_spawn
     d = deo(leaver_pool(tmp_path, policy='name = "static"\ncount = 1'))
     d.start()
     [worker] = wait_for("the worker", lambda: d.workers("active"))
-    log = d.dir / "deo-workers" / f"{worker['id']}.log"
+    log = d.worker_log(worker)
     wait_for("its descendants", lambda: "ready" in log.read_text())
     left = left_pids(log)
     d.kill9()
@@ -259,7 +258,7 @@ def test_a_leftover_alert_raised_when_deo_died_is_resolved_when_nothing_is_left(
     )
     d.start()
     [worker] = wait_for("the worker", lambda: d.workers("active"))
-    log = d.dir / "deo-workers" / f"{worker['id']}.log"
+    log = d.worker_log(worker)
     [child] = wait_for("its child", lambda: left_pids(log))
     assert d.post("/v1/pools/envs/pin", {"count": 0}).status_code == 200
     wait_for("the alert", lambda: raised_alerts(d, "leftover_processes"))
@@ -295,7 +294,7 @@ def test_sigterms_during_a_stop_never_end_deo_uncleanly(
     [worker] = wait_for("the worker", lambda: d.workers("active"))
     # It prints its child once it ignores the drain signal and SIGTERM: a signal sent before
     # then would end it.
-    log = d.dir / "deo-workers" / f"{worker['id']}.log"
+    log = d.worker_log(worker)
     wait_for("the worker's handlers", lambda: log.exists() and "child" in log.read_text())
     if drain:
         assert d.post("/v1/stop", {"drain": True}).status_code == 200
