@@ -734,9 +734,19 @@ async def test_the_poller_emits_nvml_readings_under_the_configured_ids(
 
 
 @pytest.mark.anyio
-async def test_the_poller_keeps_going_through_a_bad_file(tmp_path: Path) -> None:
+async def test_the_poller_keeps_going_through_a_bad_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "gpus.json"
     settings = NvmlSettings(backend="file", file=path, interval_s=0.01)
+    reads = [0]
+
+    class CountedFile(FileNvml):
+        def read(self) -> dict[str, Any]:
+            reads[0] += 1  # once per poll
+            return super().read()
+
+    monkeypatch.setattr(nvml_adapter, "open_reader", lambda _, ids, *rest: CountedFile(path, ids))
     # The file appears only after the poller told that it is missing (once).
     events: list[Event] = []
     lines: list[str] = []
@@ -749,7 +759,9 @@ async def test_the_poller_keeps_going_through_a_bad_file(tmp_path: Path) -> None
             async def fix() -> None:
                 while not any("No such file" in line for line in lines):
                     await anyio.sleep(0.01)
-                await anyio.sleep(0.05)  # several more polls: still told once
+                first = reads[0]
+                while reads[0] < first + 5:  # five more polls: still told once
+                    await anyio.sleep(0.01)
                 path.write_text(json.dumps({"0": reading()}))
                 while not events:
                     await anyio.sleep(0.01)
