@@ -18,6 +18,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from spawned import alive
 from waiting import wait_for
 
+from adapters.runtime import processes as processes_module
 from adapters.runtime.processes import LocalProcesses, process_start_time
 from core import (
     Config,
@@ -488,8 +489,16 @@ async def test_what_an_ended_worker_leaves_behind_is_stopped_and_reported(
 
 @pytest.mark.anyio
 async def test_children_of_the_host_program_are_neither_stopped_nor_reaped(
-    tmp_path: Path, track: Track
+    tmp_path: Path, track: Track, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    looks = [0]  # how often the reaper has listed this process's children
+
+    def children() -> list[int]:
+        looks[0] += 1
+        return list_children()
+
+    list_children = processes_module._children
+    monkeypatch.setattr(processes_module, "_children", children)
     # A program running deo in-process may have children of its own, in its own session.
     own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     done = subprocess.Popen([sys.executable, "-c", "raise SystemExit(5)"])
@@ -515,7 +524,10 @@ async def test_children_of_the_host_program_are_neither_stopped_nor_reaped(
         assert isinstance(exited, WorkerExited), exited
         report = await next_event(events)
         assert isinstance(report, LeftoverProcesses), report
-        await anyio.sleep(10 * POLL_S)  # the reaper has looked at our children several times
+        looked = looks[0]
+        with anyio.fail_after(30):
+            while looks[0] < looked + 10:  # the reaper has looked at our children 10 more times
+                await anyio.sleep(POLL_S)
         assert own.poll() is None  # not stopped
         assert done.wait(timeout=30) == 5  # its exit status is still ours to collect
         tg.cancel_scope.cancel()
