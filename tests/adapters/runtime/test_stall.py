@@ -11,13 +11,14 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 from waiting import wait_for
 
-from tests.adapters.runtime.test_run import Deo, alive, pool, script, verified
+from tests.adapters.runtime.test_run import Deo, alive, deo, pool, script, verified
+
+__all__ = ["deo"]  # the fixture (its clean-up SIGKILLs a deo left stopped, too)
 
 GRACE_S = 2.0
 STOPPED_S = 3 * GRACE_S
@@ -40,22 +41,6 @@ with Drain() as drain:
         file.beat()
         time.sleep(0.3)
 """
-
-
-@pytest.fixture
-def deo(tmp_path: Path) -> Iterator[Callable[[str], Deo]]:
-    made: list[Deo] = []
-
-    def make(pools: str) -> Deo:
-        instance = Deo(tmp_path, pools)
-        made.append(instance)
-        return instance
-
-    yield make
-    for instance in made:
-        if instance.process is not None:
-            instance.process.send_signal(signal.SIGCONT)
-        instance.cleanup()
 
 
 def test_a_stopped_deo_does_not_blame_its_healthy_workers(
