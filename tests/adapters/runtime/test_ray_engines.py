@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import socket
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -241,3 +243,54 @@ def test_the_engines_actor_tells_its_port_from_another_programs(
         other.listen()
         assert ray.get(host_actor.port_held.remote(other.getsockname()[1]), timeout=60) is False
     assert alive(info["pid"])
+
+
+class _Healthy(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def foreign_server() -> Iterator[int]:
+    """A server of this test's own answering 200 to everything on a reserved loopback port."""
+    server = ThreadingHTTPServer(("127.0.0.1", reserve_port()), _Healthy)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield int(server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_server_of_another_program_on_an_engines_port_is_never_taken_for_it_over_ray(
+    ray_deo: Callable[[str, list[str]], Deo], foreign_server: int
+) -> None:
+    # An engine that never listens (it only sleeps), on the one port, where the foreign server
+    # answers /health: deo must ask the engine's actor whose socket that is, and hear "not its".
+    idle = [sys.executable, "-c", "import sys, time; time.sleep(600)", "{host}", "{port}"]
+    pools = pool(
+        "gen",
+        idle,
+        kind="engine",
+        engine="vllm",
+        ports=[foreign_server, foreign_server],
+        max_workers=1,
+        policy='name = "static"\ncount = 1',
+    )
+    d = ray_deo(pools, [])
+    d.start()
+    [engine] = wait_for("the engine started", lambda: d.events("WorkerStarted"))
+    wait_for(
+        "the foreign server found out (or taken for the engine)",
+        lambda: "held by another process" in d.output() or d.events("WorkerReady"),
+    )
+    assert not d.events("WorkerReady")
+    assert argv_of(engine["pid"])[-2:] == ["127.0.0.1", str(foreign_server)]
+    assert [w["state"] for w in d.workers()] == ["starting"]
+    verified(d)
