@@ -3,7 +3,7 @@ run in their actors on the nodes that hold their GPUs, bound on ``{host}`` (the 
 127.0.0.1 for the test cluster's nodes), and deo's router, engine control, metrics and readiness
 check reach them there.
 
-The cluster is the session's (conftest.py), shared with test_ray.py; every engine binds
+The cluster is the session's (tests/conftest.py), shared with test_ray.py; every engine binds
 127.0.0.1 on a port block claimed for this process (``bench.ports``), so two suites can run on
 one machine at once.
 """
