@@ -1,7 +1,7 @@
 """Engine pools over the Ray executor: stand-in engines (``python -m deo_worker.engine_standin``)
 run in their actors on the nodes that hold their GPUs, bound on ``{host}`` (the node's address:
-127.0.0.1 for the test cluster's nodes), and deo's router, engine control, metrics and readiness
-check reach them there.
+127.0.0.1 for the shared nodes, 127.0.0.2 for a node of one test's own), and deo's router, engine
+control, metrics and readiness check reach them there.
 
 The cluster is the session's (tests/conftest.py), shared with test_ray.py; every engine binds
 127.0.0.1 on a port block claimed for this process (``bench.ports``), so two suites can run on
@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_ray import RayCluster, cluster, ray, ray_deo
+from test_ray import NODE_ARGS, RayCluster, cluster, node_resources, ray, ray_deo
 from test_run import Deo, alive, pool, verified
 from waiting import wait_for
 
@@ -31,6 +31,8 @@ from bench.ports import reserve_port, reserve_port_range
 
 __all__ = ["cluster", "ray_deo"]  # the fixtures, used by name
 
+#: Another address of this machine's loopback (all of 127.0.0.0/8 is), for a node of its own.
+OTHER_LOOPBACK = "127.0.0.2"
 #: What a sleeping stand-in frees (its RSS falls by most of it).
 MEMORY_MIB = 64
 #: A request that takes about 2 s at the stand-in's 100 tokens/s: the others find it in flight.
@@ -190,13 +192,20 @@ def test_a_lost_node_loses_its_engine_and_the_pool_replaces_it_elsewhere(
     router_port = reserve_port()
     router = f"http://127.0.0.1:{router_port}"
     d = ray_deo(engine_pool(router_port, count=1), ["d:0", "a:0"])
-    # A node of this test's own (the others stay for the other tests).
-    cluster.add_node("d")
+    # A node of this test's own (the others stay for the other tests), known to Ray by another
+    # loopback address: deo must reach its engine there, not on 127.0.0.1.
+    cluster.nodes["d"] = cluster.cluster.add_node(
+        **{**NODE_ARGS, "node_ip_address": OTHER_LOOPBACK},
+        num_gpus=2,
+        resources=node_resources("d", 2),
+    )
     try:
         cluster.cluster.wait_for_nodes()
         d.start()
         [lost] = wait_for("an engine on d", lambda: d.workers("active"))
         assert lost["gpus"] == ["d:0"]
+        argv = argv_of(lost["pid"])
+        assert argv[argv.index("--host") + 1] == OTHER_LOOPBACK
         router_up(router)
         assert served_by(router, 1) == {lost["id"]}
 
