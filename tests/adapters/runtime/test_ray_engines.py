@@ -206,6 +206,14 @@ def test_a_lost_node_loses_its_engine_and_the_pool_replaces_it_elsewhere(
         assert lost["gpus"] == ["d:0"]
         argv = argv_of(lost["pid"])
         assert argv[argv.index("--host") + 1] == OTHER_LOOPBACK
+        # Its /metrics read there: a sample taken a reading's interval (2 s) after it was ready,
+        # and none failed.
+        [ready] = d.events("WorkerReady")
+        wait_for(
+            "a load sample read from it",
+            lambda: [e for e in d.events("LoadSampled") if e["t"] > ready["t"] + 2.5],
+        )
+        assert not d.events("SourceDown")
         router_up(router)
         assert served_by(router, 1) == {lost["id"]}
 
