@@ -43,6 +43,7 @@ import attrs
 
 from adapters.log import EventLog, LogWriteFailed, fsync_directory
 from adapters.runtime.config_file import RunSettings, Source, check_loggable
+from adapters.runtime.engine_hosts import ExecutorHosts
 from adapters.runtime.engine_pools import bind_routers, run_engine_pools
 from adapters.runtime.engines import EngineControl, FanOut
 from adapters.runtime.live import live_view
@@ -340,11 +341,13 @@ async def run(
             f"directory must be writable by deo"
         )
         return 3
+    engine_hosts = ExecutorHosts()  # where engines run: the executor's to say, once chosen
     try:
         engine_pools = bind_routers(
             config,
             lambda: runner.state,
             own_sources=frozenset(source.pool for source in settings.sources),
+            hosts=engine_hosts,
         )
     except OSError as exc:
         event_log.close()
@@ -402,8 +405,13 @@ async def run(
             sock.close()
             out(f"deo: {exc}")
             return 2
+        engine_hosts.use(executor)
     engines = EngineControl(
-        emit, clock=clock, state=lambda: runner.state, saw=lambda worker_id: runner.saw(worker_id)
+        emit,
+        clock=clock,
+        state=lambda: runner.state,
+        saw=lambda worker_id: runner.saw(worker_id),
+        hosts=engine_hosts,
     )
     runner = Runner(
         event_log,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 import string
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -23,6 +23,8 @@ __all__ = [
     "ARGV_PLACEHOLDERS",
     "ENGINES",
     "ENGINE_ARGV_PLACEHOLDERS",
+    "ENGINE_HOST",
+    "fill_engine_host",
     "POOL_KINDS",
     "Config",
     "CordonRules",
@@ -33,8 +35,20 @@ __all__ = [
 
 #: Names an argv template may use, e.g. ``["python", "env.py", "--slot", "{index}"]``.
 ARGV_PLACEHOLDERS = frozenset({"worker_id", "pool", "index", "gpus"})
-#: What an engine pool's argv may use besides: the engine's port (required there).
-ENGINE_ARGV_PLACEHOLDERS = ARGV_PLACEHOLDERS | {"port"}
+#: What an engine pool's argv may use besides: the engine's port (required there) and the
+#: address it binds on its machine (see :data:`ENGINE_HOST`).
+ENGINE_ARGV_PLACEHOLDERS = ARGV_PLACEHOLDERS | {"port", "host"}
+#: ``{host}`` in an engine's argv is left as this text in the spawn command (the log records
+#: it): the executor fills it in with the address deo reaches the engine at on the machine that
+#: runs it (127.0.0.1 on deo's own machine, the node's address on a Ray node).
+ENGINE_HOST = "{host}"
+
+
+def fill_engine_host(argv: Sequence[str], host: str) -> list[str]:
+    """An engine's rendered ``argv`` with :data:`ENGINE_HOST` replaced by ``host``."""
+    return [arg.replace(ENGINE_HOST, host) for arg in argv]
+
+
 #: Pool kinds: ``worker`` (processes signalled to drain, e.g. Atropos envs) or ``engine``
 #: (inference servers deo controls over HTTP: sleep, wake, routed requests).
 POOL_KINDS = frozenset({"worker", "engine"})
@@ -188,7 +202,8 @@ class PoolSpec:
     #: ``vllm`` or ``sglang``: which control routes and metric names the engines speak.
     engine: str | None = None
     #: Inclusive [first, last] range of ports; each engine gets the lowest one no live engine of
-    #: the pool holds, in its argv as ``{port}`` and at ``http://127.0.0.1:{port}``.
+    #: the pool holds, in its argv as ``{port}`` and at ``http://HOST:{port}`` (HOST: 127.0.0.1,
+    #: or the node's address with the Ray executor; ``{host}`` in the argv).
     ports: tuple[int, ...] | None = attrs.field(default=None, converter=_port_range)
     #: Requests in flight one engine serves well: the ``threshold`` policy's capacity per worker
     #: unless its parameters say otherwise.
@@ -222,9 +237,9 @@ class PoolSpec:
                     f"{where}.argv: {arg!r}: {exc} (write {{{{ for a brace)"
                 ) from None
             for field in fields:
-                if field == "port" and self.kind != "engine":
+                if field in ("port", "host") and self.kind != "engine":
                     raise ConfigError(
-                        f"{where}.argv: {{port}} in {arg!r} is only given to engine pools "
+                        f"{where}.argv: {{{field}}} in {arg!r} is only given to engine pools "
                         f'(kind = "engine")'
                     )
                 if field is not None and field not in ENGINE_ARGV_PLACEHOLDERS:
@@ -374,6 +389,8 @@ class PoolSpec:
             "index": index,
             "gpus": ",".join(gpus),
             "port": "" if port is None else port,
+            # Known only where the engine is placed: the executor fills it in.
+            "host": ENGINE_HOST,
         }
         return tuple(arg.format_map(values) for arg in self.argv)
 

@@ -75,8 +75,8 @@ class Worker:
     deadline_t: float | None = None
     #: Why deo is stopping it; None if it is not.
     stop_cause: StopCause | None = attrs.field(default=None, converter=as_stop_cause)
-    #: An engine's port (``http://127.0.0.1:{port}``), held from its spawn until it exits,
-    #: asleep or not; None for other workers.
+    #: An engine's port (``http://HOST:{port}``, HOST the address its executor gives: 127.0.0.1
+    #: on deo's machine), held from its spawn until it exits, asleep or not; None for others.
     port: int | None = None
     #: Requests in flight at the engine as last reported (router or metrics); None: not known.
     in_flight_requests: int | None = None

@@ -1,4 +1,4 @@
-"""Fixtures shared across the test tree: a real atroposlib trajectory API server."""
+"""Fixtures shared across the test tree: a real atroposlib trajectory API server, a Ray cluster."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -109,3 +110,17 @@ def atropos_api(tmp_path: Path) -> Iterator[AtroposApi]:
         yield api
     finally:
         api.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[Any]:
+    """A Ray cluster of several nodes on this machine (``test_ray.RayCluster``), started once per
+    session for every Ray test module (Ray's start-up is slow). Only the modules that ask for it
+    import Ray."""
+    from test_ray import RayCluster
+
+    started = RayCluster()
+    try:
+        yield started
+    finally:
+        started.shutdown()

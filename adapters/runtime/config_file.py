@@ -275,14 +275,6 @@ def load(path: Path) -> RunSettings:
         )
     check_loggable(config)
     executor = _build(ExecutorSettings, "executor", _table(data, "executor", None))
-    if executor.kind != "local":
-        for pool in config.pools:
-            if pool.is_engine:
-                # Engines are reached on 127.0.0.1 and routed from this machine.
-                raise ConfigError(
-                    f"pools.{pool.name}.kind: engine pools run on deo's own machine; "
-                    f'executor.kind = "{executor.kind}" does not drive engines yet'
-                )
     return RunSettings(
         config=config,
         log=base / _typed("deo.log", deo.get("log", "deo.jsonl"), str),

@@ -20,6 +20,10 @@ For every pool of kind ``engine`` in the configuration:
 a pool from the state (``/global-status`` and ``/metrics`` show them): load ratio, engines
 active/draining/inactive/starting, capacity.
 
+Each engine is reached at the address its executor gives
+(:class:`~adapters.runtime.engine_hosts.EngineHosts`: 127.0.0.1 on deo's machine, the node's
+address over Ray); an engine whose address is not known yet is neither routed to nor read.
+
 Routers bind when deo starts (:func:`bind_routers`), before the log is touched, so a port in
 use is an error at start-up, not a task failing later.
 """
@@ -36,6 +40,7 @@ import httpx
 from adapters.api.serving import listen
 from adapters.engine_endpoints import EngineEndpoint, engine_figures
 from adapters.router import EngineRouter, serve_router
+from adapters.runtime.engine_hosts import EngineHosts, LocalEngineHosts
 from adapters.runtime.engines import engine_url
 from adapters.sources.engine_metrics import EngineMetricsSource, sample_engine_metrics
 from core import Config, EngineLoadSampled, Event, LoadSampled, PoolSpec, State, WorkerState
@@ -57,19 +62,29 @@ _DRAINING = frozenset({WorkerState.GOING_TO_SLEEP, WorkerState.DRAINING})
 
 
 def engine_endpoints(
-    state: State, pool: str, states: frozenset[WorkerState] | None = None
+    state: State,
+    pool: str,
+    states: frozenset[WorkerState] | None = None,
+    hosts: EngineHosts | None = None,
 ) -> list[EngineEndpoint]:
-    """The pool's engines that hold a port (in ``states``, if given), oldest first; routable
-    while ACTIVE."""
-    return [
-        EngineEndpoint(
-            worker_id=worker.worker_id,
-            base_url=engine_url(worker.port),
-            routable=worker.state is WorkerState.ACTIVE,
+    """The pool's engines that hold a port (in ``states``, if given) at an address ``hosts``
+    knows (by default: all on deo's machine), oldest first; routable while ACTIVE."""
+    where = hosts if hosts is not None else LocalEngineHosts()
+    found = []
+    for worker in state.workers_of(pool):
+        if worker.port is None or (states is not None and worker.state not in states):
+            continue
+        host = where.engine_host(worker.worker_id)
+        if host is None:
+            continue
+        found.append(
+            EngineEndpoint(
+                worker_id=worker.worker_id,
+                base_url=engine_url(worker.port, host),
+                routable=worker.state is WorkerState.ACTIVE,
+            )
         )
-        for worker in state.workers_of(pool)
-        if worker.port is not None and (states is None or worker.state in states)
-    ]
+    return found
 
 
 @attrs.define(slots=True, kw_only=True)
@@ -84,6 +99,8 @@ class EnginePool:
     metrics: EngineMetricsSource
     #: The pool's load comes from a source of its own: no pool-level sample from the engines.
     own_source: bool
+    #: Where its engines run.
+    hosts: EngineHosts = attrs.field(factory=LocalEngineHosts)
 
 
 def bind_routers(
@@ -92,9 +109,12 @@ def bind_routers(
     *,
     own_sources: frozenset[str] = frozenset(),
     metrics_interval_s: float = 2.0,
+    hosts: EngineHosts | None = None,
 ) -> list[EnginePool]:
-    """An :class:`EnginePool` per engine pool, routers bound on loopback; OSError (the socket's)
-    naming the pool if a port cannot be bound (earlier ones closed)."""
+    """An :class:`EnginePool` per engine pool, routers bound on loopback, engines reached where
+    ``hosts`` says (by default: on deo's machine); OSError (the socket's) naming the pool if a
+    port cannot be bound (earlier ones closed)."""
+    where = hosts if hosts is not None else LocalEngineHosts()
 
     pools: list[EnginePool] = []
     try:
@@ -104,7 +124,7 @@ def bind_routers(
             name = spec.name
 
             def provider(name: str = name) -> list[EngineEndpoint]:
-                return engine_endpoints(state(), name)
+                return engine_endpoints(state(), name, hosts=where)
 
             sock = None
             if spec.router_port:
@@ -124,6 +144,7 @@ def bind_routers(
                     sock=sock,
                     metrics=metrics,
                     own_source=name in own_sources,
+                    hosts=where,
                 )
             )
     except BaseException:
@@ -175,7 +196,7 @@ async def _poll(
             current = now.pools.get(name)
             # A pool removed (or being removed, as when deo stops) takes no samples.
             if current is not None and not current.removed:
-                engines = engine_endpoints(now, name, MEASURED_STATES)
+                engines = engine_endpoints(now, name, MEASURED_STATES, pool.hosts)
                 events, routed = await _read(pool, client, engines, clock)
                 for event in events:
                     if isinstance(event, LoadSampled):
@@ -207,7 +228,7 @@ async def _watch_drains(
         while True:
             now = state()
             before = _drains(now, name)
-            engines = engine_endpoints(now, name, _DRAINING)
+            engines = engine_endpoints(now, name, _DRAINING, pool.hosts)
             if engines:
                 events, _ = await _read(pool, client, engines, clock)
                 after = state()

@@ -5,12 +5,15 @@ carries each command out in a task of its own, every call with the command's tim
 reports the outcome as an event (``EngineAsleep``, ``EngineAwake``, ``EngineSleepFailed``,
 ``EngineWakeFailed``): a call never leaves an engine in a state nobody recorded. It also watches
 starting engines' ``/health`` and reports each ready (``WorkerReady``) once it answers 200 from
-a socket the engine's own process holds (:mod:`adapters.runtime.port_owner`: a server of another
-program on the engine's port is never taken for the engine), and
+a socket the engine's own process holds (checked where the engine runs,
+:mod:`adapters.runtime.engine_hosts`: a server of another program on the engine's port is never
+taken for the engine), and
 asks active engines' ``/health`` every ``ACTIVE_HEALTH_INTERVAL_S``: each 200 is a sign of life
 (a heartbeat), so that a pool's ``heartbeat_grace_s`` replaces an engine that is alive but
 answers nothing (wedged), and never a healthy one (starting engines count as seen: their
-``start_timeout_s`` judges them).
+``start_timeout_s`` judges them). Each engine is reached at the address its executor gives
+(:class:`~adapters.runtime.engine_hosts.EngineHosts`: 127.0.0.1 on deo's machine, the node's
+address over Ray) and its port.
 
 The routes, per engine (see docs/engines.md):
 
@@ -42,7 +45,12 @@ import anyio
 import httpx
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from adapters.runtime.port_owner import port_held_by
+from adapters.runtime.engine_hosts import (
+    LOCAL_ENGINE_HOST,
+    EngineHosts,
+    LocalEngineHosts,
+    base_url,
+)
 from adapters.runtime.runner import Executor
 from core import Command, DeoError, Event, State, UnknownSubject, WorkerReady, WorkerState
 from core.commands import SleepEngine, VerifyAsleep, WakeEngine
@@ -66,9 +74,9 @@ FLUSH_RETRY_S = 0.1
 _Control = SleepEngine | WakeEngine | VerifyAsleep
 
 
-def engine_url(port: int) -> str:
-    """An engine's base URL (engines listen on loopback, beside deo)."""
-    return f"http://127.0.0.1:{port}"
+def engine_url(port: int, host: str = LOCAL_ENGINE_HOST) -> str:
+    """An engine's base URL: on ``host`` (by default loopback, beside deo) at ``port``."""
+    return base_url(host, port)
 
 
 class EngineCallFailed(DeoError):
@@ -105,9 +113,12 @@ async def _is_sleeping(client: httpx.AsyncClient, base: str) -> bool:
     return bool(answer["is_sleeping"])
 
 
-async def sleep_engine(client: httpx.AsyncClient, command: SleepEngine) -> None:
-    """Release one engine's memory; :class:`EngineCallFailed` or an httpx error if it did not."""
-    base = engine_url(command.port)
+async def sleep_engine(
+    client: httpx.AsyncClient, command: SleepEngine, host: str = LOCAL_ENGINE_HOST
+) -> None:
+    """Release the memory of one engine on ``host``; :class:`EngineCallFailed` or an httpx
+    error if it did not."""
+    base = engine_url(command.port, host)
     if command.engine == "vllm":
         await _call(client, "POST", f"{base}/reset_prefix_cache")
         await _call(client, "POST", f"{base}/sleep", params={"level": command.level})
@@ -129,9 +140,12 @@ async def sleep_engine(client: httpx.AsyncClient, command: SleepEngine) -> None:
     await _call(client, "POST", f"{base}/release_memory_occupation", json={})
 
 
-async def wake_engine(client: httpx.AsyncClient, command: WakeEngine) -> None:
-    """Take one engine's memory back; :class:`EngineCallFailed` or an httpx error if it did not."""
-    base = engine_url(command.port)
+async def wake_engine(
+    client: httpx.AsyncClient, command: WakeEngine, host: str = LOCAL_ENGINE_HOST
+) -> None:
+    """Take back the memory of one engine on ``host``; :class:`EngineCallFailed` or an httpx
+    error if it did not."""
+    base = engine_url(command.port, host)
     if command.engine == "vllm":
         await _call(client, "POST", f"{base}/wake_up")
         if await _is_sleeping(client, base):
@@ -143,14 +157,14 @@ async def wake_engine(client: httpx.AsyncClient, command: WakeEngine) -> None:
 
 
 async def _confirm(
-    client: httpx.AsyncClient, command: SleepEngine | WakeEngine, why: str
+    client: httpx.AsyncClient, command: SleepEngine | WakeEngine, host: str, why: str
 ) -> tuple[bool, str]:
     """After a failed sleep or wake call, ask the engine (vLLM: ``/is_sleeping``) whether the
     call's work was done anyway: True if it was, else False and the failure's description with
     what the engine said added."""
     wanted = isinstance(command, SleepEngine)
     try:
-        asleep = await _is_sleeping(client, engine_url(command.port))
+        asleep = await _is_sleeping(client, engine_url(command.port, host))
     except (httpx.HTTPError, EngineCallFailed, ValueError) as exc:
         return False, f"{why}; /is_sleeping: {_describe(exc)}"
     if asleep is wanted:
@@ -172,6 +186,7 @@ class EngineControl:
 
     ``state`` returns the runner's current state (which engines are starting, on which port);
     ``saw``, if given, takes each active engine's sign of life (the runner's ``saw``).
+    ``hosts`` says where each engine runs (by default: all on deo's machine).
     :meth:`execute` never blocks the runner: commands queue for :meth:`run`, which carries each
     out in its own task until cancelled.
     """
@@ -185,8 +200,10 @@ class EngineControl:
         health_interval_s: float = HEALTH_INTERVAL_S,
         saw: Callable[[str], None] | None = None,
         active_health_interval_s: float = ACTIVE_HEALTH_INTERVAL_S,
+        hosts: EngineHosts | None = None,
     ) -> None:
         self._emit = emit
+        self._hosts: EngineHosts = hosts if hosts is not None else LocalEngineHosts()
         self._saw = saw
         self._active_health_interval_s = active_health_interval_s
         self._clock = clock
@@ -220,10 +237,13 @@ class EngineControl:
         # Its own client: every call of this command gives up after the command's timeout, and
         # the calls together too (a sleep is several calls), and the check of a failed one after
         # half as long again, within the core's deadline (twice the timeout) for the answer.
+        host = self._hosts.engine_host(worker_id)
         async with httpx.AsyncClient(timeout=httpx.Timeout(command.timeout_s)) as call:
             try:
+                if host is None:
+                    raise EngineCallFailed("the address of its node is not known (yet)")
                 with anyio.fail_after(command.timeout_s):
-                    await self._call(call, command)
+                    await self._call(call, command, host)
             except (httpx.HTTPError, EngineCallFailed, ValueError, TimeoutError) as exc:
                 why = (
                     f"no answer in time (its calls took over {command.timeout_s:g} s)"
@@ -231,11 +251,15 @@ class EngineControl:
                     else _describe(exc)
                 )
                 log.warning("%s: %s failed: %s", worker_id, type(command).__name__, why)
-                if isinstance(command, SleepEngine | WakeEngine) and command.engine == "vllm":
+                if (
+                    isinstance(command, SleepEngine | WakeEngine)
+                    and command.engine == "vllm"
+                    and host is not None
+                ):
                     failed, done = why, False
                     why = f"{failed}; /is_sleeping: no answer in time"
                     with anyio.move_on_after(command.timeout_s / 2):
-                        done, why = await _confirm(call, command, failed)
+                        done, why = await _confirm(call, command, host, failed)
                     if done:
                         event = EngineAsleep if isinstance(command, SleepEngine) else EngineAwake
                         self._emit(event(t=t(), worker_id=worker_id))
@@ -247,17 +271,18 @@ class EngineControl:
                 # A failed check changes nothing: the log's record stands, the next restart asks
                 # again, and a wake finds out.
 
-    async def _call(self, call: httpx.AsyncClient, command: _Control) -> None:
-        """Carry out ``command`` and report its success (failures raise)."""
+    async def _call(self, call: httpx.AsyncClient, command: _Control, host: str) -> None:
+        """Carry out ``command`` on the engine at ``host`` and report its success (failures
+        raise)."""
         t, worker_id = self._clock, command.worker_id
         if isinstance(command, SleepEngine):
-            await sleep_engine(call, command)
+            await sleep_engine(call, command, host)
             self._emit(EngineAsleep(t=t(), worker_id=worker_id))
         elif isinstance(command, WakeEngine):
-            await wake_engine(call, command)
+            await wake_engine(call, command, host)
             self._emit(EngineAwake(t=t(), worker_id=worker_id))
         elif command.engine == "vllm":
-            asleep = await _is_sleeping(call, engine_url(command.port))
+            asleep = await _is_sleeping(call, engine_url(command.port, host))
             event = EngineAsleep if asleep else EngineAwake
             self._emit(event(t=t(), worker_id=worker_id))
 
@@ -274,8 +299,11 @@ class EngineControl:
 
     async def _watch_active(self, client: httpx.AsyncClient, saw: Callable[[str], None]) -> None:
         async def ask(worker_id: str, port: int) -> None:
+            host = self._hosts.engine_host(worker_id)
+            if host is None:
+                return  # not adopted yet: no sign of life, and none of death either
             with contextlib.suppress(httpx.HTTPError):
-                url = f"{engine_url(port)}/health"
+                url = f"{engine_url(port, host)}/health"
                 if (await client.get(url, timeout=HEALTH_TIMEOUT_S)).status_code == 200:
                     # Unknown only if it was never made; gone since is ignored by ``saw``.
                     with contextlib.suppress(UnknownSubject):
@@ -312,16 +340,26 @@ class EngineControl:
         return found
 
     async def _check_health(self, client: httpx.AsyncClient, worker_id: str, port: int) -> None:
+        host = self._hosts.engine_host(worker_id)
+        if host is None:
+            return  # not placed yet
         try:
-            response = await client.get(f"{engine_url(port)}/health", timeout=HEALTH_TIMEOUT_S)
+            url = f"{engine_url(port, host)}/health"
+            response = await client.get(url, timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError:
             return  # not listening yet (vLLM listens once its engine is up)
         if response.status_code != 200:
             return
         worker = self._state().workers.get(worker_id)
         pid = None if worker is None else worker.pid
-        # /proc is read in a thread: a session's scan can take tens of milliseconds.
-        if pid is not None and await anyio.to_thread.run_sync(port_held_by, port, pid) is False:
+        owned: bool | None = None
+        if pid is not None:
+            try:
+                owned = await self._hosts.engine_port_owned(worker_id, port, pid)
+            except Exception as exc:  # its machine cannot be asked now: asked again next round
+                log.info("%s: cannot tell whose port %d is now: %s", worker_id, port, exc)
+                return
+        if owned is False:
             # Something else answers on the engine's port (the engine could not bind it): never
             # ready, so nothing is routed there; the engine exits, or its start timeout ends it.
             if worker_id not in self._foreign:

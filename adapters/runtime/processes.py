@@ -58,6 +58,7 @@ import anyio
 import attrs
 from anyio.abc import TaskGroup
 
+from adapters.runtime.engine_hosts import LOCAL_ENGINE_HOST
 from adapters.sources.heartbeat import HEARTBEAT_ENV, heartbeat_path
 from core import (
     Command,
@@ -73,6 +74,7 @@ from core import (
     WorkerExited,
     WorkerStarted,
 )
+from core.config import fill_engine_host
 from core.vocabulary import AlertName
 
 __all__ = [
@@ -269,6 +271,8 @@ def _start(
     """Start the worker's process with ``environ``, the command's env and ``secrets`` (later
     ones win), or say why it could not be started."""
     argv = list(command.argv)  # a list, so Popen executes it directly: never a shell
+    if command.port is not None:
+        argv = fill_engine_host(argv, LOCAL_ENGINE_HOST)  # engines bind loopback, beside deo
     if not argv:
         return "cannot execute an empty argv"
     try:

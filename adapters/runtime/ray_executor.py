@@ -22,6 +22,11 @@ its process on a Ray node. What it reports is what the local executor reports: `
   counts under other indices fails (``SpawnFailed``) rather than share a GPU with something Ray
   placed. The GPUs of one worker must be on one node. CPU workers (no GPU) go
   wherever Ray finds room.
+- Engines (``kind = "engine"`` pools) run in their actors like any worker; ``{host}`` in an
+  engine's argv becomes the address Ray knows its node by, and deo reaches the engine there (its
+  router, engine control, metrics and health: :meth:`RayExecutor.engine_host`). Whether the
+  server answering on an engine's port is the engine's own is asked of its actor, which reads
+  the node's ``/proc`` (:meth:`RayExecutor.engine_port_owned`).
 - Drain sends the pool's signal to the worker alone; terminate SIGTERM and kill SIGKILL go to its
   process group, as locally. The core's deadlines escalate.
 - Faults: an actor that dies (removed, its process killed) ends its worker (the worker dies with
@@ -143,6 +148,8 @@ class _Worker:
     #: The ``wait`` call of its actor, once the worker runs.
     waiting: Any = None
     started: bool = False
+    #: The address of its node (deo reaches an engine there), once the worker runs.
+    host: str | None = None
 
 
 class RayExecutor:
@@ -255,7 +262,8 @@ class RayExecutor:
         if command.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(split_gpu_id(g)[1] for g in command.gpus)
         log_path = str(self._log_dir / f"{worker_id}.log")
-        self._later(self._start, worker, options, list(command.argv), env, log_path)
+        engine = command.port is not None
+        self._later(self._start, worker, options, list(command.argv), env, log_path, engine)
 
     def _placement(self, gpus: Iterable[str]) -> dict[str, Any]:
         gpus = list(gpus)
@@ -281,6 +289,7 @@ class RayExecutor:
         argv: list[str],
         env: dict[str, str],
         log_path: str,
+        engine: bool,
     ) -> None:
         def create() -> tuple[Any, Any]:
             actor = self._host_class.options(
@@ -291,7 +300,7 @@ class RayExecutor:
                 num_cpus=0,
                 **options,
             ).remote()
-            return actor, actor.start.remote(argv, env, log_path)
+            return actor, actor.start.remote(argv, env, log_path, engine)
 
         if not worker.gpus:
             await self._place(worker, create)
@@ -334,6 +343,7 @@ class RayExecutor:
             await self._remove(worker.actor)
             self._fail(worker.worker_id, error)
             return
+        worker.host = info.get("host")
         self._emit(
             WorkerStarted(
                 t=self._clock(),
@@ -373,6 +383,24 @@ class RayExecutor:
         # exit comes through ``wait`` either way.
         worker.actor.signal.remote(sig.name, group)
 
+    # --- engines (adapters.runtime.engine_hosts.EngineHosts) -----------------------------------
+
+    def engine_host(self, worker_id: str) -> str | None:
+        """The address of the node engine ``worker_id`` runs on; None until it runs here (placed
+        and started, or adopted after a restart)."""
+        worker = self._workers.get(worker_id)
+        return None if worker is None or not worker.started else worker.host
+
+    async def engine_port_owned(self, worker_id: str, port: int, pid: int) -> bool | None:
+        """Whether the socket listening on ``port`` on the engine's node is held by the engine's
+        process (its actor reads the node's ``/proc``); RuntimeError or Ray's error when the
+        actor cannot be asked now."""
+        worker = self._workers.get(worker_id)
+        if worker is None or not worker.started:
+            raise RuntimeError(f"{worker_id} does not run here (yet)")
+        answer = await self._get(worker.actor.port_held.remote(port), self._call_timeout_s)
+        return None if answer is None else bool(answer)
+
     # --- restart ----------------------------------------------------------------------------------
 
     async def reconcile(self, state: State) -> list[Event]:
@@ -411,7 +439,9 @@ class RayExecutor:
                 why = f"its Ray actor holds pid {pid}, not the recorded pid {worker.pid}"
                 events.append(WorkerLost(t=self._clock(), worker_id=worker.worker_id, reason=why))
                 continue
-            adopted = _Worker(worker.worker_id, worker.pool, tuple(worker.gpus), actor)
+            adopted = _Worker(
+                worker.worker_id, worker.pool, tuple(worker.gpus), actor, host=info.get("host")
+            )
             self._workers[worker.worker_id] = adopted
             self._watch(adopted)
             events.append(WorkerAdopted(t=self._clock(), worker_id=worker.worker_id))

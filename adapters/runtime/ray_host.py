@@ -12,6 +12,10 @@ to the worker log path it is given (a path on the node), and:
   ``/proc`` start time);
 - keeps the exit code once the worker ends, until deo has read it and removes the actor, so an
   exit that happens while deo is down is still reported with its code after a restart;
+- for an engine, fills ``{host}`` in its argv with the node's address (the one Ray knows the node
+  by, which deo reaches the engine at), reports that address, and says whether the socket
+  listening on the engine's port is the engine's (from the node's ``/proc``: a server of another
+  program on the port is never taken for the engine);
 - ties the worker to itself: the worker gets SIGKILL when the actor's process dies (Linux
   ``PR_SET_PDEATHSIG``), so a removed actor or a dead Raylet leaves no orphan behind.
 
@@ -31,7 +35,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from adapters.runtime.port_owner import port_held_by
 from adapters.runtime.processes import process_start_time
+from core.config import fill_engine_host
 
 __all__ = ["NODE_ENV", "WorkerHost"]
 
@@ -69,17 +75,26 @@ class WorkerHost:
         self._start_time: int | None = None
         self._error: str | None = None
         self._exit: tuple[int | None, int | None] | None = None
+        self._host: str | None = None
 
     async def start(
-        self, argv: Sequence[str], env: Mapping[str, str], log_path: str
+        self, argv: Sequence[str], env: Mapping[str, str], log_path: str, engine: bool = False
     ) -> dict[str, Any]:
-        """Start the worker (once: a repeated call answers what the first did).
+        """Start the worker (once: a repeated call answers what the first did); an ``engine``
+        gets the node's address for ``{host}`` in its argv.
 
-        Returns ``pid``, ``start_time``, ``node_id`` and ``ray_gpu_ids`` (the GPUs Ray reserved
-        for this actor), or ``error`` saying why it could not be started."""
+        Returns ``pid``, ``start_time``, ``node_id``, ``host`` (the node's address),
+        ``ray_gpu_ids`` (the GPUs Ray reserved for this actor), or ``error`` saying why it could
+        not be started."""
         if self._popen is None and self._error is None:
-            self._launch(list(argv), dict(env), log_path)
+            argv = fill_engine_host(argv, self._node_host()) if engine else list(argv)
+            self._launch(argv, dict(env), log_path)
         return await self.info()
+
+    def _node_host(self) -> str:
+        if self._host is None:
+            self._host = _node_address()
+        return self._host
 
     def _launch(self, argv: list[str], env: dict[str, str], log_path: str) -> None:
         if not argv:
@@ -118,6 +133,7 @@ class WorkerHost:
             "pid": None if popen is None else popen.pid,
             "start_time": self._start_time,
             "node_id": _node_id(),
+            "host": self._node_host(),
             "ray_gpu_ids": [str(gpu) for gpu in _ray_gpu_ids()],
             "error": self._error,
             "exit": self._exit,
@@ -138,6 +154,15 @@ class WorkerHost:
         code = popen.poll()  # reaps it: no zombie is left
         if code is not None:
             self._exit = (None, -code) if code < 0 else (code, None)
+
+    async def port_held(self, port: int) -> bool | None:
+        """Whether the socket listening on ``port`` on this node is held by the worker (or its
+        session): True, False (by another process), None (``/proc`` cannot say, or no worker)."""
+        popen = self._popen
+        if popen is None or self._exit is not None:
+            return None
+        # A scan of /proc: off the actor's loop, which signals and reports exits meanwhile.
+        return await asyncio.to_thread(port_held_by, port, popen.pid)
 
     async def signal(self, name: str, group: bool) -> bool:
         """Send signal ``name`` to the worker (its whole group when ``group``); False if it is
@@ -162,6 +187,18 @@ def _node_id() -> str:
     import ray  # only ever called inside a Ray actor
 
     return str(ray.get_runtime_context().get_node_id())
+
+
+def _node_address() -> str:
+    """The address Ray knows this node by (``ray start --node-ip-address``)."""
+    import ray
+
+    node_id = _node_id()
+    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    for node in nodes:
+        if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
+            return str(node["NodeManagerAddress"])
+    return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
 
 
 def _ray_gpu_ids() -> list[Any]:

@@ -64,6 +64,7 @@ class Deo:
         tables = str(settings.pop("tables", ""))
         policy = str(settings.pop("policy", 'name = "static"\ncount = 2'))
         argv = [sys.executable, "-m", "deo_worker.engine_standin", "--port", "{port}"]
+        argv += ["--host", "{host}"]  # filled in with 127.0.0.1 on deo's machine
         argv += ["--engine", "vllm", "--memory-mib", str(MEMORY_MIB), "--startup-s", str(startup_s)]
         lines = [f"{key} = {value}" for key, value in settings.items()]
         (tmp_path / "deo.toml").write_text(

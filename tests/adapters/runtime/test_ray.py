@@ -1,8 +1,9 @@
 """``deo run`` with the Ray executor against a real Ray cluster of several nodes on this machine.
 
-One cluster serves the whole module (Ray's start-up is slow): a head without GPUs and nodes
-``a`` and ``b`` declaring two GPUs each (``num_gpus`` they need not have: Ray only counts them).
-Each test runs its own ``deo run`` on its own log, so in its own Ray namespace. The cluster
+One cluster serves every Ray test module of the session (``ray_cluster`` in tests/conftest.py:
+Ray's start-up is slow): a head without GPUs and nodes ``a`` and ``b`` declaring two GPUs each
+(``num_gpus`` they need not have: Ray only counts them). Each test runs its own ``deo run`` on
+its own log, so in its own Ray namespace. The cluster
 listens on 127.0.0.1 only (Ray has no authentication) and on ports the kernel picks, so two
 suites can run on one machine at once.
 """
@@ -143,12 +144,9 @@ class RayCluster:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[RayCluster]:
-    started = RayCluster()
-    try:
-        yield started
-    finally:
-        started.shutdown()
+def cluster(ray_cluster: RayCluster) -> RayCluster:
+    """The session's cluster (tests/conftest.py), shared with the other Ray test modules."""
+    return ray_cluster
 
 
 @pytest.fixture

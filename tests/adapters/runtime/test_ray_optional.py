@@ -49,14 +49,28 @@ def test_the_executor_table_is_checked_with_its_keys(tmp_path: Path) -> None:
         assert named in str(refused.value), text
 
 
-def test_engine_pools_are_refused_on_the_ray_executor(tmp_path: Path) -> None:
+def test_engine_pools_load_with_the_ray_executor_and_host_is_an_engines_placeholder(
+    tmp_path: Path,
+) -> None:
     from adapters.runtime.config_file import load
     from core import ConfigError
 
     config = tmp_path / "deo.toml"
-    config.write_text(
-        '[executor]\nkind = "ray"\n\n[pools.gen]\nkind = "engine"\nengine = "vllm"\n'
-        'argv = ["serve", "--port", "{port}"]\nports = [18000, 18003]\nmax_workers = 2\n'
+    engine = (
+        '[pools.gen]\nkind = "engine"\nengine = "vllm"\nports = [18000, 18003]\nmax_workers = 2\n'
+        'argv = ["serve", "--host", "{host}", "--port", "{port}"]\n'
     )
-    with pytest.raises(ConfigError, match=r"pools\.gen\.kind: engine pools run on deo's own"):
+    config.write_text('[executor]\nkind = "ray"\n\n' + engine)
+    settings = load(config)
+    (spec,) = settings.config.pools
+    # Left for the executor, which knows the engine's machine.
+    assert spec.render_argv(worker_id="gen-0", index=0, gpus=(), port=18000) == (
+        "serve",
+        "--host",
+        "{host}",
+        "--port",
+        "18000",
+    )
+    config.write_text('[pools.env]\nargv = ["env", "--host", "{host}"]\nmax_workers = 1\n')
+    with pytest.raises(ConfigError, match=r"pools\.env\.argv: \{host\} in .* only given to engine"):
         load(config)
