@@ -6,13 +6,15 @@ lifecycle changes go through :func:`core.lifecycle.next_state`; each event type'
 :mod:`core.handlers`.
 
 Order inside a step: the event's own handler first, then reconciliation of the pools it may have
-affected (spawn up to each pool's target, drain the excess).
+affected (spawn up to each pool's target, drain the excess). The GPU arbiter's events go to
+:mod:`core.arbiter.served`; a lost GPU and a tick go to the arbiter too, after deo's own handler.
 """
 
 from __future__ import annotations
 
 from core import commands as c
 from core import events as e
+from core.arbiter.served import ARBITER_EVENTS, SHARED_EVENTS, arbiter_step
 from core.errors import InvalidEvent
 from core.handlers import HANDLERS, heartbeat_only, seen_only
 from core.invariants import raise_on_violation
@@ -34,12 +36,18 @@ def reduce(
         return heartbeat_only(state, event), []
     if type(event) is e.WorkersSeen:
         return seen_only(state, event), []
+    if type(event) in ARBITER_EVENTS:
+        return arbiter_step(state, event)
     handler = HANDLERS.get(type(event))
     if handler is None:
         raise InvalidEvent(f"{type(event).__name__} is not an event the reducer knows")
     step = Step(state, event.t, policies)
     handler(step, event)
-    return step.finish()
+    after, commands = step.finish()
+    if type(event) in SHARED_EVENTS and after.arbiter.gpus:
+        after, more = arbiter_step(after, event)
+        commands = commands + more
+    return after, commands
 
 
 class Reducer:
