@@ -35,7 +35,7 @@ from starlette.routing import Route
 
 from adapters.runtime.arbiter import ArbiterBoard
 from adapters.runtime.runner import Runner
-from core import DeoError, Event, Refused, State
+from core import DeoError, Event, RaiseAlert, Refused, State
 from core.arbiter import (
     ClusterSpec,
     GapRatioPlanner,
@@ -51,6 +51,7 @@ from core.arbiter import (
     RolloutOpened,
 )
 from core.arbiter.model import ArbiterState, Cluster
+from core.vocabulary import AlertName
 
 __all__ = [
     "DEFAULT_WAIT_S",
@@ -240,7 +241,9 @@ def arbiter_routes(
             return reply(_granted(pipeline, found, "already held"), 200)
         else:
             board.failed.pop((pipeline, cluster), None)
-            await runner.submit(event)
+            for command in await runner.submit(event):
+                if isinstance(command, RaiseAlert) and command.alert == AlertName.PLAN_REFUSED:
+                    raise Refused(f"{pipeline}/{cluster}: nothing was done: {command.reason}")
         deadline = anyio_now() + wait
         while True:
             answer = _answer(runner.state, board, pipeline, cluster)

@@ -5,7 +5,7 @@ log like any other, so a snapshot holds it and ``deo replay`` reproduces its com
 :func:`arbiter_step` alone; the events both cores read (a lost GPU, a tick) go to deo's reducer
 first, then, once the arbiter has GPUs, to the arbiter. A plan the arbiter refuses (a plan
 invariant broken) is raised as deo's ``plan_refused`` alert, subject ``arbiter``, and resolved by
-the next plan that runs.
+the next plan that runs (one that issues commands or changes who holds which GPU).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from core import commands as c
 from core import events as e
 from core.arbiter import events as ae
+from core.arbiter.model import ArbiterState
 from core.arbiter.reducer import reduce_arbiter
 from core.records import replace
 from core.state import State
@@ -43,6 +44,11 @@ ALERT_SUBJECT = "arbiter"
 _REFUSED = (AlertName.PLAN_REFUSED, ALERT_SUBJECT)
 
 
+def _ownership(arbiter: ArbiterState) -> object:
+    """Who holds or runs on which GPUs: what a plan that ran changes."""
+    return arbiter.idle, [(p, c.held, c.active_ranks) for p, c in arbiter.clusters()]
+
+
 def arbiter_step(state: State, event: e.Event) -> tuple[State, list[c.Command]]:
     """``state`` with ``event`` applied to its arbiter, and the arbiter's commands.
 
@@ -56,7 +62,7 @@ def arbiter_step(state: State, event: e.Event) -> tuple[State, list[c.Command]]:
     )
     if refused:
         alerts = alerts | {_REFUSED}
-    elif commands and _REFUSED in alerts:
+    elif _REFUSED in alerts and (commands or _ownership(arbiter) != _ownership(state.arbiter)):
         alerts = alerts - {_REFUSED}
         commands = [
             *commands,
