@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.api.app import build_app, serve
+from adapters.api.client import arbiter_lines
 from adapters.log import EventLog, LogProblem
 from adapters.postmortem.engine import replay
 from adapters.runtime.arbiter import ArbiterBoard
@@ -203,6 +204,11 @@ async def test_a_long_poll_times_out_and_the_request_keeps_its_place(tmp_path: P
         assert behind.status_code == 408
         rows = (await h.status())["arbiter"]["pipelines"]
         assert rows["b"]["clusters"]["train"]["waiting"]["priority"] == "ACTOR_TRAINING"
+        lines = arbiter_lines((await h.status())["arbiter"])  # deo status
+        assert lines[0] == "arbiter: 4 GPUs, 0 idle"
+        [b_row] = [line for line in lines if line.startswith("b ")]
+        assert "ACTOR_TRAINING" in b_row and "waiting" not in b_row
+        assert b_row.endswith("ACTOR_TRAINING for 1s")  # queued at t=1, the state's clock at 2
 
         async with anyio.create_task_group() as tg:
             answers: dict[str, httpx.Response] = {}
