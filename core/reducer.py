@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from core import commands as c
 from core import events as e
-from core.arbiter.served import ARBITER_EVENTS, SHARED_EVENTS, arbiter_step
+from core.arbiter.served import ARBITER_EVENTS, SHARED_EVENTS, arbiter_step, check_engine_pools
 from core.errors import InvalidEvent
 from core.handlers import HANDLERS, heartbeat_only, seen_only
 from core.invariants import raise_on_violation
@@ -37,7 +37,9 @@ def reduce(
     if type(event) is e.WorkersSeen:
         return seen_only(state, event), []
     if type(event) in ARBITER_EVENTS:
-        return arbiter_step(state, event)
+        check_engine_pools(state, event)
+        after, commands = arbiter_step(state, event)
+        return _follow_arbiter(after, event, commands, policies)
     handler = HANDLERS.get(type(event))
     if handler is None:
         raise InvalidEvent(f"{type(event).__name__} is not an event the reducer knows")
@@ -46,8 +48,22 @@ def reduce(
     after, commands = step.finish()
     if type(event) in SHARED_EVENTS and after.arbiter.gpus:
         after, more = arbiter_step(after, event)
-        commands = commands + more
+        return _follow_arbiter(after, event, commands + more, policies)
     return after, commands
+
+
+def _follow_arbiter(
+    state: State, event: e.Event, commands: list[c.Command], policies: PolicyCatalog
+) -> tuple[State, list[c.Command]]:
+    """The engine pools that run generation clusters brought in line with the arbiter's ranks
+    (:mod:`core.arbiter.engines`)."""
+    bound = state.arbiter.engine_pools()
+    if not bound:
+        return state, commands
+    step = Step(state, event.t, policies)
+    step.dirty_pools.update(bound)
+    after, more = step.finish()
+    return after, commands + more
 
 
 class Reducer:

@@ -15,11 +15,18 @@ from core import events as e
 from core.arbiter import events as ae
 from core.arbiter.model import ArbiterState
 from core.arbiter.reducer import reduce_arbiter
+from core.errors import Refused, UnknownSubject
 from core.records import replace
 from core.state import State
 from core.vocabulary import AlertName
 
-__all__ = ["ARBITER_EVENTS", "SHARED_EVENTS", "ALERT_SUBJECT", "arbiter_step"]
+__all__ = [
+    "ALERT_SUBJECT",
+    "ARBITER_EVENTS",
+    "SHARED_EVENTS",
+    "arbiter_step",
+    "check_engine_pools",
+]
 
 #: Events only the arbiter reads.
 ARBITER_EVENTS: frozenset[type[e.Event]] = frozenset(
@@ -73,3 +80,40 @@ def arbiter_step(state: State, event: e.Event) -> tuple[State, list[c.Command]]:
             ),
         ]
     return replace(state, arbiter=arbiter, alerts=alerts, now=max(state.now, event.t)), commands
+
+
+def check_engine_pools(state: State, event: e.Event) -> None:
+    """Refuse a registration whose generation cluster names an engine pool deo cannot run it
+    with: no such pool, not an engine pool, one engine's GPUs not the cluster's ``tp_size``, or
+    a pool another cluster already runs on."""
+    if isinstance(event, ae.PipelineRegistered):
+        specs = event.clusters
+    elif isinstance(event, ae.ClusterRegistered):
+        specs = (event.spec,)
+    else:
+        return
+    bound = state.arbiter.engine_pools()
+    for spec in specs:
+        name = spec.engine_pool
+        if name is None:
+            continue
+        where = f"{type(event).__name__}: {event.pipeline}/{spec.name}: engine_pool {name!r}"
+        pool = state.pools.get(name)
+        if pool is None or pool.removed:
+            known = ", ".join(sorted(p for p, s in state.pools.items() if s.spec.is_engine))
+            raise UnknownSubject(
+                f"{where} is not a pool of deo's (engine pools: {known or 'none'})"
+            )
+        if not pool.spec.is_engine:
+            raise Refused(f"{where} is a pool of kind {pool.spec.kind!r}, not 'engine'")
+        if pool.spec.gpus_per_worker != spec.tp_size:
+            raise Refused(
+                f"{where} gives each engine {pool.spec.gpus_per_worker} GPU(s); the cluster's "
+                f"ranks need tp_size={spec.tp_size}"
+            )
+        if name in bound:
+            pipeline, cluster = bound[name]
+            raise Refused(f"{where} already runs {pipeline}/{cluster.spec.name}")
+        outside = [g for g in spec.device_mapping if g not in state.config.gpus]
+        if outside:
+            raise UnknownSubject(f"{where}: GPUs {outside} are not among deo's GPUs")
