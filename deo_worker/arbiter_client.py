@@ -66,6 +66,8 @@ class Cluster:
     device_mapping: Sequence[str]
     tp_size: int = 1
     max_dp_size: int | None = None
+    #: A generation cluster whose engines deo runs: the name of its engine pool.
+    engine_pool: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -74,6 +76,7 @@ class Cluster:
             "device_mapping": list(self.device_mapping),
             "tp_size": self.tp_size,
             "max_dp_size": self.max_dp_size,
+            "engine_pool": self.engine_pool,
         }
 
 

@@ -5,7 +5,8 @@ event (checked and constructed before it reaches the log, so a malformed request
 trace) and hands it to :meth:`Runner.submit`:
 
 - ``POST /v1/arbiter/pipelines``: ``{"pipeline", "clusters": [{"name", "kind",
-  "device_mapping", "tp_size", "max_dp_size"}]}``: a pipeline and its clusters, in one step;
+  "device_mapping", "tp_size", "max_dp_size", "engine_pool"}]}``: a pipeline and its clusters,
+  in one step;
 - ``POST /v1/arbiter/pipelines/{p}/unregister``;
 - ``POST /v1/arbiter/pipelines/{p}/clusters/{c}/request``: ``{"priority",
   "estimate_trajectories", "timeout_s"}``, a long poll: 200 with the grant once it is made, or
@@ -35,7 +36,7 @@ from starlette.routing import Route
 
 from adapters.runtime.arbiter import ArbiterBoard
 from adapters.runtime.runner import Runner
-from core import DeoError, Event, RaiseAlert, Refused, State
+from core import DeoError, Event, RaiseAlert, Refused, State, WorkerState
 from core.arbiter import (
     ClusterSpec,
     GapRatioPlanner,
@@ -50,6 +51,7 @@ from core.arbiter import (
     RolloutClosed,
     RolloutOpened,
 )
+from core.arbiter.engines import rank_engines
 from core.arbiter.model import ArbiterState, Cluster
 from core.vocabulary import AlertName
 
@@ -66,7 +68,10 @@ DEFAULT_WAIT_S = 30.0
 #: The longest one long poll may wait: the caller asks again after it.
 MAX_WAIT_S = 300.0
 
-_CLUSTER_FIELDS = ("name", "kind", "device_mapping", "tp_size", "max_dp_size")
+#: How often a waiting long poll looks at the state between the arbiter's commands.
+RECHECK_S = 0.2
+
+_CLUSTER_FIELDS = ("name", "kind", "device_mapping", "tp_size", "max_dp_size", "engine_pool")
 _PLANNER = GapRatioPlanner()
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -182,6 +187,7 @@ def arbiter_routes(
                     device_mapping=mapping,
                     tp_size=cluster.get("tp_size", 1),
                     max_dp_size=cluster.get("max_dp_size"),
+                    engine_pool=cluster.get("engine_pool"),
                 )
             )
         return PipelineRegistered(t=t, pipeline=pipeline, clusters=specs)
@@ -237,8 +243,7 @@ def arbiter_routes(
                     f"{found.request.priority.name}; release it to ask with {event.priority.name}"
                 )
         elif found is not None and found.held and isinstance(event, GpusRequested):
-            # Granted while the caller was away (its long poll had ended): the same answer.
-            return reply(_granted(pipeline, found, "already held"), 200)
+            pass  # granted while the caller was away (its long poll had ended): the same answer
         else:
             board.failed.pop((pipeline, cluster), None)
             for command in await runner.submit(event):
@@ -259,7 +264,9 @@ def arbiter_routes(
                     f"(queued {max(runner.clock() - since, 0.0):.1f} s); the request stays "
                     f"queued: ask again to keep waiting in its place"
                 )
-            await board.wait(left)
+            # Engine confirmations change the state without an arbiter command: look again
+            # at least every RECHECK_S.
+            await board.wait(min(left, RECHECK_S))
 
     async def request_gpus(request: Request) -> Response:
         authorize(request)
@@ -351,9 +358,38 @@ def _answer(state: State, board: ArbiterBoard, pipeline: str, name: str) -> dict
     failed = board.failed.get((pipeline, name))
     if failed is not None:
         raise Refused(f"{pipeline}/{name}: the request failed: {failed}")
-    if cluster.held or cluster.active_ranks:
+    if cluster.held:
+        busy = _engines_holding(state, cluster.held)
+        if busy:
+            return None  # the engines there have not confirmed their memory is released
+        return _granted(pipeline, cluster, "granted")
+    if cluster.active_ranks:
+        if not _engine_awake(state, cluster):
+            return None  # its engines are starting or waking
         return _granted(pipeline, cluster, "granted")
     raise Refused(f"{pipeline}/{name}: the request was withdrawn (released) before an answer")
+
+
+def _engines_holding(state: State, gpus: tuple[str, ...]) -> list[str]:
+    """Engines of the arbiter's engine pools on ``gpus`` that may still hold memory there (any
+    not confirmed asleep)."""
+    pools = state.arbiter.engine_pools()
+    wanted = set(gpus)
+    return [
+        w.worker_id
+        for w in state.workers.values()
+        if w.pool in pools and w.state is not WorkerState.SLEEPING and wanted & set(w.gpus)
+    ]
+
+
+def _engine_awake(state: State, cluster: Cluster) -> bool:
+    """Whether a generation cluster has a rank whose engine is confirmed awake (always, for a
+    cluster run by the pipeline itself)."""
+    pool = cluster.spec.engine_pool
+    if pool is None:
+        return True
+    found, _ = rank_engines([w for w in state.workers.values() if w.pool == pool], cluster)
+    return any(found[r].state is WorkerState.ACTIVE for r in cluster.active_ranks if r in found)
 
 
 # --- the operator's view -------------------------------------------------------------------------
@@ -380,6 +416,16 @@ def arbiter_status(state: State) -> dict[str, Any]:
                 row["active_ranks"] = sorted(cluster.active_ranks)
                 row["active_gpus"] = list(cluster.active_gpus())
                 row["ranks"] = spec.ranks
+                if spec.engine_pool is not None:
+                    row["engine_pool"] = spec.engine_pool
+                    found, _ = rank_engines(
+                        [w for w in state.workers.values() if w.pool == spec.engine_pool],
+                        cluster,
+                    )
+                    row["engines"] = {
+                        str(r): {"worker": w.worker_id, "state": w.state.value}
+                        for r, w in sorted(found.items())
+                    }
                 if share is not None:
                     row["share"] = {
                         "remaining_trajectories": share.remaining,

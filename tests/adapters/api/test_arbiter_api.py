@@ -23,7 +23,19 @@ from adapters.postmortem.engine import replay
 from adapters.runtime.arbiter import ArbiterBoard
 from adapters.runtime.engines import FanOut
 from adapters.runtime.runner import Runner
-from core import Command, Config, Configured, GpuLost, Reducer
+from core import (
+    Command,
+    Config,
+    Configured,
+    EngineAsleep,
+    EngineLoadSampled,
+    GpuLost,
+    PolicySpec,
+    PoolSpec,
+    Reducer,
+    WorkerReady,
+    WorkerStarted,
+)
 from core.arbiter import ArbiterGpusDeclared
 from core.arbiter import reducer as arbiter_reducer
 from core.arbiter.plan import Plan, RankOp
@@ -74,7 +86,7 @@ class Harness:
 
 
 @asynccontextmanager
-async def running(tmp_path: Path) -> AsyncIterator[Harness]:
+async def running(tmp_path: Path, pools: tuple[PoolSpec, ...] = ()) -> AsyncIterator[Harness]:
     log_path = tmp_path / "deo.jsonl"
     log, _ = EventLog.open(log_path, fsync=False)
     clock = Clock()
@@ -91,7 +103,7 @@ async def running(tmp_path: Path) -> AsyncIterator[Harness]:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(runner.run)
-        await runner.submit(Configured(t=0.0, config=Config(gpus=GPUS)))
+        await runner.submit(Configured(t=0.0, config=Config(gpus=GPUS, pools=pools)))
         await runner.submit(ArbiterGpusDeclared(t=0.0, gpus=GPUS))
         tg.start_soon(functools.partial(serve, app, port=0, started=started))
         with anyio.fail_after(10):
@@ -415,3 +427,68 @@ async def test_a_refused_plan_executes_nothing_and_raises_the_alert(
     records = [orjson.loads(line) for line in h.log_path.read_bytes().splitlines()[1:]]
     logged = [c for r in records if r["kind"] == "commands" for c in r["commands"]]
     assert any(c["@"] == "RaiseAlert" and c["alert"] == "plan_refused" for c in logged)
+
+
+ENGINES = PoolSpec(
+    name="gen",
+    kind="engine",
+    engine="vllm",
+    argv=["serve", "--port", "{port}"],
+    ports=(18000, 18003),
+    gpus_per_worker=1,
+    max_workers=4,
+    max_asleep=4,
+    policy=PolicySpec(name="static", params={"count": 0}),
+)
+
+
+@pytest.mark.anyio
+async def test_answers_wait_for_the_engines_to_confirm(tmp_path: Path) -> None:
+    async with running(tmp_path, pools=(ENGINES,)) as h:
+        body = pipeline_body("p", ["0", "1"], GPUS)
+        body["clusters"][1]["engine_pool"] = "gen"
+        assert (await h.post("/v1/arbiter/pipelines", body)).is_success
+        waiting = await h.post(
+            "/v1/arbiter/pipelines/p/clusters/gen/request",
+            {"priority": "GENERATION", "timeout_s": 0.3},
+        )
+        assert waiting.status_code == 408  # ranks awake in the plan, no engine up yet
+        for index in range(4):
+            worker_id = f"gen-{index}"
+            await h.runner.submit(
+                WorkerStarted(t=1.0, worker_id=worker_id, pid=1000 + index, start_time=1)
+            )
+            await h.runner.submit(WorkerReady(t=1.0, worker_id=worker_id))
+        answered = await h.post(
+            "/v1/arbiter/pipelines/p/clusters/gen/request", {"priority": "GENERATION"}
+        )
+        assert answered.status_code == 200 and answered.json()["gpus"] == GPUS
+        row = (await h.status())["arbiter"]["pipelines"]["p"]["clusters"]["gen"]
+        assert row["engines"]["0"] == {"worker": "gen-0", "state": "active"}
+
+        early = await h.post(
+            "/v1/arbiter/pipelines/p/release-and-request",
+            {
+                "release_cluster": "gen",
+                "cluster": "train",
+                "priority": "ACTOR_TRAINING",
+                "timeout_s": 0.3,
+            },
+        )
+        assert early.status_code == 408  # granted in the plan; the engines still hold memory
+        for index in range(4):
+            worker_id = f"gen-{index}"
+            await h.runner.submit(
+                EngineLoadSampled(t=2.0, pool="gen", worker_id=worker_id, in_flight_requests=0)
+            )
+        still = await h.post(
+            "/v1/arbiter/pipelines/p/clusters/train/request",
+            {"priority": "ACTOR_TRAINING", "timeout_s": 0.3},
+        )
+        assert still.status_code == 408  # sleep calls sent, not confirmed
+        for index in (0, 1):
+            await h.runner.submit(EngineAsleep(t=3.0, worker_id=f"gen-{index}"))
+        granted = await h.post(
+            "/v1/arbiter/pipelines/p/clusters/train/request", {"priority": "ACTOR_TRAINING"}
+        )
+        assert granted.status_code == 200 and granted.json()["gpus"] == ["0", "1"]

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from typing import Any
 import httpx
 from waiting import wait_for
 
+from bench.ports import reserve_port
 from deo_worker.arbiter_client import ArbiterClient, Cluster, Grant
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -32,13 +32,6 @@ HEALTHY = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class Deo:
     """``deo run`` with four GPUs, all shared by the arbiter, on a fixed port (a restart keeps
     its address, so a client's retries reach it again)."""
@@ -47,7 +40,7 @@ class Deo:
         self.dir = tmp_path
         self.log = tmp_path / "run.jsonl"
         (tmp_path / "gpus.json").write_text(json.dumps({g: HEALTHY for g in GPUS}))
-        self.port = free_port()
+        self.port = reserve_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = tmp_path / "deo.toml"
         self.write_config(arbiter_gpus)
