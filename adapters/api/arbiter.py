@@ -242,7 +242,7 @@ def arbiter_routes(
                     f"{pipeline}/{cluster} already waits with priority "
                     f"{found.request.priority.name}; release it to ask with {event.priority.name}"
                 )
-        elif found is not None and found.held and isinstance(event, GpusRequested):
+        elif found is not None and found.held and _released(runner.state.arbiter, event):
             pass  # granted while the caller was away (its long poll had ended): the same answer
         else:
             board.failed.pop((pipeline, cluster), None)
@@ -326,6 +326,15 @@ def arbiter_routes(
 def anyio_now() -> float:
     """The event loop's clock (monotonic), for long-poll deadlines."""
     return anyio.current_time()
+
+
+def _released(state: ArbiterState, event: GpusRequested | GpusReleasedAndRequested) -> bool:
+    """Whether what ``event`` releases (if anything) is already released: then a cluster that
+    holds its GPUs was granted for this very request, before its caller asked again."""
+    if isinstance(event, GpusRequested):
+        return True
+    released = _cluster(state, event.pipeline, event.release_cluster)
+    return released is None or not (released.held or released.active_ranks)
 
 
 def _cluster(state: ArbiterState, pipeline: str, cluster: str) -> Cluster | None:

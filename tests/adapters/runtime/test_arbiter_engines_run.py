@@ -93,7 +93,7 @@ count = 0
             return 0
         return len(re.findall(r"API on http://", self.output.read_text()))
 
-    def start(self) -> None:
+    def start(self, *, expect_arbiter: bool = True) -> None:
         before = self.starts()
         env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
         self.process = subprocess.Popen(
@@ -105,6 +105,12 @@ count = 0
             start_new_session=True,
         )
         wait_for("the API", lambda: self.starts() > before)
+        if expect_arbiter:  # the API answers before deo has declared the arbiter's GPUs
+            wait_for("the arbiter", self.serves_arbiter, retry_on=(httpx.HTTPError,))
+
+    def serves_arbiter(self) -> bool:
+        status = httpx.get(f"{self.url}/global-status", timeout=5).json()
+        return "arbiter" in status
 
     def workers(self) -> dict[str, dict[str, Any]]:
         body = httpx.get(f"{self.url}/v1/workers", timeout=10).json()

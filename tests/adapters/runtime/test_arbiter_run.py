@@ -65,7 +65,7 @@ gpus = {json.dumps(arbiter_gpus)}
 """
         )
 
-    def start(self) -> None:
+    def start(self, *, expect_arbiter: bool = True) -> None:
         before = self.starts()
         env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
         self.process = subprocess.Popen(
@@ -77,6 +77,12 @@ gpus = {json.dumps(arbiter_gpus)}
             start_new_session=True,
         )
         wait_for("the API", lambda: self.starts() > before)
+        if expect_arbiter:  # the API answers before deo has declared the arbiter's GPUs
+            wait_for("the arbiter", self.serves_arbiter, retry_on=(httpx.HTTPError,))
+
+    def serves_arbiter(self) -> bool:
+        status = httpx.get(f"{self.url}/global-status", timeout=5).json()
+        return "arbiter" in status
 
     def starts(self) -> int:
         """How many times deo said where its API is (restarts append to the same output)."""
@@ -190,7 +196,7 @@ def test_a_restart_with_other_arbiter_gpus_is_refused(tmp_path: Path) -> None:
     assert deo.status()["gpus"] == GPUS
     assert deo.stop() == 0
     deo.write_config(["0", "1"])
-    deo.start()
+    deo.start(expect_arbiter=False)
     assert deo.process is not None
     assert deo.process.wait(timeout=60) == 2
     assert "arbiter.gpus was refused" in deo.output.read_text()
