@@ -84,8 +84,8 @@ def arbiter_step(state: State, event: e.Event) -> tuple[State, list[c.Command]]:
 
 def check_engine_pools(state: State, event: e.Event) -> None:
     """Refuse a registration whose generation cluster names an engine pool deo cannot run it
-    with: no such pool, not an engine pool, one engine's GPUs not the cluster's ``tp_size``, or
-    a pool another cluster already runs on."""
+    with: no such pool, not an engine pool, one engine's GPUs not the cluster's ``tp_size``, a
+    pool another cluster already runs on, or GPUs another engine-run cluster has."""
     if isinstance(event, ae.PipelineRegistered):
         specs = event.clusters
     elif isinstance(event, ae.ClusterRegistered):
@@ -114,6 +114,16 @@ def check_engine_pools(state: State, event: e.Event) -> None:
         if name in bound:
             pipeline, cluster = bound[name]
             raise Refused(f"{where} already runs {pipeline}/{cluster.spec.name}")
+        for pipeline, cluster in bound.values():
+            shared = sorted(set(spec.device_mapping) & set(cluster.spec.device_mapping))
+            if shared:
+                # deo keeps one worker per GPU: two engine pools' engines, one of them asleep,
+                # cannot share a GPU yet.
+                raise Refused(
+                    f"{where}: GPUs {shared} are also {pipeline}/{cluster.spec.name}'s, run by "
+                    f"engine pool {cluster.spec.engine_pool!r}; engine pools of the arbiter "
+                    f"need GPUs of their own"
+                )
         outside = [g for g in spec.device_mapping if g not in state.config.gpus]
         if outside:
             raise UnknownSubject(f"{where}: GPUs {outside} are not among deo's GPUs")
