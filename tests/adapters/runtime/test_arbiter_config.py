@@ -40,3 +40,10 @@ def test_bad_tables_are_refused_naming_the_key(tmp_path: Path, table: str, messa
     with pytest.raises(ConfigError) as refused:
         load(write(tmp_path, table))
     assert message in str(refused.value)
+
+
+def test_the_example_loads() -> None:
+    example = Path(__file__).resolve().parents[3] / "examples" / "arbiter.toml"
+    settings = load(example)
+    assert settings.arbiter == ArbiterSettings(gpus=("0", "1", "2", "3"))
+    assert settings.config.pool("gen") is not None
