@@ -11,10 +11,12 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from waiting import wait_for
 
 from bench.ports import reserve_port
@@ -116,6 +118,15 @@ gpus = {json.dumps(arbiter_gpus)}
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.fixture
+def deo(tmp_path: Path) -> Iterator[Deo]:
+    """A deo for the test, killed at its end if the test left it running (a failure)."""
+    running = Deo(tmp_path)
+    yield running
+    if running.process is not None and running.process.poll() is None:
+        running.kill()
+
+
 def owners(status: dict[str, Any]) -> dict[str, list[str]]:
     """GPU -> the clusters that hold it or run generation on it."""
     found: dict[str, list[str]] = {}
@@ -126,10 +137,7 @@ def owners(status: dict[str, Any]) -> dict[str, list[str]]:
     return found
 
 
-def test_training_preempts_generation_and_a_waiting_request_survives_a_kill(
-    tmp_path: Path,
-) -> None:
-    deo = Deo(tmp_path)
+def test_training_preempts_generation_and_a_waiting_request_survives_a_kill(deo: Deo) -> None:
     deo.start()
     trainers = {
         name: ArbiterClient(deo.url, TOKEN, pipeline=name, poll_s=2.0) for name in ("p1", "p2")
@@ -190,8 +198,7 @@ def test_training_preempts_generation_and_a_waiting_request_survives_a_kill(
     deo.replays()
 
 
-def test_a_restart_with_other_arbiter_gpus_is_refused(tmp_path: Path) -> None:
-    deo = Deo(tmp_path)
+def test_a_restart_with_other_arbiter_gpus_is_refused(deo: Deo) -> None:
     deo.start()
     assert deo.status()["gpus"] == GPUS
     assert deo.stop() == 0
