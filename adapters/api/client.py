@@ -265,6 +265,13 @@ def arbiter_lines(arbiter: dict[str, Any]) -> list[str]:
                 f"{name:<14}{cluster_name:<12}{cluster.get('kind', '?'):<16}{gpus_text:<18}"
                 f"{wait_text}"
             )
+            engines = cluster.get("engines")
+            if isinstance(engines, dict) and engines:
+                states = ", ".join(
+                    f"rank {rank} {e.get('worker')} {e.get('state')}"
+                    for rank, e in sorted(engines.items(), key=lambda item: int(item[0]))
+                )
+                lines.append(f"{'':<14}engines ({cluster.get('engine_pool')}): {states}")
         if pipeline.get("rollout_open"):
             lines.append(f"{name:<14}rollout open")
     return lines

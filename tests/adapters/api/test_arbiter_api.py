@@ -465,6 +465,8 @@ async def test_answers_wait_for_the_engines_to_confirm(tmp_path: Path) -> None:
         assert answered.status_code == 200 and answered.json()["gpus"] == GPUS
         row = (await h.status())["arbiter"]["pipelines"]["p"]["clusters"]["gen"]
         assert row["engines"]["0"] == {"worker": "gen-0", "state": "active"}
+        lines = arbiter_lines((await h.status())["arbiter"])
+        assert "engines (gen): rank 0 gen-0 active, rank 1 gen-1 active" in lines[-1]
 
         early = await h.post(
             "/v1/arbiter/pipelines/p/release-and-request",
