@@ -407,7 +407,7 @@ async def run(
     engines = EngineControl(
         emit, clock=clock, state=lambda: runner.state, saw=lambda worker_id: runner.saw(worker_id)
     )
-    arbiter = ArbiterBoard()
+    arbiter = ArbiterBoard(configured=settings.arbiter is not None)
     runner = Runner(
         event_log,
         Reducer(recovery.state),

@@ -20,7 +20,8 @@ trace) and hands it to :meth:`Runner.submit`:
   "completed_trajectories"}``; ``.../progress/clear``: ``{"stream"}`` (all when absent);
 - ``POST /v1/arbiter/pipelines/{p}/rollout/open`` and ``.../rollout/close``.
 
-``GET /v1/arbiter`` (a read) is the arbiter's part of ``/global-status``.
+``GET /v1/arbiter`` (a read) is the arbiter's part of ``/global-status``. While a configured
+arbiter's GPUs are not declared yet (deo is starting), the writes answer 503: ask again.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ _PLANNER = GapRatioPlanner()
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
+class Starting(DeoError):
+    """deo serves an arbiter but has not declared its GPUs yet (it is starting): ask again."""
+
+    http_status = 503
+
+
 class StillWaiting(DeoError):
     """A long poll ended before its request was answered; the request stays queued."""
 
@@ -96,6 +103,11 @@ def arbiter_routes(
     """The arbiter's routes on deo's API. ``authorize`` checks the operator token,
     ``read_object`` reads a JSON object body, ``reply`` answers JSON, ``read`` guards a read and
     ``api_error`` builds a refusal of a malformed request (the API module's own)."""
+
+    def authorize_started(request: Request) -> None:
+        authorize(request)
+        if board.configured and not runner.state.arbiter.gpus:
+            raise Starting("deo is starting: the arbiter's GPUs are not declared yet; retry")
 
     def only(body: dict[str, Any], allowed: tuple[str, ...], where: str = "") -> None:
         for name in body:
@@ -155,7 +167,7 @@ def arbiter_routes(
 
     def action(build: Callable[[Request, dict[str, Any], float], Event]) -> Endpoint:
         async def endpoint(request: Request) -> Response:
-            authorize(request)
+            authorize_started(request)
             body = await read_object(request)
             return await submit(build(request, body, runner.clock()))
 
@@ -269,7 +281,7 @@ def arbiter_routes(
             await board.wait(min(left, RECHECK_S))
 
     async def request_gpus(request: Request) -> Response:
-        authorize(request)
+        authorize_started(request)
         body = await read_object(request)
         only(body, ("priority", "estimate_trajectories", "timeout_s"))
         pipeline, cluster = name(request, "pipeline"), name(request, "cluster")
@@ -283,7 +295,7 @@ def arbiter_routes(
         return await long_poll(pipeline, cluster, event, wait_s(body))
 
     async def release_and_request(request: Request) -> Response:
-        authorize(request)
+        authorize_started(request)
         body = await read_object(request)
         only(
             body,

@@ -22,7 +22,9 @@ _ARBITER_COMMANDS = (GrantGpus, RequestFailed, ShrinkGeneration, ExpandGeneratio
 class ArbiterBoard:
     """Wakes callers waiting on the arbiter; an executor for the runner's :class:`FanOut`."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, configured: bool = False) -> None:
+        #: ``[arbiter]`` is configured: until its GPUs are declared, deo is still starting.
+        self.configured = configured
         self._changed = anyio.Event()
         #: (pipeline, cluster) -> why its last request failed, until it asks again.
         self.failed: dict[tuple[str, str], str] = {}

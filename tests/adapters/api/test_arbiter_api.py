@@ -86,12 +86,14 @@ class Harness:
 
 
 @asynccontextmanager
-async def running(tmp_path: Path, pools: tuple[PoolSpec, ...] = ()) -> AsyncIterator[Harness]:
+async def running(
+    tmp_path: Path, pools: tuple[PoolSpec, ...] = (), *, declare: bool = True
+) -> AsyncIterator[Harness]:
     log_path = tmp_path / "deo.jsonl"
     log, _ = EventLog.open(log_path, fsync=False)
     clock = Clock()
     executor = RecordingExecutor()
-    board = ArbiterBoard()
+    board = ArbiterBoard(configured=True)
     runner = Runner(log, Reducer(), FanOut(executor, board), clock=clock, tick_interval_s=3600.0)
     app = build_app(runner, token=TOKEN, worker_secret="worker-secret", arbiter=board)
     ports: list[int] = []
@@ -104,7 +106,8 @@ async def running(tmp_path: Path, pools: tuple[PoolSpec, ...] = ()) -> AsyncIter
     async with anyio.create_task_group() as tg:
         tg.start_soon(runner.run)
         await runner.submit(Configured(t=0.0, config=Config(gpus=GPUS, pools=pools)))
-        await runner.submit(ArbiterGpusDeclared(t=0.0, gpus=GPUS))
+        if declare:
+            await runner.submit(ArbiterGpusDeclared(t=0.0, gpus=GPUS))
         tg.start_soon(functools.partial(serve, app, port=0, started=started))
         with anyio.fail_after(10):
             await listening.wait()
@@ -494,3 +497,12 @@ async def test_answers_wait_for_the_engines_to_confirm(tmp_path: Path) -> None:
             "/v1/arbiter/pipelines/p/clusters/train/request", {"priority": "ACTOR_TRAINING"}
         )
         assert granted.status_code == 200 and granted.json()["gpus"] == ["0", "1"]
+
+
+@pytest.mark.anyio
+async def test_writes_before_the_gpus_are_declared_are_answered_503(tmp_path: Path) -> None:
+    async with running(tmp_path, declare=False) as h:
+        early = await h.post("/v1/arbiter/pipelines", pipeline_body("p", ["0"], GPUS))
+        assert early.status_code == 503 and "starting" in early.json()["error"]
+        await h.runner.submit(ArbiterGpusDeclared(t=0.0, gpus=GPUS))
+        assert (await h.post("/v1/arbiter/pipelines", pipeline_body("p", ["0"], GPUS))).is_success
