@@ -246,15 +246,17 @@ def arbiter_routes(
     ) -> Response:
         """Submit ``event`` unless the cluster's request is already queued or answered, then wait
         for the answer until ``wait`` seconds have passed."""
-        found = _cluster(runner.state.arbiter, pipeline, cluster)
-        queued = found is not None and found.request is not None
-        if queued and found is not None and found.request is not None:
+        state = runner.state.arbiter
+        found = _cluster(state, pipeline, cluster)
+        asked = found is not None and _released(state, event)
+        if asked and found is not None and found.request is not None:
+            # Queued by an earlier call whose long poll ended: wait in the same place.
             if found.request.priority is not event.priority:
                 raise Refused(
                     f"{pipeline}/{cluster} already waits with priority "
                     f"{found.request.priority.name}; release it to ask with {event.priority.name}"
                 )
-        elif found is not None and found.held and _released(runner.state.arbiter, event):
+        elif asked and found is not None and found.held:
             pass  # granted while the caller was away (its long poll had ended): the same answer
         else:
             board.failed.pop((pipeline, cluster), None)
