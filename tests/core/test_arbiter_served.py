@@ -45,7 +45,7 @@ GEN = ClusterSpec(name="gen", kind="GENERATION", device_mapping=GPUS)
 
 
 def serving(*, config_gpus: tuple[str, ...] = GPUS) -> Reducer:
-    reducer = Reducer()
+    reducer = Reducer(check_invariants=True)
     reducer.step(Configured(t=0.0, config=Config(gpus=config_gpus)))
     reducer.step(ArbiterGpusDeclared(t=0.0, gpus=GPUS))
     reducer.step(PipelineRegistered(t=0.0, pipeline="p", clusters=[TRAIN, GEN]))
@@ -53,7 +53,7 @@ def serving(*, config_gpus: tuple[str, ...] = GPUS) -> Reducer:
 
 
 def test_a_state_without_arbiter_is_untouched_by_ticks() -> None:
-    reducer = Reducer()
+    reducer = Reducer(check_invariants=True)
     reducer.step(Configured(t=0.0, config=Config(gpus=GPUS)))
     assert reducer.step(Tick(t=1.0)) == []
     assert reducer.state.arbiter.gpus == ()
@@ -117,7 +117,7 @@ def test_a_refused_plan_raises_plan_refused_once_it_runs_again_it_is_resolved(
 def test_the_state_survives_the_codec_and_a_snapshot(tmp_path: Path) -> None:
     path = tmp_path / "deo.jsonl"
     log, _ = EventLog.open(path, fsync=False)
-    reducer = Reducer()
+    reducer = Reducer(check_invariants=True)
     for event in (
         Configured(t=0.0, config=Config(gpus=GPUS)),
         ArbiterGpusDeclared(t=0.0, gpus=GPUS),

@@ -94,7 +94,8 @@ async def running(
     clock = Clock()
     executor = RecordingExecutor()
     board = ArbiterBoard(configured=True)
-    runner = Runner(log, Reducer(), FanOut(executor, board), clock=clock, tick_interval_s=3600.0)
+    reducer = Reducer(check_invariants=True)
+    runner = Runner(log, reducer, FanOut(executor, board), clock=clock, tick_interval_s=3600.0)
     app = build_app(runner, token=TOKEN, worker_secret="worker-secret", arbiter=board)
     ports: list[int] = []
     listening = anyio.Event()
