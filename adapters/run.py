@@ -42,6 +42,7 @@ import anyio
 import attrs
 
 from adapters.log import EventLog, LogWriteFailed, fsync_directory
+from adapters.runtime.arbiter import ArbiterBoard
 from adapters.runtime.config_file import RunSettings, Source, check_loggable
 from adapters.runtime.engine_hosts import ExecutorHosts
 from adapters.runtime.engine_pools import bind_routers, run_engine_pools
@@ -74,6 +75,7 @@ from core import (
     WorkerLost,
     WorkerStarted,
 )
+from core.arbiter import ArbiterGpusDeclared
 
 __all__ = [
     "find_spawned",
@@ -413,10 +415,11 @@ async def run(
         saw=lambda worker_id: runner.saw(worker_id),
         hosts=engine_hosts,
     )
+    arbiter = ArbiterBoard(configured=settings.arbiter is not None)
     runner = Runner(
         event_log,
         Reducer(recovery.state),
-        FanOut(executor, engines),
+        FanOut(executor, engines, arbiter),
         clock=clock,
         tick_interval_s=settings.tick_interval_s,
     )
@@ -425,6 +428,7 @@ async def run(
         token=token,
         worker_secret=worker_secret,
         reads_need_token=not (api.loopback or api.open_reads),
+        arbiter=arbiter,
     )
     refused = False
     # Open from here until the log is closed, so no signal can end deo without closing it.
@@ -466,6 +470,9 @@ async def run(
                         out(f"deo: the configuration was refused: {exc}")
                         refused = True
                         tg.cancel_scope.cancel()
+                if not refused and not await _declare_arbiter(settings, runner, out):
+                    refused = True
+                    tg.cancel_scope.cancel()
                 tg.start_soon(
                     heartbeat_files, settings.worker_logs, lambda: runner.state, runner.saw
                 )
@@ -509,6 +516,22 @@ async def run(
         + (" (a restart adopts them)" if left else "")
     )
     return 2 if refused else 0
+
+
+async def _declare_arbiter(
+    settings: RunSettings, runner: Runner, out: Callable[[str], None]
+) -> bool:
+    """Declare the ``[arbiter]`` GPUs to the arbiter unless the log already did; False (said
+    why) when it refuses them (the log's arbiter shares other GPUs)."""
+    wanted = settings.arbiter
+    if wanted is None or runner.state.arbiter.gpus == wanted.gpus:
+        return True
+    try:
+        await runner.submit(ArbiterGpusDeclared(t=runner.clock(), gpus=wanted.gpus))
+    except DeoError as exc:
+        out(f"deo: arbiter.gpus was refused: {exc}")
+        return False
+    return True
 
 
 def _first_leaf(group: BaseExceptionGroup[LogWriteFailed]) -> LogWriteFailed:

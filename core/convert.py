@@ -257,6 +257,15 @@ def _check_for(hint: Any) -> _Check:
     elif isinstance(hint, type) and issubclass(hint, enum.Enum):
         words = ", ".join(str(member.value) for member in hint)
         return (lambda v: isinstance(v, hint)), f"one of {words}", "False"
+    elif typing.get_origin(hint) is tuple and len(typing.get_args(hint)) == 2:
+        item, ellipsis = typing.get_args(hint)
+        if ellipsis is Ellipsis and isinstance(item, type):
+            # Nested records in a list (the clusters a pipeline registers with).
+            return (
+                (lambda v: type(v) is tuple and all(isinstance(x, item) for x in v)),
+                f"a list of {item.__name__}",
+                "False",
+            )
     elif isinstance(hint, type) and typing.get_origin(hint) is None:
         # Nested records (Config in Configured) and enums are instances of their class.
         return (lambda v: isinstance(v, hint)), f"a {hint.__name__}", "False"

@@ -39,9 +39,11 @@ __all__ = [
     "on_cordoned_gpu",
     "release",
     "repeat_control",
+    "send_to_sleep",
     "shrink",
     "victims",
     "wake_for",
+    "wake_one",
 ]
 
 S = WorkerState
@@ -284,6 +286,25 @@ def wake_for(step: EngineStep, pool: PoolState, count: int) -> int:
             _send_wake(step, worker, 1, f"{why}: waking {worker.worker_id}")
         count += 1
     return count
+
+
+def send_to_sleep(step: EngineStep, worker: Worker, why: str) -> None:
+    """Put one active engine to sleep (it leaves routing first), whatever its pool's target."""
+    _sleep(step, worker, why)
+
+
+def wake_one(step: EngineStep, worker: Worker, why: str) -> None:
+    """Wake one engine going to sleep (its sleep call not sent: it stays) or asleep."""
+    if worker.state is S.GOING_TO_SLEEP:
+        step.transition(worker, Trigger.WAKE, deadline_t=None, control_attempts=0)
+        step.commands.append(
+            c.CancelSleep(
+                worker_id=worker.worker_id,
+                reason=f"{why}: {worker.worker_id} stays awake (its sleep call was not sent)",
+            )
+        )
+    elif worker.state is S.SLEEPING:
+        _send_wake(step, worker, 1, f"{why}: waking {worker.worker_id}")
 
 
 # --- handlers -------------------------------------------------------------------------------------

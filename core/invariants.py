@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from core import commands as c
 from core import events as e
 from core.arbiter.invariants import plan_violations
+from core.arbiter.invariants import state_violations as arbiter_state_violations
 from core.errors import InvariantViolation
 from core.lifecycle import ASLEEP, COUNTED, DEADLINE_ACTIONS
 from core.state import State, Worker, count_workers
@@ -138,8 +139,10 @@ def state_violations(state: State) -> list[str]:
 def step_violations(
     before: State, event: e.Event, after: State, commands: Sequence[c.Command]
 ) -> list[str]:
-    """Everything wrong with one step, including the state it produced."""
+    """Everything wrong with one step, including the state it produced (and its arbiter's)."""
     found = state_violations(after)
+    if after.arbiter.gpus:
+        found += [f"arbiter: {v}" for v in arbiter_state_violations(after.arbiter)]
     t = after.now
     for command in commands:
         if isinstance(command, c.SpawnWorker):

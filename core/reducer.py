@@ -6,13 +6,15 @@ lifecycle changes go through :func:`core.lifecycle.next_state`; each event type'
 :mod:`core.handlers`.
 
 Order inside a step: the event's own handler first, then reconciliation of the pools it may have
-affected (spawn up to each pool's target, drain the excess).
+affected (spawn up to each pool's target, drain the excess). The GPU arbiter's events go to
+:mod:`core.arbiter.served`; a lost GPU and a tick go to the arbiter too, after deo's own handler.
 """
 
 from __future__ import annotations
 
 from core import commands as c
 from core import events as e
+from core.arbiter.served import ARBITER_EVENTS, SHARED_EVENTS, arbiter_step, check_engine_pools
 from core.errors import InvalidEvent
 from core.handlers import HANDLERS, heartbeat_only, seen_only
 from core.invariants import raise_on_violation
@@ -34,12 +36,34 @@ def reduce(
         return heartbeat_only(state, event), []
     if type(event) is e.WorkersSeen:
         return seen_only(state, event), []
+    if type(event) in ARBITER_EVENTS:
+        check_engine_pools(state, event)
+        after, commands = arbiter_step(state, event)
+        return _follow_arbiter(after, event, commands, policies)
     handler = HANDLERS.get(type(event))
     if handler is None:
         raise InvalidEvent(f"{type(event).__name__} is not an event the reducer knows")
     step = Step(state, event.t, policies)
     handler(step, event)
-    return step.finish()
+    after, commands = step.finish()
+    if type(event) in SHARED_EVENTS and after.arbiter.gpus:
+        after, more = arbiter_step(after, event)
+        return _follow_arbiter(after, event, commands + more, policies)
+    return after, commands
+
+
+def _follow_arbiter(
+    state: State, event: e.Event, commands: list[c.Command], policies: PolicyCatalog
+) -> tuple[State, list[c.Command]]:
+    """The engine pools that run generation clusters brought in line with the arbiter's ranks
+    (:mod:`core.arbiter.engines`)."""
+    bound = state.arbiter.engine_pools()
+    if not bound:
+        return state, commands
+    step = Step(state, event.t, policies)
+    step.dirty_pools.update(bound)
+    after, more = step.finish()
+    return after, commands + more
 
 
 class Reducer:

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import attrs
 
+from core.arbiter.model import ArbiterState
 from core.config import Config, PolicySpec, PoolSpec
 from core.convert import str_tuple
 from core.errors import InvalidEvent
@@ -241,6 +242,8 @@ class State:
     alerts: frozenset[tuple[AlertName, str]] = attrs.field(
         default=frozenset(), converter=_alert_set
     )
+    #: The GPU arbiter's state (:mod:`core.arbiter`): empty unless ``deo run`` serves one.
+    arbiter: ArbiterState = attrs.field(factory=ArbiterState)
     #: (counted, active) workers per pool that has a counted one: :func:`count_workers` of
     #: ``workers``, kept up to date by each step instead of recounted. Derived, so not compared
     #: and not encoded.

@@ -16,6 +16,7 @@ from typing import Any
 from core import commands as c
 from core import engines
 from core import events as e
+from core.arbiter.engines import follow_ranks
 from core.config import VLLM_DEV_MODE_ENV, CrashLoopRules, PoolSpec
 from core.errors import UnknownSubject
 from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
@@ -409,9 +410,14 @@ class Step:
             for gpu_id in self.config.gpus
             if gpu_id not in held and gpu_id in self.gpus and not self.gpus[gpu_id].causes
         ]
+        bound = self.base.arbiter.engine_pools() if self.base.arbiter.pipelines else {}
         for name in names:
             pool = self.pools.get(name)
             if pool is None:
+                continue
+            if name in bound and not pool.removed:
+                # The arbiter decides which of its engines run (core.arbiter.engines).
+                follow_ranks(self, pool, *bound[name])
                 continue
             counted = by_pool.get(name, [])
             count, target = len(counted), pool.target
@@ -497,37 +503,13 @@ class Step:
                 retry = due.pop(0)
                 attempt = retry[1]
                 retries.remove(retry)
-            worker_id = f"{name}-{index}"
-            env = dict(spec.env)
-            devices = ",".join(self.config.device_of(gpu) for gpu in gpus)
-            env.update(CUDA_VISIBLE_DEVICES=devices, DEO_WORKER_ID=worker_id, DEO_POOL=name)
-            if spec.engine == "vllm":
-                env[VLLM_DEV_MODE_ENV] = "1"  # vLLM serves its sleep routes only in dev mode
-            placed = f" on GPU {','.join(gpus)}" if gpus else ""
-            placed += f" port {port}" if port is not None else ""
-            self.put_worker(
-                Worker(
-                    worker_id=worker_id,
-                    pool=name,
-                    index=index,
-                    state=S.REQUESTED,
-                    gpus=gpus,
-                    requested_t=self.t,
-                    port=port,
-                    attempt=attempt,
-                )
-            )
-            self.commands.append(
-                c.SpawnWorker(
-                    worker_id=worker_id,
-                    pool=name,
-                    argv=spec.render_argv(worker_id=worker_id, index=index, gpus=gpus, port=port),
-                    gpus=gpus,
-                    env=env,
-                    port=port,
-                    reason=f"{name} has {count} workers, target {pool.target}: starting "
-                    f"{worker_id}{placed}",
-                )
+            self.spawn(
+                pool,
+                index,
+                gpus,
+                port,
+                attempt,
+                f"{name} has {count} workers, target {pool.target}",
             )
             index += 1
             count += 1
@@ -542,6 +524,50 @@ class Step:
         if index != pool.next_index or pool is not self.pools[name]:
             self.put_pool(replace(pool, next_index=index))
         return count, starting
+
+    def spawn(
+        self,
+        pool: PoolState,
+        index: int,
+        gpus: tuple[str, ...],
+        port: int | None,
+        attempt: int,
+        why: str,
+    ) -> None:
+        """Request worker ``index`` of ``pool`` on ``gpus`` (and ``port``, an engine's)."""
+        spec = pool.spec
+        name = spec.name
+        worker_id = f"{name}-{index}"
+        env = dict(spec.env)
+        devices = ",".join(self.config.device_of(gpu) for gpu in gpus)
+        env.update(CUDA_VISIBLE_DEVICES=devices, DEO_WORKER_ID=worker_id, DEO_POOL=name)
+        if spec.engine == "vllm":
+            env[VLLM_DEV_MODE_ENV] = "1"  # vLLM serves its sleep routes only in dev mode
+        placed = f" on GPU {','.join(gpus)}" if gpus else ""
+        placed += f" port {port}" if port is not None else ""
+        self.put_worker(
+            Worker(
+                worker_id=worker_id,
+                pool=name,
+                index=index,
+                state=S.REQUESTED,
+                gpus=gpus,
+                requested_t=self.t,
+                port=port,
+                attempt=attempt,
+            )
+        )
+        self.commands.append(
+            c.SpawnWorker(
+                worker_id=worker_id,
+                pool=name,
+                argv=spec.render_argv(worker_id=worker_id, index=index, gpus=gpus, port=port),
+                gpus=gpus,
+                env=env,
+                port=port,
+                reason=f"{why}: starting {worker_id}{placed}",
+            )
+        )
 
     def _check_min(self, pool: PoolState, counted: int, starting: int) -> None:
         name = pool.spec.name

@@ -52,12 +52,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from adapters.api.arbiter import arbiter_metrics, arbiter_routes, arbiter_status
 from adapters.api.guard import (
     GuardCounters,
 )
 from adapters.api.serving import listen, serve
 from adapters.describe import pool_summary
 from adapters.engine_endpoints import engine_figures
+from adapters.runtime.arbiter import ArbiterBoard
 from adapters.runtime.runner import Runner
 from core import (
     AutoscalingPaused,
@@ -371,6 +373,7 @@ def _global_status(runner: Runner) -> dict[str, Any]:
             for gpu in state.gpus.values()
         ],
         "alerts": [{"alert": a, "subject": s} for a, s in sorted(state.alerts)],
+        **({"arbiter": arbiter_status(state)} if state.arbiter.gpus else {}),
     }
 
 
@@ -438,6 +441,7 @@ class _StateCollector:
         handled.add_metric([], self.runner.events_handled)
         yield from (workers, target, queued, cordoned, alerts, handled)
         yield from _engine_metrics(state)
+        yield from arbiter_metrics(state)
         yield from self._api_metrics()
 
     def _api_metrics(self) -> Iterator[Metric]:
@@ -522,10 +526,12 @@ def build_app(
     max_body_bytes: int = 65_536,
     reads_need_token: bool = False,
     min_worker_interval_s: float = DEFAULT_MIN_WORKER_INTERVAL_S,
+    arbiter: ArbiterBoard | None = None,
 ) -> Starlette:
     """The API app for ``runner``. ``token`` authorizes operator actions (and reads, with
     ``reads_need_token``); a worker's requests take ``token`` or that worker's
-    :func:`worker_token` under ``worker_secret``. Serve it with :func:`serve`."""
+    :func:`worker_token` under ``worker_secret``. ``arbiter``: the board that carries out the
+    runner's arbiter commands (its long polls wake on them). Serve it with :func:`serve`."""
     if not token or not worker_secret:
         raise ValueError("token and worker_secret must be non-empty")
     if hmac.compare_digest(token.encode(), worker_secret.encode()):
@@ -712,6 +718,15 @@ def build_app(
             no_body(lambda g, t: GpuUncordonRequested(t=t, gpu_id=g), "gpu_id"),
         ),
     ]
+    routes += arbiter_routes(
+        runner,
+        arbiter if arbiter is not None else ArbiterBoard(),
+        authorize=lambda request: _authorize(request, operator_only),
+        read_object=lambda request: _read_object(request, max_body_bytes),
+        reply=_json,
+        read=read,
+        api_error=_ApiError,
+    )
     app = Starlette(
         routes=routes,
         exception_handlers={

@@ -228,9 +228,53 @@ def status(args: argparse.Namespace) -> int:
     for gpu in body.get("gpus", []):
         causes = ", ".join(gpu.get("causes", [])) or "ok"
         print(f"GPU {gpu.get('id')}: {causes}")
+    arbiter = body.get("arbiter")
+    if isinstance(arbiter, dict):
+        for line in arbiter_lines(arbiter):
+            print(line)
     for alert in body.get("alerts", []):
         print(f"ALERT {alert.get('alert')} {alert.get('subject')}")
     return 0
+
+
+def arbiter_lines(arbiter: dict[str, Any]) -> list[str]:
+    """The GPU arbiter's rows of ``deo status``: each pipeline's clusters with their priority,
+    the GPUs they hold (training) or have awake (generation) against the generation target,
+    and each waiting request with how long it has waited."""
+    gpus = arbiter.get("gpus", [])
+    lines = [
+        f"arbiter: {len(gpus)} GPUs, {len(arbiter.get('idle', []))} idle"
+        + (f", lost {', '.join(arbiter['lost'])}" if arbiter.get("lost") else "")
+    ]
+    lines.append(f"{'pipeline':<14}{'cluster':<12}{'priority':<16}{'GPUs':<18}waiting")
+    for name, pipeline in sorted(arbiter.get("pipelines", {}).items()):
+        for cluster_name, cluster in pipeline.get("clusters", {}).items():
+            if "active_gpus" in cluster:
+                share = cluster.get("share") or {}
+                on = ",".join(cluster["active_gpus"]) or "-"
+                gpus_text = f"{on} ({len(cluster['active_gpus'])}/{share.get('target_gpus', 0)})"
+            else:
+                gpus_text = ",".join(cluster.get("held", [])) or "-"
+            waiting = cluster.get("waiting")
+            wait_text = (
+                f"{waiting.get('priority')} for {round(waiting.get('waited_s', 0))}s"
+                if isinstance(waiting, dict)
+                else ""
+            )
+            lines.append(
+                f"{name:<14}{cluster_name:<12}{cluster.get('kind', '?'):<16}{gpus_text:<18}"
+                f"{wait_text}"
+            )
+            engines = cluster.get("engines")
+            if isinstance(engines, dict) and engines:
+                states = ", ".join(
+                    f"rank {rank} {e.get('worker')} {e.get('state')}"
+                    for rank, e in sorted(engines.items(), key=lambda item: int(item[0]))
+                )
+                lines.append(f"{'':<14}engines ({cluster.get('engine_pool')}): {states}")
+        if pipeline.get("rollout_open"):
+            lines.append(f"{name:<14}rollout open")
+    return lines
 
 
 def _post(args: argparse.Namespace, path: str, body: dict[str, Any]) -> Any:

@@ -40,6 +40,7 @@ from core.policies import POLICIES, build
 
 __all__ = [
     "ApiSettings",
+    "ArbiterSettings",
     "ExecutorSettings",
     "RunSettings",
     "Source",
@@ -122,6 +123,23 @@ class ApiSettings:
             return False  # a host name: it may resolve beyond loopback
 
 
+@attrs.frozen(slots=True, kw_only=True)
+class ArbiterSettings:
+    """The GPU arbiter ``deo run`` serves (``[arbiter]``; see docs/arbiter.md): the GPUs it
+    shares among RL pipelines, ids as in ``deo.gpus``."""
+
+    gpus: tuple[str, ...] = attrs.field(converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.gpus:
+            raise ConfigError("arbiter.gpus: empty (list the GPUs the arbiter shares)")
+        for gpu in self.gpus:
+            if not isinstance(gpu, str) or not gpu:
+                raise ConfigError(f"arbiter.gpus: {gpu!r} is not a GPU id")
+            if self.gpus.count(gpu) > 1:
+                raise ConfigError(f"arbiter.gpus: {gpu!r} listed twice")
+
+
 #: Where a pool's pressure comes from: ``kind = "json"`` (the default) or ``kind = "atropos"``.
 Source = JsonSource | AtroposSource
 _SOURCE_KINDS: dict[str, type[JsonSource] | type[AtroposSource]] = {
@@ -149,8 +167,17 @@ class RunSettings:
     #: GPU health monitoring (``[nvml]``): NVML when a driver answers, by default.
     nvml: NvmlSettings = attrs.field(factory=NvmlSettings)
     executor: ExecutorSettings = attrs.field(factory=ExecutorSettings)
+    #: The GPU arbiter (``[arbiter]``); None: deo serves none.
+    arbiter: ArbiterSettings | None = None
 
     def __attrs_post_init__(self) -> None:
+        if self.arbiter is not None:
+            outside = [g for g in self.arbiter.gpus if g not in self.config.gpus]
+            if outside:
+                raise ConfigError(
+                    f"arbiter.gpus: {outside} not among deo.gpus {list(self.config.gpus)} "
+                    f"(deo watches only those GPUs' health)"
+                )
         if not (math.isfinite(self.tick_interval_s) and self.tick_interval_s > 0):
             raise ConfigError(f"deo.tick_interval_s must be > 0, got {self.tick_interval_s}")
         if self.snapshot_every < 1:
@@ -238,7 +265,7 @@ def load(path: Path) -> RunSettings:
             "gpus",
         },
     )
-    _known(data, "", {"deo", "api", "cordon", "executor", "nvml", "pools"})
+    _known(data, "", {"arbiter", "deo", "api", "cordon", "executor", "nvml", "pools"})
     pools_table = _table(data, "pools", None)
     pools, sources = [], []
     for name, raw in pools_table.items():
@@ -283,6 +310,9 @@ def load(path: Path) -> RunSettings:
         sources=tuple(sources),
         nvml=nvml,
         executor=executor,
+        arbiter=(
+            _build(ArbiterSettings, "arbiter", data["arbiter"]) if "arbiter" in data else None
+        ),
         **settings,
     )
 

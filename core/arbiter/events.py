@@ -6,6 +6,8 @@ GPU arrives as the core's own :class:`core.events.GpuLost`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 
 from core.arbiter.model import ClusterSpec, Priority, as_priority
@@ -28,6 +30,10 @@ __all__ = [
 ]
 
 
+def _spec_tuple(value: Iterable[ClusterSpec]) -> tuple[ClusterSpec, ...]:
+    return value if type(value) is tuple else tuple(value)
+
+
 @attrs.frozen(slots=True, kw_only=True)
 class ArbiterGpusDeclared(Event):
     """The GPUs the arbiter shares among pipelines (declared once, before any pipeline)."""
@@ -43,9 +49,12 @@ class ArbiterGpusDeclared(Event):
 
 @attrs.frozen(slots=True, kw_only=True)
 class PipelineRegistered(Event):
-    """A pipeline joins; its clusters follow as :class:`ClusterRegistered`."""
+    """A pipeline joins, with ``clusters`` registered in the same step (all of them or, when one
+    is refused, none and not the pipeline either); more may follow as :class:`ClusterRegistered`.
+    """
 
     pipeline: Name
+    clusters: tuple[ClusterSpec, ...] = attrs.field(default=(), converter=_spec_tuple)
 
 
 @attrs.frozen(slots=True, kw_only=True)

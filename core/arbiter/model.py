@@ -82,6 +82,9 @@ class ClusterSpec(CheckedRecord):
     device_mapping: tuple[str, ...] = attrs.field(converter=str_tuple)
     tp_size: int = 1
     max_dp_size: int | None = None
+    #: The deo engine pool (``kind = "engine"``) whose engines run this generation cluster, one
+    #: per rank on its bundle; None: the pipeline runs its own generation.
+    engine_pool: str | None = None
 
     def _check(self) -> None:
         where = f"cluster {self.name!r}"
@@ -101,6 +104,13 @@ class ClusterSpec(CheckedRecord):
                 raise InvalidEvent(f"{where}: max_dp_size must be >= 1, got {self.max_dp_size}")
         elif self.max_dp_size is not None:
             raise InvalidEvent(f"{where}: max_dp_size applies to generation clusters only")
+        if self.engine_pool is not None and (
+            not self.is_generation or not isinstance(self.engine_pool, str) or not self.engine_pool
+        ):
+            raise InvalidEvent(
+                f"{where}: engine_pool names the engine pool of a generation cluster, got "
+                f"{self.engine_pool!r} for a {self.kind.name} cluster"
+            )
 
     @property
     def is_generation(self) -> bool:
@@ -211,3 +221,11 @@ class ArbiterState:
     def usable(self) -> frozenset[str]:
         """GPUs of the inventory that are not lost."""
         return frozenset(self.gpus) - self.lost
+
+    def engine_pools(self) -> dict[str, tuple[str, Cluster]]:
+        """Engine pool name -> (pipeline id, the generation cluster it runs)."""
+        return {
+            cluster.spec.engine_pool: (pipeline_id, cluster)
+            for pipeline_id, cluster in self.clusters()
+            if cluster.spec.engine_pool is not None
+        }

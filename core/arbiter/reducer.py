@@ -119,7 +119,12 @@ def _pipeline_registered(state: ArbiterState, event: ae.PipelineRegistered) -> A
     if event.pipeline in state.pipelines:
         raise Refused(f"PipelineRegistered: pipeline {event.pipeline!r} is already registered")
     pipeline = Pipeline(pipeline_id=event.pipeline, activity_t=event.t)
-    return _put_pipeline(state, pipeline), Plan(), []
+    state = _put_pipeline(state, pipeline)
+    for spec in event.clusters:  # each checked as its own ClusterRegistered; one refusal: none
+        state, _, _ = _cluster_registered(
+            state, ae.ClusterRegistered(t=event.t, pipeline=event.pipeline, spec=spec)
+        )
+    return state, Plan(), []
 
 
 def _cluster_registered(state: ArbiterState, event: ae.ClusterRegistered) -> Any:

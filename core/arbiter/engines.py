@@ -1,0 +1,100 @@
+"""A generation cluster run by a deo engine pool: one engine per data-parallel rank, on that
+rank's bundle, awake exactly while the arbiter has the rank active.
+
+A cluster registered with ``engine_pool`` hands that pool to the arbiter: its policy no longer
+sizes it. Each time the pool is reconciled (the arbiter shrank or expanded the cluster, an engine
+confirmed a sleep or a wake, a worker exited), :func:`follow_ranks` compares every rank with its
+engine and uses the engine pools' own sleep and wake (every transition in
+:mod:`core.lifecycle`'s table):
+
+- an active rank with no engine gets one started on its bundle; one asleep is woken; one going to
+  sleep stays awake;
+- an asleep rank's active engine goes to sleep (it leaves routing, then the sleep call; its
+  memory is released when the engine confirms); one still starting is stopped (it would take
+  memory the rank no longer has);
+- an engine on no rank's bundle (the mapping changed, a second engine on one bundle) is stopped.
+
+A sleep that fails the pool's ``control_attempts`` times stops the engine (its process, and
+with it its memory, ends), as for any engine pool. Whoever answers a grant of GPUs that
+generation held waits for the engines there to be asleep or gone (``deo run``'s API does).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from core import engines
+from core.arbiter.model import Cluster
+from core.lifecycle import WorkerState
+from core.records import replace
+from core.state import PoolState, Worker
+from core.vocabulary import AlertName, StopCause
+
+if TYPE_CHECKING:
+    from core.step import Step
+
+__all__ = ["AWAKE_OR_WAKING", "follow_ranks", "rank_engines"]
+
+S = WorkerState
+#: Engines that hold (or are taking) their GPUs' memory.
+AWAKE_OR_WAKING = frozenset(
+    {S.REQUESTED, S.STARTING, S.ACTIVE, S.WAKING, S.GOING_TO_SLEEP, S.FALLING_ASLEEP}
+)
+#: States of an engine on its way out: not a rank's engine any more.
+_LEAVING = frozenset({S.DRAINING, S.STOPPING, S.KILLED, S.EXITED})
+
+
+def rank_engines(workers: list[Worker], cluster: Cluster) -> tuple[dict[int, Worker], list[Worker]]:
+    """Each rank's engine (the lowest index on its bundle), and the engines on no rank."""
+    spec = cluster.spec
+    rank_of = {spec.bundle(r): r for r in range(spec.ranks)}
+    found: dict[int, Worker] = {}
+    strays: list[Worker] = []
+    for worker in sorted(workers, key=lambda w: w.index):
+        if worker.state in _LEAVING:
+            continue
+        rank = rank_of.get(worker.gpus)
+        if rank is None or rank in found:
+            strays.append(worker)
+        else:
+            found[rank] = worker
+    return found, strays
+
+
+def follow_ranks(step: Step, pool: PoolState, pipeline: str, cluster: Cluster) -> None:
+    """Bring ``pool``'s engines in line with ``cluster``'s active ranks."""
+    name = pool.spec.name
+    spec = cluster.spec
+    found, strays = rank_engines([w for w in step.workers.values() if w.pool == name], cluster)
+    who = f"{pipeline}/{spec.name}"
+    for worker in strays:
+        step.terminate(
+            worker,
+            StopCause.SCALE_DOWN,
+            f"{worker.worker_id} runs on no rank's bundle of {who}: stopping it",
+        )
+    for rank in range(spec.ranks):
+        engine = found.get(rank)
+        bundle = spec.bundle(rank)
+        if rank in cluster.active_ranks:
+            why = f"the arbiter has {who} rank {rank} awake"
+            if engine is None:
+                port = engines.free_port(step, pool.spec)
+                if port is None:
+                    step.raise_alert(
+                        AlertName.NO_FREE_PORTS,
+                        name,
+                        f"{why}: every port of {pool.spec.ports} is held by a live engine",
+                    )
+                    continue
+                pool = step.pools[name]
+                step.spawn(pool, pool.next_index, bundle, port, 0, why)
+                step.put_pool(replace(pool, next_index=pool.next_index + 1))
+            elif engine.state in (S.GOING_TO_SLEEP, S.SLEEPING):
+                engines.wake_one(step, engine, why)
+        elif engine is not None:
+            why = f"the arbiter put {who} rank {rank} to sleep"
+            if engine.state is S.ACTIVE:
+                engines.send_to_sleep(step, engine, why)
+            elif engine.state in (S.REQUESTED, S.STARTING):
+                step.terminate(engine, StopCause.SCALE_DOWN, f"{why}: stopping {engine.worker_id}")

@@ -1,0 +1,247 @@
+"""A training loop's client of deo's GPU arbiter (docs/arbiter.md), synchronous, over httpx.
+
+::
+
+    from deo_worker.arbiter_client import ArbiterClient, Cluster
+
+    arbiter = ArbiterClient("http://127.0.0.1:8787", token, pipeline="p1")
+    arbiter.register([
+        Cluster("train", "ACTOR_TRAINING", ["0", "1"]),
+        Cluster("gen", "GENERATION", ["0", "1", "2", "3"], tp_size=1),
+    ])
+    arbiter.open_rollout()
+    gen = arbiter.request("gen", "GENERATION")          # blocks until a rank is awake
+    ... generate, arbiter.progress("rollout", target, done) now and then ...
+    train = arbiter.release_and_request("gen", "train", "ACTOR_TRAINING")
+    ... train on train.gpus ...
+    arbiter.release("train")
+
+:meth:`ArbiterClient.request` waits as long as it takes (or ``deadline_s``): each call to deo is
+a long poll of ``poll_s`` seconds; a 408 means the request is still queued, and asking again
+keeps its place. While deo cannot be reached (restarting) it retries; the request is in deo's
+log, so a restarted deo still has it queued. A refusal (an unknown pipeline, a bad priority, a
+request that failed because its GPUs are lost) raises :class:`ArbiterError` with deo's message.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import httpx
+
+__all__ = ["ArbiterClient", "ArbiterError", "ArbiterTimeout", "Cluster", "Grant"]
+
+#: Where the client finds deo and the operator token when not given them.
+API_URL_ENV = "DEO_API_URL"
+TOKEN_ENV = "DEO_TOKEN"
+#: One long poll; deo answers 408 at its end and the client asks again.
+DEFAULT_POLL_S = 30.0
+#: Pause between tries while deo cannot be reached or is stopping.
+_RETRY_S = 0.5
+_RETRY_STATUSES = frozenset({502, 503, 504})
+
+
+class ArbiterError(Exception):
+    """deo refused a call; ``status`` is its HTTP status, the message deo's."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class ArbiterTimeout(ArbiterError):
+    """:meth:`ArbiterClient.request` ran past its deadline; the request is still queued."""
+
+
+@attrs.frozen(slots=True, kw_only=False)
+class Cluster:
+    """One cluster of a pipeline, as registered: ``kind`` is a priority name (its kind)."""
+
+    name: str
+    kind: str
+    device_mapping: Sequence[str]
+    tp_size: int = 1
+    max_dp_size: int | None = None
+    #: A generation cluster whose engines deo runs: the name of its engine pool.
+    engine_pool: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "device_mapping": list(self.device_mapping),
+            "tp_size": self.tp_size,
+            "max_dp_size": self.max_dp_size,
+            "engine_pool": self.engine_pool,
+        }
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Grant:
+    """A request answered: the GPUs the cluster holds (or, for generation, has awake)."""
+
+    cluster: str
+    gpus: tuple[str, ...]
+    ranks: tuple[int, ...] = ()
+
+
+class ArbiterClient:
+    """Calls deo's arbiter endpoints for one pipeline. ``url`` and ``token`` default to
+    ``$DEO_API_URL`` and ``$DEO_TOKEN``."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        pipeline: str,
+        poll_s: float = DEFAULT_POLL_S,
+        call_timeout_s: float = 10.0,
+    ) -> None:
+        url = url or os.environ.get(API_URL_ENV)
+        token = token or os.environ.get(TOKEN_ENV)
+        if not url or not token:
+            raise ValueError(
+                f"ArbiterClient needs deo's URL and token (${API_URL_ENV}, ${TOKEN_ENV})"
+            )
+        self.pipeline = pipeline
+        self.poll_s = poll_s
+        self._base = f"{url.rstrip('/')}/v1/arbiter/pipelines"
+        self._call_timeout_s = call_timeout_s
+        self._http = httpx.Client(headers={"Authorization": f"Bearer {token}"})
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ArbiterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- calls -----------------------------------------------------------------------------------
+
+    def register(self, clusters: Sequence[Cluster]) -> None:
+        """Register this pipeline with its clusters (all or none)."""
+        body = {"pipeline": self.pipeline, "clusters": [c.as_json() for c in clusters]}
+        self._post(self._base, body)
+
+    def unregister(self) -> None:
+        """Leave: everything the pipeline holds is freed."""
+        self._post(f"{self._base}/{self.pipeline}/unregister", {})
+
+    def request(
+        self,
+        cluster: str,
+        priority: str,
+        *,
+        estimate_trajectories: int | None = None,
+        deadline_s: float | None = None,
+    ) -> Grant:
+        """Ask for ``cluster``'s GPUs with ``priority`` and wait for the grant (a generation
+        cluster: until at least one rank is awake). Raises :class:`ArbiterTimeout` past
+        ``deadline_s`` (None: wait as long as it takes), the request left queued."""
+        body = {"priority": priority, "estimate_trajectories": estimate_trajectories}
+        url = f"{self._base}/{self.pipeline}/clusters/{cluster}/request"
+        return self._long_poll(url, body, deadline_s)
+
+    def release(self, cluster: str) -> None:
+        """Give back what ``cluster`` holds (generation: its ranks go to sleep)."""
+        self._post(f"{self._base}/{self.pipeline}/clusters/{cluster}/release", {})
+
+    def release_and_request(
+        self,
+        release_cluster: str,
+        cluster: str,
+        priority: str,
+        *,
+        estimate_trajectories: int | None = None,
+        deadline_s: float | None = None,
+    ) -> Grant:
+        """Release ``release_cluster`` and request for ``cluster`` in one step, then wait for
+        the grant as :meth:`request` does."""
+        body = {
+            "release_cluster": release_cluster,
+            "cluster": cluster,
+            "priority": priority,
+            "estimate_trajectories": estimate_trajectories,
+        }
+        url = f"{self._base}/{self.pipeline}/release-and-request"
+        return self._long_poll(url, body, deadline_s)
+
+    def progress(self, stream: str, target_trajectories: int, completed_trajectories: int) -> None:
+        """Report progress on ``stream`` (the latest report wins)."""
+        body = {
+            "stream": stream,
+            "target_trajectories": target_trajectories,
+            "completed_trajectories": completed_trajectories,
+        }
+        self._post(f"{self._base}/{self.pipeline}/progress", body)
+
+    def clear_progress(self, stream: str | None = None) -> None:
+        """Forget the progress of ``stream`` (every stream when None)."""
+        self._post(f"{self._base}/{self.pipeline}/progress/clear", {"stream": stream})
+
+    def open_rollout(self) -> None:
+        """The rollout begins: the pipeline wants generation until :meth:`close_rollout`."""
+        self._post(f"{self._base}/{self.pipeline}/rollout/open", {})
+
+    def close_rollout(self) -> None:
+        self._post(f"{self._base}/{self.pipeline}/rollout/close", {})
+
+    # --- plumbing --------------------------------------------------------------------------------
+
+    def _long_poll(self, url: str, body: dict[str, Any], deadline_s: float | None) -> Grant:
+        end = None if deadline_s is None else time.monotonic() + deadline_s
+        while True:
+            left = self.poll_s if end is None else min(self.poll_s, end - time.monotonic())
+            if left <= 0:
+                raise ArbiterTimeout(408, f"no grant within {deadline_s} s; the request is queued")
+            response = self._send(
+                url, {**body, "timeout_s": left}, left + self._call_timeout_s, end
+            )
+            if response.status_code == 408:
+                continue
+            answer = self._checked(response)
+            return Grant(
+                cluster=answer["cluster"],
+                gpus=tuple(answer["gpus"]),
+                ranks=tuple(answer.get("ranks", ())),
+            )
+
+    def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        end = time.monotonic() + self._call_timeout_s * 3
+        return self._checked(self._send(url, body, self._call_timeout_s, end))
+
+    def _send(
+        self, url: str, body: dict[str, Any], timeout_s: float, end: float | None
+    ) -> httpx.Response:
+        """POST, retrying while deo cannot be reached or is stopping, until ``end``."""
+        while True:
+            try:
+                response = self._http.post(url, json=body, timeout=timeout_s)
+            except httpx.TransportError as exc:
+                if end is not None and time.monotonic() >= end:
+                    raise ArbiterError(0, f"deo cannot be reached: {exc!r}") from None
+            else:
+                if response.status_code not in _RETRY_STATUSES:
+                    return response
+                if end is not None and time.monotonic() >= end:
+                    return response
+            time.sleep(_RETRY_S)
+
+    @staticmethod
+    def _checked(response: httpx.Response) -> dict[str, Any]:
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = {"error": response.text[:200]}
+        if not response.is_success:
+            raise ArbiterError(response.status_code, str(answer.get("error", answer)))
+        if not isinstance(answer, dict):
+            raise ArbiterError(response.status_code, f"unexpected answer {answer!r}")
+        return answer

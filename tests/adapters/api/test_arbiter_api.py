@@ -1,0 +1,509 @@
+"""The GPU arbiter on deo's API: a real uvicorn server around a real Runner, Reducer and EventLog;
+the training loop's client (deo_worker.arbiter_client) against it; the log replayed."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+import httpx
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from adapters.api.app import build_app, serve
+from adapters.api.client import arbiter_lines
+from adapters.log import EventLog, LogProblem
+from adapters.postmortem.engine import replay
+from adapters.runtime.arbiter import ArbiterBoard
+from adapters.runtime.engines import FanOut
+from adapters.runtime.runner import Runner
+from core import (
+    Command,
+    Config,
+    Configured,
+    EngineAsleep,
+    EngineLoadSampled,
+    GpuLost,
+    PolicySpec,
+    PoolSpec,
+    Reducer,
+    WorkerReady,
+    WorkerStarted,
+)
+from core.arbiter import ArbiterGpusDeclared
+from core.arbiter import reducer as arbiter_reducer
+from core.arbiter.plan import Plan, RankOp
+from core.arbiter.planner import GapRatioPlanner
+from deo_worker.arbiter_client import ArbiterClient, ArbiterError, ArbiterTimeout, Cluster
+
+TOKEN = "operator-secret"
+OPERATOR = {"Authorization": f"Bearer {TOKEN}"}
+GPUS = ["0", "1", "2", "3"]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t_s = 0.0
+
+    def __call__(self) -> float:
+        return self.t_s
+
+
+class RecordingExecutor:
+    def __init__(self) -> None:
+        self.commands: list[Command] = []
+
+    async def execute(self, command: Command) -> None:
+        self.commands.append(command)
+
+
+@attrs.define
+class Harness:
+    client: httpx.AsyncClient
+    runner: Runner
+    clock: Clock
+    executor: RecordingExecutor
+    log_path: Path
+    url: str
+
+    async def post(self, path: str, body: Any = None, **kwargs: Any) -> httpx.Response:
+        return await self.client.post(path, json=body, headers=OPERATOR, **kwargs)
+
+    async def status(self) -> dict[str, Any]:
+        answer: dict[str, Any] = (await self.client.get("/global-status")).json()
+        return answer
+
+
+@asynccontextmanager
+async def running(
+    tmp_path: Path, pools: tuple[PoolSpec, ...] = (), *, declare: bool = True
+) -> AsyncIterator[Harness]:
+    log_path = tmp_path / "deo.jsonl"
+    log, _ = EventLog.open(log_path, fsync=False)
+    clock = Clock()
+    executor = RecordingExecutor()
+    board = ArbiterBoard(configured=True)
+    reducer = Reducer(check_invariants=True)
+    runner = Runner(log, reducer, FanOut(executor, board), clock=clock, tick_interval_s=3600.0)
+    app = build_app(runner, token=TOKEN, worker_secret="worker-secret", arbiter=board)
+    ports: list[int] = []
+    listening = anyio.Event()
+
+    def started(port: int) -> None:
+        ports.append(port)
+        listening.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run)
+        await runner.submit(Configured(t=0.0, config=Config(gpus=GPUS, pools=pools)))
+        if declare:
+            await runner.submit(ArbiterGpusDeclared(t=0.0, gpus=GPUS))
+        tg.start_soon(functools.partial(serve, app, port=0, started=started))
+        with anyio.fail_after(10):
+            await listening.wait()
+        url = f"http://127.0.0.1:{ports[0]}"
+        async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
+            yield Harness(client, runner, clock, executor, log_path, url)
+        tg.cancel_scope.cancel()
+    log.close()
+
+
+def pipeline_body(name: str, train: list[str], gen: list[str]) -> dict[str, Any]:
+    return {
+        "pipeline": name,
+        "clusters": [
+            {"name": "train", "kind": "ACTOR_TRAINING", "device_mapping": train},
+            {"name": "gen", "kind": "GENERATION", "device_mapping": gen, "tp_size": 1},
+        ],
+    }
+
+
+def replayed_cleanly(path: Path) -> list[Any]:
+    problems: list[LogProblem] = []
+    steps = list(replay(path, problems=problems))
+    assert problems == []
+    assert all(step.matches for step in steps), [s.seq for s in steps if not s.matches]
+    return steps
+
+
+@pytest.mark.anyio
+async def test_training_preempts_generation_and_the_log_replays(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        assert (
+            await h.post("/v1/arbiter/pipelines", pipeline_body("p1", ["0", "1"], GPUS))
+        ).is_success
+        h.clock.t_s = 1.0
+        await h.post("/v1/arbiter/pipelines/p1/rollout/open")
+        gen = await h.post(
+            "/v1/arbiter/pipelines/p1/clusters/gen/request", {"priority": "GENERATION"}
+        )
+        assert gen.status_code == 200, gen.text
+        assert gen.json()["gpus"] == GPUS  # alone, it wakes every rank
+        h.clock.t_s = 2.0
+        await h.post(
+            "/v1/arbiter/pipelines/p1/progress",
+            {"stream": "rollout", "target_trajectories": 64, "completed_trajectories": 16},
+        )
+
+        status = (await h.status())["arbiter"]
+        row = status["pipelines"]["p1"]["clusters"]["gen"]
+        assert row["active_gpus"] == GPUS and row["share"]["remaining_trajectories"] == 48
+        assert row["share"]["target_gpus"] == 4
+
+        h.clock.t_s = 3.0
+        train = await h.post(
+            "/v1/arbiter/pipelines/p1/release-and-request",
+            {"release_cluster": "gen", "cluster": "train", "priority": "ACTOR_TRAINING"},
+        )
+        assert train.status_code == 200, train.text
+        assert train.json()["gpus"] == ["0", "1"]
+        kinds = [type(c).__name__ for c in h.executor.commands]
+        assert "ShrinkGeneration" in kinds and kinds.index("ShrinkGeneration") < len(kinds) - 1
+        rows = (await h.status())["arbiter"]["pipelines"]["p1"]["clusters"]
+        assert rows["train"]["held"] == ["0", "1"] and rows["gen"]["active_gpus"] == []
+
+        metrics = (await h.client.get("/metrics")).text
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(metrics)
+            for s in family.samples
+        }
+        held = (
+            "deo_arbiter_cluster_gpus",
+            (("cluster", "train"), ("kind", "ACTOR_TRAINING"), ("pipeline", "p1")),
+        )
+        assert samples[held] == 2
+        assert samples[("deo_arbiter_gpus", (("use", "idle"),))] == 2
+
+        assert (await h.post("/v1/arbiter/pipelines/p1/clusters/train/release")).is_success
+    steps = replayed_cleanly(h.log_path)
+    produced = [type(c).__name__ for step in steps for c in step.produced]
+    assert produced.count("GrantGpus") == 2 and "ExpandGeneration" in produced
+
+
+@pytest.mark.anyio
+async def test_a_long_poll_times_out_and_the_request_keeps_its_place(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        for name in ("a", "b", "c"):
+            body = {
+                "pipeline": name,
+                "clusters": [{"name": "train", "kind": "ACTOR_TRAINING", "device_mapping": GPUS}],
+            }
+            assert (await h.post("/v1/arbiter/pipelines", body)).is_success
+        first = await h.post(
+            "/v1/arbiter/pipelines/a/clusters/train/request", {"priority": "ACTOR_TRAINING"}
+        )
+        assert first.status_code == 200
+        h.clock.t_s = 1.0
+        waiting = await h.post(
+            "/v1/arbiter/pipelines/b/clusters/train/request",
+            {"priority": "ACTOR_TRAINING", "timeout_s": 0.2},
+        )
+        assert waiting.status_code == 408
+        assert "still waiting" in waiting.json()["error"]
+        h.clock.t_s = 2.0
+        behind = await h.post(
+            "/v1/arbiter/pipelines/c/clusters/train/request",
+            {"priority": "ACTOR_TRAINING", "timeout_s": 0.1},
+        )
+        assert behind.status_code == 408
+        rows = (await h.status())["arbiter"]["pipelines"]
+        assert rows["b"]["clusters"]["train"]["waiting"]["priority"] == "ACTOR_TRAINING"
+        lines = arbiter_lines((await h.status())["arbiter"])  # deo status
+        assert lines[0] == "arbiter: 4 GPUs, 0 idle"
+        [b_row] = [line for line in lines if line.startswith("b ")]
+        assert "ACTOR_TRAINING" in b_row and "waiting" not in b_row
+        assert b_row.endswith("ACTOR_TRAINING for 1s")  # queued at t=1, the state's clock at 2
+
+        async with anyio.create_task_group() as tg:
+            answers: dict[str, httpx.Response] = {}
+
+            async def poll(name: str) -> None:
+                answers[name] = await h.post(
+                    f"/v1/arbiter/pipelines/{name}/clusters/train/request",
+                    {"priority": "ACTOR_TRAINING", "timeout_s": 60},
+                )
+
+            tg.start_soon(poll, "b")
+            tg.start_soon(poll, "c")
+            await anyio.sleep(0)
+            await h.post("/v1/arbiter/pipelines/a/clusters/train/release")
+            with anyio.fail_after(30):
+                while "b" not in answers:
+                    await anyio.sleep(0.05)
+            assert answers["b"].status_code == 200  # b asked first: its place was kept
+            assert "c" not in answers
+            await h.post("/v1/arbiter/pipelines/b/clusters/train/release")
+        assert answers["c"].status_code == 200
+        # Asking again once granted answers with what the cluster holds, and queues nothing.
+        again = await h.post(
+            "/v1/arbiter/pipelines/c/clusters/train/request", {"priority": "ACTOR_TRAINING"}
+        )
+        assert again.status_code == 200 and again.json()["gpus"] == GPUS
+    replayed_cleanly(h.log_path)
+
+
+@pytest.mark.anyio
+async def test_bad_input_is_refused_and_nothing_is_half_applied(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        url = "/v1/arbiter/pipelines"
+        no_token = await h.client.post(url, json=pipeline_body("p", ["0"], ["1"]))
+        assert no_token.status_code == 401
+        malformed = await h.client.post(url, content=b"{not json", headers=OPERATOR)
+        assert malformed.status_code == 400 and "not valid JSON" in malformed.json()["error"]
+        outside = await h.post(url, pipeline_body("p", ["0"], ["1", "9"]))
+        assert outside.status_code == 404 and "'9'" in outside.json()["error"]
+        kind = await h.post(
+            url,
+            {
+                "pipeline": "p",
+                "clusters": [{"name": "x", "kind": "TRAINING", "device_mapping": ["0"]}],
+            },
+        )
+        assert kind.status_code == 422 and "ACTOR_TRAINING" in kind.json()["error"]
+        twice = await h.post(
+            url,
+            {
+                "pipeline": "p",
+                "clusters": [
+                    {"name": "g1", "kind": "GENERATION", "device_mapping": ["0"]},
+                    {"name": "g2", "kind": "GENERATION", "device_mapping": ["1"]},
+                ],
+            },
+        )
+        assert twice.status_code == 409
+        assert (await h.status())["arbiter"]["pipelines"] == {}  # none of p was registered
+
+        unknown = await h.post(
+            "/v1/arbiter/pipelines/nope/clusters/train/request", {"priority": "ACTOR_TRAINING"}
+        )
+        assert unknown.status_code == 404 and "'nope'" in unknown.json()["error"]
+        assert (await h.post(url, pipeline_body("p", ["0"], ["1", "2"]))).is_success
+        bad_priority = await h.post(
+            "/v1/arbiter/pipelines/p/clusters/train/request", {"priority": "URGENT"}
+        )
+        assert bad_priority.status_code == 422 and "GENERATION" in bad_priority.json()["error"]
+        mismatch = await h.post(
+            "/v1/arbiter/pipelines/p/clusters/train/request", {"priority": "GENERATION"}
+        )
+        assert mismatch.status_code == 409
+        timeout = await h.post(
+            "/v1/arbiter/pipelines/p/clusters/train/request",
+            {"priority": "ACTOR_TRAINING", "timeout_s": -1},
+        )
+        assert timeout.status_code == 422 and "timeout_s" in timeout.json()["error"]
+        progress = await h.post(
+            "/v1/arbiter/pipelines/p/progress", {"stream": "s", "target_trajectories": "many"}
+        )
+        assert progress.status_code == 422
+        # Requests refused before they became events left no trace in the log.
+        records = [orjson.loads(line) for line in h.log_path.read_bytes().splitlines()[1:]]
+        events = [r["event"]["@"] for r in records if r["kind"] == "event"]
+        assert events.count("GpusRequested") == 2  # the unknown pipeline's and the mismatch
+        assert "ProgressReported" not in events
+
+
+@pytest.mark.anyio
+async def test_a_request_whose_gpus_are_lost_fails_clearly(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        for name in ("a", "b"):
+            body = {
+                "pipeline": name,
+                "clusters": [{"name": "train", "kind": "ACTOR_TRAINING", "device_mapping": ["0"]}],
+            }
+            await h.post("/v1/arbiter/pipelines", body)
+        await h.post("/v1/arbiter/pipelines/a/clusters/train/request", {"priority": 1})
+        async with anyio.create_task_group() as tg:
+            answer: list[httpx.Response] = []
+
+            async def poll() -> None:
+                answer.append(
+                    await h.post(
+                        "/v1/arbiter/pipelines/b/clusters/train/request",
+                        {"priority": 1, "timeout_s": 60},
+                    )
+                )
+
+            tg.start_soon(poll)
+            with anyio.fail_after(30):
+                while (
+                    "waiting"
+                    not in (await h.status())["arbiter"]["pipelines"]["b"]["clusters"]["train"]
+                ):
+                    await anyio.sleep(0.05)
+            await h.runner.submit(GpuLost(t=1.0, gpu_id="0", error="fell off the bus"))
+        assert answer[0].status_code == 409
+        assert "lost" in answer[0].json()["error"]
+
+
+@pytest.mark.anyio
+async def test_the_client_waits_through_long_polls(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+
+        def trainer(name: str, train: list[str]) -> ArbiterClient:
+            client = ArbiterClient(h.url, TOKEN, pipeline=name, poll_s=0.3)
+            client.register(
+                [Cluster("train", "ACTOR_TRAINING", train), Cluster("gen", "GENERATION", GPUS)]
+            )
+            return client
+
+        a = await anyio.to_thread.run_sync(trainer, "a", ["0", "1"])
+        b = await anyio.to_thread.run_sync(trainer, "b", ["0", "1"])
+        grant = await anyio.to_thread.run_sync(lambda: a.request("train", "ACTOR_TRAINING"))
+        assert grant.gpus == ("0", "1")
+        with pytest.raises(ArbiterTimeout):
+            await anyio.to_thread.run_sync(
+                lambda: b.request("train", "ACTOR_TRAINING", deadline_s=0.5)
+            )
+        async with anyio.create_task_group() as tg:
+            got: list[Any] = []
+
+            def wait_for_b() -> None:
+                got.append(b.request("train", "ACTOR_TRAINING", deadline_s=60))
+
+            tg.start_soon(anyio.to_thread.run_sync, wait_for_b)
+            await anyio.to_thread.run_sync(lambda: a.release("train"))
+        assert got[0].gpus == ("0", "1")  # several 408s later, through the same queued request
+        with pytest.raises(ArbiterError) as refused:
+            await anyio.to_thread.run_sync(lambda: a.request("gen", "ACTOR_TRAINING"))
+        assert refused.value.status == 409
+        gen = await anyio.to_thread.run_sync(lambda: a.request("gen", "GENERATION"))
+        assert set(gen.gpus) == {"2", "3"}  # b trains on 0 and 1
+        a.close()
+        b.close()
+
+
+class _BrokenPlanner(GapRatioPlanner):
+    """Wakes every generation rank whatever holds its GPUs: a plan that breaks invariant 10."""
+
+    def plan(self, state: Any) -> Plan:
+        plan = super().plan(state)
+        wakes = [
+            RankOp(pipeline=p, cluster=c.spec.name, ranks=tuple(range(c.spec.ranks)), reason="x")
+            for p, c in state.clusters()
+            if c.spec.is_generation and c.request is not None
+        ]
+        return attrs.evolve(plan, expands=tuple(wakes)) if wakes else plan
+
+
+@pytest.mark.anyio
+async def test_a_refused_plan_executes_nothing_and_raises_the_alert(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with running(tmp_path) as h:
+        await h.post("/v1/arbiter/pipelines", pipeline_body("p", ["0", "1"], GPUS))
+        await h.post("/v1/arbiter/pipelines/p/clusters/train/request", {"priority": 1})
+        monkeypatch.setattr(arbiter_reducer, "_DEFAULT_PLANNER", _BrokenPlanner())
+        before = list(h.executor.commands)
+        answer = await h.post(
+            "/v1/arbiter/pipelines/p/clusters/gen/request",
+            {"priority": "GENERATION", "timeout_s": 0.2},
+        )
+        assert answer.status_code == 409  # the plan did not run: nothing woke
+        assert "plan after GpusRequested refused" in answer.json()["error"]
+        new = h.executor.commands[len(before) :]
+        assert [type(c).__name__ for c in new] == ["RaiseAlert"]
+        assert "owned twice" in new[0].reason or "GPU" in new[0].reason
+        status = await h.status()
+        assert {"alert": "plan_refused", "subject": "arbiter"} in status["alerts"]
+        assert status["arbiter"]["pipelines"]["p"]["clusters"]["gen"]["active_gpus"] == []
+        metrics = (await h.client.get("/metrics")).text
+        assert 'deo_alerts_active{alert="plan_refused",subject="arbiter"} 1.0' in metrics
+
+        monkeypatch.undo()
+        again = await h.post(
+            "/v1/arbiter/pipelines/p/clusters/gen/request", {"priority": "GENERATION"}
+        )
+        assert again.status_code == 200 and again.json()["gpus"] == ["2", "3"]
+        status = await h.status()
+        assert {"alert": "plan_refused", "subject": "arbiter"} not in status["alerts"]
+    records = [orjson.loads(line) for line in h.log_path.read_bytes().splitlines()[1:]]
+    logged = [c for r in records if r["kind"] == "commands" for c in r["commands"]]
+    assert any(c["@"] == "RaiseAlert" and c["alert"] == "plan_refused" for c in logged)
+
+
+ENGINES = PoolSpec(
+    name="gen",
+    kind="engine",
+    engine="vllm",
+    argv=["serve", "--port", "{port}"],
+    ports=(18000, 18003),
+    gpus_per_worker=1,
+    max_workers=4,
+    max_asleep=4,
+    policy=PolicySpec(name="static", params={"count": 0}),
+)
+
+
+@pytest.mark.anyio
+async def test_answers_wait_for_the_engines_to_confirm(tmp_path: Path) -> None:
+    async with running(tmp_path, pools=(ENGINES,)) as h:
+        body = pipeline_body("p", ["0", "1"], GPUS)
+        body["clusters"][1]["engine_pool"] = "gen"
+        assert (await h.post("/v1/arbiter/pipelines", body)).is_success
+        waiting = await h.post(
+            "/v1/arbiter/pipelines/p/clusters/gen/request",
+            {"priority": "GENERATION", "timeout_s": 0.3},
+        )
+        assert waiting.status_code == 408  # ranks awake in the plan, no engine up yet
+        for index in range(4):
+            worker_id = f"gen-{index}"
+            await h.runner.submit(
+                WorkerStarted(t=1.0, worker_id=worker_id, pid=1000 + index, start_time=1)
+            )
+            await h.runner.submit(WorkerReady(t=1.0, worker_id=worker_id))
+        answered = await h.post(
+            "/v1/arbiter/pipelines/p/clusters/gen/request", {"priority": "GENERATION"}
+        )
+        assert answered.status_code == 200 and answered.json()["gpus"] == GPUS
+        row = (await h.status())["arbiter"]["pipelines"]["p"]["clusters"]["gen"]
+        assert row["engines"]["0"] == {"worker": "gen-0", "state": "active"}
+        lines = arbiter_lines((await h.status())["arbiter"])
+        assert "engines (gen): rank 0 gen-0 active, rank 1 gen-1 active" in lines[-1]
+
+        early = await h.post(
+            "/v1/arbiter/pipelines/p/release-and-request",
+            {
+                "release_cluster": "gen",
+                "cluster": "train",
+                "priority": "ACTOR_TRAINING",
+                "timeout_s": 0.3,
+            },
+        )
+        assert early.status_code == 408  # granted in the plan; the engines still hold memory
+        for index in range(4):
+            worker_id = f"gen-{index}"
+            await h.runner.submit(
+                EngineLoadSampled(t=2.0, pool="gen", worker_id=worker_id, in_flight_requests=0)
+            )
+        still = await h.post(
+            "/v1/arbiter/pipelines/p/clusters/train/request",
+            {"priority": "ACTOR_TRAINING", "timeout_s": 0.3},
+        )
+        assert still.status_code == 408  # sleep calls sent, not confirmed
+        for index in (0, 1):
+            await h.runner.submit(EngineAsleep(t=3.0, worker_id=f"gen-{index}"))
+        granted = await h.post(
+            "/v1/arbiter/pipelines/p/clusters/train/request", {"priority": "ACTOR_TRAINING"}
+        )
+        assert granted.status_code == 200 and granted.json()["gpus"] == ["0", "1"]
+
+
+@pytest.mark.anyio
+async def test_writes_before_the_gpus_are_declared_are_answered_503(tmp_path: Path) -> None:
+    async with running(tmp_path, declare=False) as h:
+        early = await h.post("/v1/arbiter/pipelines", pipeline_body("p", ["0"], GPUS))
+        assert early.status_code == 503 and "starting" in early.json()["error"]
+        await h.runner.submit(ArbiterGpusDeclared(t=0.0, gpus=GPUS))
+        assert (await h.post("/v1/arbiter/pipelines", pipeline_body("p", ["0"], GPUS))).is_success

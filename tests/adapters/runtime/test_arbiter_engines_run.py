@@ -1,0 +1,232 @@
+"""A real run: ``deo run`` (GPU health from the NVML file backend, no GPUs needed) serves the GPU
+arbiter; pipeline p1's generation runs on an engine pool of stand-in engines, one per GPU; p2's
+training loop asks for two of those GPUs through deo_worker.arbiter_client. Its grant comes back
+only once the engines there confirmed their sleep (their memory freed); generation wakes again
+after the release; deo killed with SIGKILL mid-preemption and restarted loses no engine, starts
+none twice and gives no GPU to two owners."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+from waiting import wait_for
+
+from bench.ports import reserve_port, reserve_port_range
+from deo_worker.arbiter_client import ArbiterClient, Cluster, Grant
+
+TOKEN = "arbiter-engines-token"
+GPUS = ["0", "1", "2", "3"]
+MEMORY_MIB = 64
+HEALTHY = {
+    "memory_used_bytes": 2**30,
+    "memory_total_bytes": 80 * 2**30,
+    "temperature_c": 45,
+    "throttle_reasons": [],
+    "errors_total": 0,
+}
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+class Deo:
+    def __init__(self, tmp_path: Path) -> None:
+        self.dir = tmp_path
+        self.log = tmp_path / "run.jsonl"
+        (tmp_path / "gpus.json").write_text(json.dumps({g: HEALTHY for g in GPUS}))
+        self.port = reserve_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        first = reserve_port_range(8).first
+        argv = [sys.executable, "-m", "deo_worker.engine_standin", "--port", "{port}"]
+        argv += ["--engine", "vllm", "--memory-mib", str(MEMORY_MIB), "--startup-s", "0.5"]
+        (tmp_path / "deo.toml").write_text(
+            f"""
+[deo]
+log = "run.jsonl"
+tick_interval_s = 0.2
+gpus = {json.dumps(GPUS)}
+[api]
+port = {self.port}
+[nvml]
+backend = "file"
+file = "gpus.json"
+interval_s = 0.5
+[arbiter]
+gpus = {json.dumps(GPUS)}
+[pools.gen]
+kind = "engine"
+engine = "vllm"
+argv = {json.dumps(argv)}
+gpus_per_worker = 1
+min_workers = 0
+max_workers = 4
+max_asleep = 4
+ports = [{first}, {first + 7}]
+drain_timeout_s = 2.0
+control_timeout_s = 10.0
+control_attempts = 2
+stop_timeout_s = 2.0
+[pools.gen.policy]
+name = "static"
+count = 0
+"""
+        )
+        self.output = tmp_path / "deo.out"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def starts(self) -> int:
+        if not self.output.exists():
+            return 0
+        return len(re.findall(r"API on http://", self.output.read_text()))
+
+    def start(self, *, expect_arbiter: bool = True) -> None:
+        before = self.starts()
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "adapters.cli", "run", "--config", str(self.dir / "deo.toml")],
+            cwd=self.dir,
+            env={**env, "DEO_TOKEN": TOKEN},
+            stdout=self.output.open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        wait_for("the API", lambda: self.starts() > before)
+        if expect_arbiter:  # the API answers before deo has declared the arbiter's GPUs
+            wait_for("the arbiter", self.serves_arbiter, retry_on=(httpx.HTTPError,))
+
+    def serves_arbiter(self) -> bool:
+        status = httpx.get(f"{self.url}/global-status", timeout=5).json()
+        return "arbiter" in status
+
+    def workers(self) -> dict[str, dict[str, Any]]:
+        body = httpx.get(f"{self.url}/v1/workers", timeout=10).json()
+        return {w["id"]: w for w in body["workers"]}
+
+    def on_gpu(self) -> dict[str, dict[str, Any]]:
+        """GPU -> the engine on it (one each, or the test fails)."""
+        found: dict[str, dict[str, Any]] = {}
+        for worker in self.workers().values():
+            for gpu in worker["gpus"]:
+                assert gpu not in found, f"GPU {gpu}: {found[gpu]['id']} and {worker['id']}"
+                found[gpu] = worker
+        return found
+
+    def arbiter(self) -> dict[str, Any]:
+        status: dict[str, Any] = httpx.get(f"{self.url}/v1/arbiter", timeout=10).json()
+        return status
+
+
+def test_training_preempts_engines_and_a_kill_mid_preemption_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    deo = Deo(tmp_path)
+    deo.start()
+    pids: list[int] = []
+    try:
+        p1 = ArbiterClient(deo.url, TOKEN, pipeline="p1", poll_s=2.0)
+        p2 = ArbiterClient(deo.url, TOKEN, pipeline="p2", poll_s=2.0)
+        p1.register(
+            [
+                Cluster("train", "ACTOR_TRAINING", ["0", "1"]),
+                Cluster("gen", "GENERATION", GPUS, engine_pool="gen"),
+            ]
+        )
+        p2.register([Cluster("train", "ACTOR_TRAINING", ["2", "3"])])
+        p1.open_rollout()
+        p1.progress("rollout", 256, 0)
+        gen = p1.request("gen", "GENERATION", deadline_s=60)
+        assert gen.gpus  # answered once an engine is confirmed awake
+        assert any(w["state"] == "active" for w in deo.workers().values())
+        engines = wait_for(
+            "four engines awake",
+            lambda: (
+                len(deo.on_gpu()) == 4
+                and all(w["state"] == "active" for w in deo.on_gpu().values())
+                and deo.on_gpu()
+            ),
+        )
+        pids = [w["pid"] for w in engines.values()]
+        ids = {gpu: w["id"] for gpu, w in engines.items()}
+        assert all(rss_bytes(pid) >= MEMORY_MIB * 2**20 for pid in pids)
+
+        # p2 trains on GPUs 2 and 3: deo is killed while their engines go to sleep.
+        answer: list[Grant | BaseException] = []
+
+        def train() -> None:
+            try:
+                answer.append(p2.request("train", "ACTOR_TRAINING", deadline_s=120))
+            except BaseException as exc:  # reported below
+                answer.append(exc)
+
+        waiter = threading.Thread(target=train)
+        waiter.start()
+        wait_for(
+            "the engines on 2 and 3 on their way to sleep",
+            lambda: (
+                {deo.on_gpu()[g]["state"] for g in ("2", "3")}
+                & {"going_to_sleep", "falling_asleep"}
+            ),
+        )
+        assert deo.process is not None
+        deo.process.send_signal(signal.SIGKILL)
+        deo.process.wait(timeout=20)
+        deo.start()
+        waiter.join(timeout=120)
+        assert answer and isinstance(answer[0], Grant), answer
+        assert answer[0].gpus == ("2", "3")
+        # The grant came back only after the engines there confirmed their sleep.
+        after = deo.on_gpu()
+        assert {g: after[g]["state"] for g in ("2", "3")} == {"2": "sleeping", "3": "sleeping"}
+        assert all(rss_bytes(after[g]["pid"]) < MEMORY_MIB * 2**20 for g in ("2", "3"))
+        # Nothing lost or started twice: the same engines, the same processes, one per GPU.
+        assert {g: w["id"] for g, w in after.items()} == ids
+        assert sorted(w["pid"] for w in after.values()) == sorted(pids)
+        gen_row = deo.arbiter()["pipelines"]["p1"]["clusters"]["gen"]
+        assert gen_row["active_gpus"] == ["0", "1"]
+        assert deo.arbiter()["pipelines"]["p2"]["clusters"]["train"]["held"] == ["2", "3"]
+
+        # Released: p1's rollout is still open, so its engines there wake again.
+        p2.release("train")
+        wait_for(
+            "the engines on 2 and 3 awake again",
+            lambda: all(deo.on_gpu()[g]["state"] == "active" for g in ("2", "3")),
+        )
+        assert {g: w["id"] for g, w in deo.on_gpu().items()} == ids
+        p1.close()
+        p2.close()
+        stop = httpx.post(
+            f"{deo.url}/v1/stop",
+            json={"drain": True},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=10,
+        )
+        assert stop.status_code == 200
+        assert deo.process.wait(timeout=60) == 0
+        proc = subprocess.run(
+            [sys.executable, "-m", "adapters.cli", "replay", "-q", str(deo.log)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    finally:
+        if deo.process is not None and deo.process.poll() is None:
+            deo.process.send_signal(signal.SIGKILL)
+            deo.process.wait(timeout=20)
+        for pid in pids:  # the engines this test had deo start, if any outlived it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

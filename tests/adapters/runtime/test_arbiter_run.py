@@ -1,0 +1,209 @@
+"""The GPU arbiter served by ``deo run``, a real process (GPU health from the NVML file backend):
+two pipelines' training loops use deo_worker.arbiter_client; deo is killed with SIGKILL while a
+request waits and restarted; the log replays."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from waiting import wait_for
+
+from bench.ports import reserve_port
+from deo_worker.arbiter_client import ArbiterClient, Cluster, Grant
+
+ROOT = Path(__file__).resolve().parents[3]
+TOKEN = "test-operator-token"
+GPUS = ["0", "1", "2", "3"]
+HEALTHY = {
+    "memory_used_bytes": 2**30,
+    "memory_total_bytes": 80 * 2**30,
+    "temperature_c": 45,
+    "throttle_reasons": [],
+    "errors_total": 0,
+}
+
+
+class Deo:
+    """``deo run`` with four GPUs, all shared by the arbiter, on a fixed port (a restart keeps
+    its address, so a client's retries reach it again)."""
+
+    def __init__(self, tmp_path: Path, arbiter_gpus: list[str] = GPUS) -> None:
+        self.dir = tmp_path
+        self.log = tmp_path / "run.jsonl"
+        (tmp_path / "gpus.json").write_text(json.dumps({g: HEALTHY for g in GPUS}))
+        self.port = reserve_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = tmp_path / "deo.toml"
+        self.write_config(arbiter_gpus)
+        self.output = tmp_path / "deo.out"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def write_config(self, arbiter_gpus: list[str]) -> None:
+        self.config.write_text(
+            f"""
+[deo]
+log = "run.jsonl"
+tick_interval_s = 0.2
+gpus = {json.dumps(GPUS)}
+[api]
+port = {self.port}
+[nvml]
+backend = "file"
+file = "gpus.json"
+interval_s = 0.5
+[arbiter]
+gpus = {json.dumps(arbiter_gpus)}
+"""
+        )
+
+    def start(self, *, expect_arbiter: bool = True) -> None:
+        before = self.starts()
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "adapters.cli", "run", "--config", str(self.config)],
+            cwd=self.dir,
+            env={**env, "DEO_TOKEN": TOKEN},
+            stdout=self.output.open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        wait_for("the API", lambda: self.starts() > before)
+        if expect_arbiter:  # the API answers before deo has declared the arbiter's GPUs
+            wait_for("the arbiter", self.serves_arbiter, retry_on=(httpx.HTTPError,))
+
+    def serves_arbiter(self) -> bool:
+        status = httpx.get(f"{self.url}/global-status", timeout=5).json()
+        return "arbiter" in status
+
+    def starts(self) -> int:
+        """How many times deo said where its API is (restarts append to the same output)."""
+        if not self.output.exists():
+            return 0
+        return len(re.findall(r"API on http://", self.output.read_text()))
+
+    def status(self) -> dict[str, Any]:
+        arbiter: dict[str, Any] = httpx.get(f"{self.url}/global-status", timeout=5).json()[
+            "arbiter"
+        ]
+        return arbiter
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=20)
+
+    def stop(self) -> int:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=30)
+
+    def replays(self) -> None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "adapters.cli", "replay", "-q", str(self.log)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.fixture
+def deo(tmp_path: Path) -> Iterator[Deo]:
+    """A deo for the test, killed at its end if the test left it running (a failure)."""
+    running = Deo(tmp_path)
+    yield running
+    if running.process is not None and running.process.poll() is None:
+        running.kill()
+
+
+def owners(status: dict[str, Any]) -> dict[str, list[str]]:
+    """GPU -> the clusters that hold it or run generation on it."""
+    found: dict[str, list[str]] = {}
+    for pipeline, row in status["pipelines"].items():
+        for name, cluster in row["clusters"].items():
+            for gpu in cluster.get("active_gpus", []) + cluster["held"]:
+                found.setdefault(gpu, []).append(f"{pipeline}/{name}")
+    return found
+
+
+def test_training_preempts_generation_and_a_waiting_request_survives_a_kill(deo: Deo) -> None:
+    deo.start()
+    trainers = {
+        name: ArbiterClient(deo.url, TOKEN, pipeline=name, poll_s=2.0) for name in ("p1", "p2")
+    }
+    for client in trainers.values():
+        client.register(
+            [Cluster("train", "ACTOR_TRAINING", ["0", "1"]), Cluster("gen", "GENERATION", GPUS)]
+        )
+        client.open_rollout()
+        client.progress("rollout", 64, 0)
+    p1, p2 = trainers["p1"], trainers["p2"]
+    gen1 = p1.request("gen", "GENERATION", deadline_s=60)
+    gen2 = p2.request("gen", "GENERATION", deadline_s=60)
+    assert gen1.gpus and gen2.gpus and not set(gen1.gpus) & set(gen2.gpus)
+    assert len(gen1.gpus) + len(gen2.gpus) == 4  # the gap ratio shares every GPU
+
+    # p1 trains on 0 and 1: whatever generation ran there is put to sleep first.
+    train1 = p1.release_and_request("gen", "train", "ACTOR_TRAINING", deadline_s=60)
+    assert train1.gpus == ("0", "1")
+    status = deo.status()
+    assert all(len(holders) == 1 for holders in owners(status).values()), owners(status)
+    assert status["pipelines"]["p2"]["clusters"]["gen"]["active_gpus"] == ["2", "3"]
+
+    # p2 wants the same GPUs: it waits; deo is killed while it waits, then restarted.
+    answer: list[Grant | BaseException] = []
+
+    def wait_p2() -> None:
+        try:
+            answer.append(p2.release_and_request("gen", "train", "ACTOR_TRAINING", deadline_s=120))
+        except BaseException as exc:  # reported below
+            answer.append(exc)
+
+    waiter = threading.Thread(target=wait_p2)
+    waiter.start()
+    wait_for(
+        "p2's request queued",
+        lambda: "waiting" in deo.status()["pipelines"]["p2"]["clusters"]["train"],
+    )
+    deo.kill()
+    deo.start()
+    status = deo.status()
+    assert "waiting" in status["pipelines"]["p2"]["clusters"]["train"]  # from the log
+    assert status["pipelines"]["p1"]["clusters"]["train"]["held"] == ["0", "1"]
+    assert answer == []
+    p1.release("train")
+    waiter.join(timeout=60)
+    assert answer and isinstance(answer[0], Grant), answer
+    assert answer[0].gpus == ("0", "1")
+    status = deo.status()
+    assert all(len(holders) == 1 for holders in owners(status).values()), owners(status)
+    # Generation comes back after the release: p1's rollout reopens and gets GPUs again.
+    p1.open_rollout()
+    again = p1.request("gen", "GENERATION", deadline_s=60)
+    assert again.gpus and not set(again.gpus) & {"0", "1"}
+    for client in trainers.values():
+        client.close()
+    assert deo.stop() == 0
+    deo.replays()
+
+
+def test_a_restart_with_other_arbiter_gpus_is_refused(deo: Deo) -> None:
+    deo.start()
+    assert deo.status()["gpus"] == GPUS
+    assert deo.stop() == 0
+    deo.write_config(["0", "1"])
+    deo.start(expect_arbiter=False)
+    assert deo.process is not None
+    assert deo.process.wait(timeout=60) == 2
+    assert "arbiter.gpus was refused" in deo.output.read_text()

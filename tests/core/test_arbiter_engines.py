@@ -1,0 +1,194 @@
+"""A generation cluster run by a deo engine pool (core.arbiter.engines): one engine per rank on
+its bundle, put to sleep and woken with the arbiter's shrinks and expansions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from core import (
+    Command,
+    Config,
+    Configured,
+    EngineAsleep,
+    EngineAwake,
+    EngineLoadSampled,
+    EngineSleepFailed,
+    PolicySpec,
+    PoolSpec,
+    Reducer,
+    Refused,
+    UnknownSubject,
+    WorkerExited,
+    WorkerReady,
+    WorkerStarted,
+    WorkerState,
+)
+from core import commands as c
+from core.arbiter import (
+    ArbiterGpusDeclared,
+    ClusterSpec,
+    ExpandGeneration,
+    GpusReleased,
+    GpusRequested,
+    PipelineRegistered,
+    RolloutOpened,
+)
+
+S = WorkerState
+GPUS = ("0", "1")
+
+
+def engine_pool(**changes: Any) -> PoolSpec:
+    fields: dict[str, Any] = {
+        "name": "gen",
+        "kind": "engine",
+        "engine": "vllm",
+        "argv": ["serve", "--port", "{port}"],
+        "ports": (18000, 18003),
+        "gpus_per_worker": 1,
+        "max_workers": 2,
+        "max_asleep": 2,
+        "policy": PolicySpec(name="static", params={"count": 0}),
+        "drain_timeout_s": 30.0,
+        "control_timeout_s": 5.0,
+        "control_attempts": 2,
+    }
+    return PoolSpec(**{**fields, **changes})
+
+
+class Run:
+    def __init__(self, **pool: Any) -> None:
+        self.reducer = Reducer(check_invariants=True)
+        self.t = 0.0
+        self.pid = 100
+        self.feed(Configured(t=0.0, config=Config(pools=[engine_pool(**pool)], gpus=GPUS)))
+        self.feed(ArbiterGpusDeclared(t=0.0, gpus=GPUS))
+
+    def feed(self, event: Any) -> list[Command]:
+        self.t = max(self.t, event.t)
+        return self.reducer.step(event)
+
+    def at(self) -> float:
+        self.t += 1.0
+        return self.t
+
+    def register(self, engine_pool: str | None = "gen", tp_size: int = 1) -> list[Command]:
+        gen = ClusterSpec(
+            name="gen",
+            kind="GENERATION",
+            device_mapping=GPUS,
+            tp_size=tp_size,
+            engine_pool=engine_pool,
+        )
+        train = ClusterSpec(name="train", kind="ACTOR_TRAINING", device_mapping=["0"])
+        return self.feed(PipelineRegistered(t=self.at(), pipeline="p", clusters=[train, gen]))
+
+    def state(self, worker_id: str) -> WorkerState:
+        worker = self.reducer.state.workers.get(worker_id)
+        return S.EXITED if worker is None else worker.state
+
+    def gpus(self, worker_id: str) -> tuple[str, ...]:
+        return self.reducer.state.workers[worker_id].gpus
+
+    def up(self, *worker_ids: str) -> None:
+        for worker_id in worker_ids:
+            self.pid += 1
+            self.feed(WorkerStarted(t=self.at(), worker_id=worker_id, pid=self.pid, start_time=1))
+            self.feed(WorkerReady(t=self.at(), worker_id=worker_id))
+
+
+def of(commands: list[Command], kind: type) -> list[Any]:
+    return [command for command in commands if isinstance(command, kind)]
+
+
+def test_each_active_rank_gets_an_engine_on_its_bundle() -> None:
+    run = Run()
+    run.register()
+    commands = run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="gen", priority=6))
+    spawned = of(commands, c.SpawnWorker)
+    assert [(s.worker_id, s.gpus) for s in spawned] == [("gen-0", ("0",)), ("gen-1", ("1",))]
+    assert all("the arbiter has p/gen rank" in s.reason for s in spawned)
+
+
+def test_training_puts_the_engine_on_its_gpu_to_sleep_and_release_wakes_it() -> None:
+    run = Run()
+    run.register()
+    run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="gen", priority=6))
+    run.up("gen-0", "gen-1")
+    commands = run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="train", priority=1))
+    assert [type(x).__name__ for x in commands][:2] == ["ShrinkGeneration", "GrantGpus"]
+    assert [d.worker_id for d in of(commands, c.DrainEngine)] == ["gen-0"]
+    assert run.state("gen-0") is S.GOING_TO_SLEEP and run.state("gen-1") is S.ACTIVE
+    sleep = run.feed(
+        EngineLoadSampled(t=run.at(), pool="gen", worker_id="gen-0", in_flight_requests=0)
+    )
+    assert [s.worker_id for s in of(sleep, c.SleepEngine)] == ["gen-0"]
+    run.feed(EngineAsleep(t=run.at(), worker_id="gen-0"))
+    assert run.state("gen-0") is S.SLEEPING and run.gpus("gen-0") == ("0",)
+
+    run.feed(GpusReleased(t=run.at(), pipeline="p", cluster="train"))
+    woken = run.feed(RolloutOpened(t=run.at(), pipeline="p"))
+    assert [(x.ranks, x.gpus) for x in of(woken, ExpandGeneration)] == [((0,), ("0",))]
+    assert [w.worker_id for w in of(woken, c.WakeEngine)] == ["gen-0"]
+    assert run.state("gen-0") is S.WAKING
+    run.feed(EngineAwake(t=run.at(), worker_id="gen-0"))
+    assert run.state("gen-0") is S.ACTIVE and run.gpus("gen-0") == ("0",)
+
+
+def test_a_sleep_that_keeps_failing_stops_the_engine() -> None:
+    run = Run()
+    run.register()
+    run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="gen", priority=6))
+    run.up("gen-0", "gen-1")
+    run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="train", priority=1))
+    run.feed(EngineLoadSampled(t=run.at(), pool="gen", worker_id="gen-0", in_flight_requests=0))
+    run.feed(EngineSleepFailed(t=run.at(), worker_id="gen-0", error="HTTP 500"))
+    stop = run.feed(EngineSleepFailed(t=run.at(), worker_id="gen-0", error="HTTP 500"))
+    assert [t.worker_id for t in of(stop, c.TerminateWorker)] == ["gen-0"]
+    exited = run.feed(WorkerExited(t=run.at(), worker_id="gen-0", exit_code=0))
+    assert of(exited, c.SpawnWorker) == []  # rank 0 is asleep: no engine is started for it
+    assert run.state("gen-0") is S.EXITED
+
+
+def test_a_starting_engine_of_a_rank_put_to_sleep_is_stopped() -> None:
+    run = Run()
+    run.register()
+    run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="gen", priority=6))
+    commands = run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="train", priority=1))
+    assert [t.worker_id for t in of(commands, c.TerminateWorker)] == ["gen-0"]
+
+
+@pytest.mark.parametrize(
+    ("pool", "register", "error", "message"),
+    [
+        ({}, {"engine_pool": "nope"}, UnknownSubject, "not a pool of deo's"),
+        ({}, {"tp_size": 2}, Refused, "tp_size=2"),
+        (
+            {"kind": "worker", "engine": None, "ports": None, "argv": ["w"]},
+            {},
+            Refused,
+            "not .engine.",
+        ),
+    ],
+)
+def test_a_cluster_deo_cannot_run_on_the_pool_is_refused(
+    pool: dict[str, Any], register: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    run = Run(**pool)
+    before = run.reducer.state
+    with pytest.raises(error, match=message):
+        run.register(**register)
+    assert run.reducer.state is before
+
+
+def test_two_engine_run_clusters_on_the_same_gpus_are_refused() -> None:
+    run = Run()
+    other = engine_pool(name="gen2", ports=(18010, 18013))
+    config = Config(pools=[engine_pool(), other], gpus=GPUS)
+    run.feed(Configured(t=run.at(), config=config))
+    run.register()
+    spec = ClusterSpec(name="gen", kind=6, device_mapping=["1"], engine_pool="gen2")
+    with pytest.raises(Refused, match="need GPUs of their own"):
+        run.feed(PipelineRegistered(t=run.at(), pipeline="q", clusters=[spec]))
