@@ -69,6 +69,7 @@ def drain_timeout(spec: PoolSpec, drains: tuple[tuple[float, bool], ...]) -> tup
     high = _quantile((seconds for seconds, _ in latest), QUANTILE)
     cut = sum(1 for _, was_cut in latest if was_cut)
     wanted = MARGIN * high
+    # Whole seconds: a deadline is not that precise, and reads better.
     timeout = min(max(wanted, FLOOR_S), CAP_S)
     bound = ""
     if timeout != wanted:
@@ -78,7 +79,7 @@ def drain_timeout(spec: PoolSpec, drains: tuple[tuple[float, bool], ...]) -> tup
         f"auto: {MARGIN:g} x p{QUANTILE * 100:g} {high:.1f}s of the last {len(latest)} "
         f"drains{cuts}{bound}"
     )
-    return round(timeout, 3), why
+    return float(round(timeout)), why
 
 
 def engine_drain_timeout_s(spec: PoolSpec) -> float:
