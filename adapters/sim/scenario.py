@@ -122,6 +122,10 @@ class TrainerSpec:
     step_sigma: float = 0.0
     phases: tuple[Phase, ...] = attrs.field(default=(), converter=_tuple)
     pauses: tuple[Pause, ...] = attrs.field(default=(), converter=_tuple)
+    #: Takes every full batch queued at once, as atroposlib's ``/batch`` does (it hands the rest
+    #: out on the next calls): the queue the source reads then excludes them, and the step counter
+    #: counts batches taken, not steps.
+    fetch_all: bool = False
 
     def __attrs_post_init__(self) -> None:
         _require(
