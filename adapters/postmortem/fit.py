@@ -1137,6 +1137,8 @@ def scenario_toml(scenario: Scenario, header: Iterable[str] = ()) -> str:
         f"batch_size_seqs = {trainer.batch_size_seqs}",
         f"step_s = {_literal(trainer.step_s)}",
     ]
+    if trainer.fetch_all:
+        lines.append("fetch_all = true")
     if trainer.phases:
         items = ", ".join(_inline({"at_s": p.at_s, "step_s": p.step_s}) for p in trainer.phases)
         lines.append(f"phases = [{items}]")
