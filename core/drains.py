@@ -46,7 +46,7 @@ QUANTILE = 0.95
 MARGIN = 1.5
 WINDOW = 40
 #: ... once at least this many drains were measured.
-MIN_DRAINS = 5
+MIN_DRAINS = 3
 
 
 def _quantile(values: Iterable[float], q: float) -> float:

@@ -156,7 +156,7 @@ def test_cut_drains_lengthen_the_deadline_until_drains_end_on_their_own() -> Non
     pool = reducer.state.pools["envs"]
     # The first MIN_DRAINS drains run at the start value (60 s) and are cut; then 1.5 x the cut
     # length (60.5 s, as long as they ran) -> 91 s, still cut, -> 137 s: no longer cut.
-    assert cuts == [True] * 6 + [False] * 6
+    assert cuts == [True] * (drains.MIN_DRAINS + 1) + [False] * (11 - drains.MIN_DRAINS)
     seconds, why = drains.drain_timeout(pool.spec, pool.drains)
     assert seconds > 100.0
     assert "cut at their deadline" in why
@@ -167,17 +167,17 @@ def test_each_drain_says_its_deadline_and_why() -> None:
     reducer = running(spec())
     drain, _, end = drain_once(reducer, T0 + 1, takes_s=3.0)
     assert drain.deadline_t == pytest.approx(T0 + 1 + drains.START_S)
-    assert f"drain deadline {drains.START_S:g}s (auto: 0 of 5 drains measured" in drain.reason
+    start = f"drain deadline {drains.START_S:g}s (auto: 0 of {drains.MIN_DRAINS} drains measured"
+    assert start in drain.reason
     assert reducer.state.pools["envs"].drains == ((3.0, False),)
     t = end
     for _ in range(drains.MIN_DRAINS):
         drain, cut, t = drain_once(reducer, t + 1, takes_s=30.0)
         assert not cut
-    # Six drains: one of 3 s, five of 30 s: p95 30 s -> 45 s.
-    assert (
-        "drain deadline 45s (auto: 1.5 x p95 30.0s of the last 6 drains)"
-        in drain_once(reducer, t + 1, takes_s=1.0)[0].reason
-    )
+    # One drain of 3 s, then MIN_DRAINS of 30 s: p95 30 s -> 45 s.
+    last = drains.MIN_DRAINS + 1
+    measured = f"drain deadline 45s (auto: 1.5 x p95 30.0s of the last {last} drains)"
+    assert measured in drain_once(reducer, t + 1, takes_s=1.0)[0].reason
 
 
 def test_a_fixed_deadline_keeps_the_reason_without_a_measurement() -> None:
