@@ -6,6 +6,7 @@ import datetime as dt
 
 from core import commands as c
 from core import events as e
+from core.drains import drain_timeout
 from core.lifecycle import WorkerState
 from core.state import State, split_worker_id
 
@@ -145,6 +146,9 @@ def pool_summary(state: State, name: str) -> str:
         )
     elif pool.load is not None:
         pressure = f"; {pool.load.in_flight_requests} requests in flight"
+    if not pool.spec.is_engine:
+        seconds, why = drain_timeout(pool.spec, pool.drains)
+        pressure += f"; drain deadline {seconds:g}s ({why})"
     return (
         f"{name}: target {pool.target} ({', '.join(flags)}); workers: {workers or 'none'}{pressure}"
     )

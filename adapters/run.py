@@ -76,6 +76,7 @@ from core import (
     WorkerStarted,
 )
 from core.arbiter import ArbiterGpusDeclared
+from core.drains import drain_timeout
 
 __all__ = [
     "find_spawned",
@@ -604,8 +605,11 @@ async def _stop_on_request(
         await runner.submit(Configured(t=runner.clock(), config=drained))
         # Drain, SIGTERM, SIGKILL and the give-up after it each have their deadline; past the
         # longest of them the core has ended every worker, so this wait is bounded too.
-        specs = [p.spec for p in runner.state.pools.values()]
-        bound_s = max((p.drain_timeout_s + 2 * p.stop_timeout_s for p in specs), default=0)
+        pools = runner.state.pools.values()
+        bound_s = max(
+            (drain_timeout(p.spec, p.drains)[0] + 2 * p.spec.stop_timeout_s for p in pools),
+            default=0,
+        )
         with anyio.move_on_after(bound_s + 10 * runner.tick_interval_s):
             while runner.state.workers:
                 await anyio.sleep(0.2)

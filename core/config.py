@@ -21,6 +21,7 @@ from core.errors import ConfigError
 
 __all__ = [
     "ARGV_PLACEHOLDERS",
+    "AUTO",
     "ENGINES",
     "ENGINE_ARGV_PLACEHOLDERS",
     "ENGINE_HOST",
@@ -66,6 +67,9 @@ RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
 #: Every variable named with this prefix is deo's (a worker's id, run, token, API, heartbeat
 #: file, ...): a pool may set none, so a worker always reports as the worker deo made.
 RESERVED_ENV_PREFIX = "DEO_"
+#: ``drain_timeout_s = "auto"``: the drain deadline is measured from the pool's drains
+#: (:mod:`core.drains`).
+AUTO = "auto"
 
 
 def _finite(key: str, value: object) -> None:
@@ -182,7 +186,9 @@ class PoolSpec:
     #: None: heartbeats are not required. Otherwise a silent worker is hung after this long.
     heartbeat_grace_s: float | None = None
     drain_signal: str = "SIGUSR1"
-    drain_timeout_s: float = 60.0
+    #: Seconds a drained worker gets to exit before SIGTERM, or ``"auto"``: measured from the
+    #: pool's recent drains (see :mod:`core.drains`).
+    drain_timeout_s: float | str = AUTO
     #: Between SIGTERM and SIGKILL of the process group, and again between SIGKILL and giving up.
     stop_timeout_s: float = 10.0
     #: Pressure older than this is stale: the pool holds its count.
@@ -272,9 +278,16 @@ class PoolSpec:
             raise ConfigError(
                 f"{where}.drain_signal: {self.drain_signal!r} is not one of {sorted(_SIGNALS)}"
             )
+        if isinstance(self.drain_timeout_s, (str, bool)):
+            if self.drain_timeout_s != AUTO:
+                raise ConfigError(
+                    f"{where}.drain_timeout_s: a number of seconds or {AUTO!r}, got "
+                    f"{self.drain_timeout_s!r}"
+                )
+        else:
+            _positive(f"{where}.drain_timeout_s", self.drain_timeout_s)
         for key in (
             "start_timeout_s",
-            "drain_timeout_s",
             "stop_timeout_s",
             "metrics_stale_s",
             "queue_alert_batches",

@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from core import commands as c
+from core import drains
 from core import events as e
 from core.config import PoolSpec
 from core.errors import Refused
@@ -119,14 +120,17 @@ def _sleep(step: EngineStep, worker: Worker, why: str) -> None:
     transition: the router may have sent it requests since), or at the drain timeout."""
     spec = step.pools[worker.pool].spec
     worker = step.transition(
-        worker, Trigger.SLEEP, deadline_t=step.t + spec.drain_timeout_s, control_attempts=0
+        worker,
+        Trigger.SLEEP,
+        deadline_t=step.t + drains.engine_drain_timeout_s(spec),
+        control_attempts=0,
     )
     step.commands.append(
         c.DrainEngine(
             worker_id=worker.worker_id,
-            deadline_t=step.t + spec.drain_timeout_s,
+            deadline_t=step.t + drains.engine_drain_timeout_s(spec),
             reason=f"{why}: {worker.worker_id} to sleep once its in-flight requests finish, at "
-            f"most {spec.drain_timeout_s:g}s",
+            f"most {drains.engine_drain_timeout_s(spec):g}s",
         )
     )
     step.dirty_pools.add(worker.pool)
@@ -452,7 +456,7 @@ def release_at_deadline(step: EngineStep, worker: Worker, spec: PoolSpec) -> Non
         step,
         worker,
         f"{worker.worker_id} still has {in_flight} request(s) in flight "
-        f"{spec.drain_timeout_s:g}s after it left routing: sleep call sent",
+        f"{drains.engine_drain_timeout_s(spec):g}s after it left routing: sleep call sent",
     )
 
 

@@ -12,9 +12,9 @@ from types import MappingProxyType
 from typing import Any
 
 from core import commands as c
-from core import engines
+from core import drains, engines
 from core import events as e
-from core.config import Config, PoolSpec
+from core.config import AUTO, Config, PoolSpec
 from core.errors import ConfigError, Refused, UnknownSubject
 from core.lifecycle import ASLEEP, COUNTED, DEADLINE_ACTIONS, Trigger, WorkerState
 from core.records import replace
@@ -44,14 +44,18 @@ def _sigterm(step: Step, worker: Worker, spec: PoolSpec) -> None:
             worker,
             StopCause.DRAIN_DEADLINE,
             f"{worker.worker_id} still has {in_flight} request(s) in flight "
-            f"{spec.drain_timeout_s:g}s after it left routing: SIGTERM",
+            f"{drains.engine_drain_timeout_s(spec):g}s after it left routing: SIGTERM",
         )
         return
+    if spec.drain_timeout_s == AUTO and worker.drain_started_t is not None:
+        assert worker.deadline_t is not None, worker
+        allowed_s = round(worker.deadline_t - worker.drain_started_t, 3)
+        ran = f"{allowed_s:g}s after the drain signal (its measured deadline)"
+    else:
+        ran = f"{drains.drain_timeout(spec, ())[0]:g}s after the drain signal"
+    step.measure_drain(worker, cut=True)
     step.terminate(
-        worker,
-        StopCause.DRAIN_DEADLINE,
-        f"{worker.worker_id} still running {spec.drain_timeout_s:g}s after the drain signal: "
-        f"SIGTERM",
+        worker, StopCause.DRAIN_DEADLINE, f"{worker.worker_id} still running {ran}: SIGTERM"
     )
 
 

@@ -17,9 +17,11 @@ from collections import Counter
 from collections.abc import Sequence
 
 from core import commands as c
+from core import drains
 from core import events as e
 from core.arbiter.invariants import plan_violations
 from core.arbiter.invariants import state_violations as arbiter_state_violations
+from core.config import AUTO
 from core.errors import InvariantViolation
 from core.lifecycle import ASLEEP, COUNTED, DEADLINE_ACTIONS
 from core.state import State, Worker, count_workers
@@ -84,9 +86,16 @@ def state_violations(state: State) -> list[str]:
             found.append(f"worker {worker.worker_id} belongs to no pool")
         elif worker.index >= owner.next_index:
             found.append(f"worker {worker.worker_id} has an index the pool never handed out")
-        # 3. Every drain and stop has a deadline (the states with a deadline action).
+        # 3. Every drain and stop has a deadline (the states with a deadline action), and a
+        # measured drain's deadline comes after its start.
         if worker.state in DEADLINE_ACTIONS and worker.deadline_t is None:
             found.append(f"3: worker {worker.worker_id} is {worker.state.value} without a deadline")
+        started = worker.drain_started_t
+        if started is not None and worker.deadline_t is not None and worker.deadline_t < started:
+            found.append(
+                f"3: worker {worker.worker_id} drains from {started} to a deadline before it, "
+                f"{worker.deadline_t}"
+            )
     # 9. Engines: each live engine holds a port no other live worker holds (asleep or not), and
     # no more sleep than the pool's max_asleep.
     ports = Counter(w.port for w in state.workers.values() if w.port is not None)
@@ -116,6 +125,10 @@ def state_violations(state: State) -> list[str]:
             f"worker counts (counted, active) {dict(sorted(state.worker_counts.items()))} "
             f"differ from a recount {dict(sorted(recount.items()))}"
         )
+    # 3. A pool keeps only its latest drains, each a length of time.
+    for name, pool in state.pools.items():
+        if len(pool.drains) > drains.WINDOW or any(s < 0 for s, _ in pool.drains):
+            found.append(f"3: pool {name} keeps drains {pool.drains} (at most {drains.WINDOW})")
     # 5. Backoff follows the rule: a slot that failed n times in a row is replaced delay(n)
     # after its last failure; the pool's failures are its most failed open slot's.
     for name, pool in state.pools.items():
@@ -164,6 +177,16 @@ def step_violations(
                         f"5: {command.worker_id} replaces a slot that failed {worker.attempt} "
                         f"time(s) at t={t}, before its backoff ran out ({pool.retries})"
                     )
+        elif isinstance(command, c.DrainWorker):
+            # 3. A measured drain deadline stays within its cap.
+            worker = after.workers.get(command.worker_id)
+            pool = after.pools.get(worker.pool) if worker is not None else None
+            auto = pool is not None and pool.spec.drain_timeout_s == AUTO
+            if auto and command.deadline_t - t > drains.CAP_S + 1e-6:
+                found.append(
+                    f"3: {command.worker_id} drain deadline {command.deadline_t - t:g}s away, "
+                    f"beyond the cap {drains.CAP_S:g}s"
+                )
         elif isinstance(command, c.ScalePool) and command.source == DecisionSource.POLICY:
             # 6. Only a fresh sample for the pool lets a policy decide.
             fresh = (

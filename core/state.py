@@ -51,6 +51,10 @@ def _retry_tuple(value: Iterable[Iterable[Any]]) -> tuple[tuple[float, int], ...
     return tuple((float(failed_t), int(failures)) for failed_t, failures in value)
 
 
+def _drain_tuple(value: Iterable[Iterable[Any]]) -> tuple[tuple[float, bool], ...]:
+    return tuple((float(seconds), bool(cut)) for seconds, cut in value)
+
+
 def _read_only(value: Mapping[K, V]) -> MappingProxyType[K, V]:
     # A copy: the caller's dict stays theirs, and editing it cannot change the state.
     return MappingProxyType(dict(value))
@@ -88,6 +92,9 @@ class Worker:
     #: Early failures in a row of the worker slot it fills (0: a fresh slot, or one proven
     #: healthy): the crash-loop rules judge each slot by its own history.
     attempt: int = 0
+    #: When its drain signal went out (None: not draining, or drained before it started): the
+    #: start of the drain its pool measures.
+    drain_started_t: float | None = None
 
     def __init__(
         self,
@@ -108,6 +115,7 @@ class Worker:
         control_attempts: int = 0,
         asleep_t: float | None = None,
         attempt: int = 0,
+        drain_started_t: float | None = None,
         killed: bool = False,
     ) -> None:
         # Snapshots written before KILLED was a state marked a killed worker STOPPING with
@@ -131,6 +139,7 @@ class Worker:
             control_attempts=control_attempts,
             asleep_t=asleep_t,
             attempt=attempt,
+            drain_started_t=drain_started_t,
         )
 
     @property
@@ -194,6 +203,9 @@ class PoolState:
     #: until autoscaling is resumed or, if set, until ``wake_hold_until_t``.
     wake_held: bool = False
     wake_hold_until_t: float | None = None
+    #: The latest drains of its workers as (seconds, cut at the deadline), oldest first: what an
+    #: ``"auto"`` drain deadline is measured from (:mod:`core.drains`).
+    drains: tuple[tuple[float, bool], ...] = attrs.field(default=(), converter=_drain_tuple)
     #: The policy built from ``spec.policy``, with the spec it was built from (a step rebuilds it
     #: when the spec is another object). Derived, so not compared and not encoded; None until a
     #: step first needs it.

@@ -14,10 +14,10 @@ from types import MappingProxyType
 from typing import Any
 
 from core import commands as c
-from core import engines
+from core import drains, engines
 from core import events as e
 from core.arbiter.engines import follow_ranks
-from core.config import VLLM_DEV_MODE_ENV, CrashLoopRules, PoolSpec
+from core.config import AUTO, VLLM_DEV_MODE_ENV, CrashLoopRules, PoolSpec
 from core.errors import UnknownSubject
 from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
 from core.policies import BUILT_INS, Policy, PolicyCatalog, PolicyContext
@@ -257,9 +257,21 @@ class Step:
             self.dirty_pools.add(worker.pool)
 
     def drain(self, worker: Worker, cause: StopCause, why: str) -> None:
-        spec = self.pools[worker.pool].spec
-        deadline = self.t + spec.drain_timeout_s
-        worker = self.transition(worker, Trigger.DRAIN, deadline_t=deadline, stop_cause=cause)
+        pool = self.pools[worker.pool]
+        spec = pool.spec
+        timeout_s, timeout_why = drains.drain_timeout(spec, pool.drains)
+        if spec.drain_timeout_s == AUTO:
+            # Fixed deadlines keep the reasons older logs recorded.
+            why = f"{why}; drain deadline {timeout_s:g}s ({timeout_why})"
+        deadline = self.t + timeout_s
+        started = self.t if worker.pid is not None else None
+        worker = self.transition(
+            worker,
+            Trigger.DRAIN,
+            deadline_t=deadline,
+            stop_cause=cause,
+            drain_started_t=started,
+        )
         self.signal_drain(worker, why)
         self.dirty_pools.add(worker.pool)
         if spec.is_engine and worker.in_flight_requests == 0:
@@ -285,6 +297,20 @@ class Step:
             )
         )
 
+    def measure_drain(self, worker: Worker, cut: bool) -> None:
+        """A drain of a worker pool's worker ended: by its exit, or ``cut`` at its deadline; its
+        pool keeps how long it ran (the drains an ``"auto"`` deadline is measured from)."""
+        pool = self.pools.get(worker.pool)
+        if (
+            pool is None
+            or worker.state is not S.DRAINING
+            or worker.drain_started_t is None
+            or pool.spec.is_engine
+        ):
+            return
+        seconds = max(self.t - worker.drain_started_t, 0.0)
+        self.put_pool(replace(pool, drains=drains.with_drain(pool.drains, seconds, cut)))
+
     def terminate(self, worker: Worker, cause: StopCause, why: str) -> None:
         """SIGTERM, with the pool's stop deadline; a draining worker keeps its drain's cause."""
         spec = self.pools[worker.pool].spec
@@ -307,6 +333,8 @@ class Step:
     ) -> None:
         """The worker is gone (``trigger`` leads to EXITED): free its GPUs, count a failure if it
         was one, let the pool react."""
+        if trigger is Trigger.EXIT:
+            self.measure_drain(worker, cut=False)
         exited = self.transition(worker, trigger)
         assert exited.state is S.EXITED, f"{trigger} leaves {worker.worker_id} {exited.state}"
         pool = self.pools[worker.pool]

@@ -42,8 +42,9 @@ __all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "disconnect_env", "drainable", "serve_unti
 
 log = logging.getLogger("deo_worker.atropos")
 
-#: Below deo's default pool ``drain_timeout_s`` (60 s), so the env gives up on stragglers and
-#: exits 0 before deo escalates to SIGTERM.
+#: Below the 60 s a drain gets from deo until it has measured the pool's drains (``drain_timeout_s
+#: = "auto"``, the default), so the env gives up on stragglers and exits 0 before deo escalates to
+#: SIGTERM. deo measures the drains this makes: raise it where groups take longer.
 DEFAULT_DRAIN_TIMEOUT_S = 50.0
 
 #: How long cancelled stragglers get to unwind, and how long ``/disconnect-env`` may take.

@@ -78,6 +78,7 @@ from core import (
     WorkerReady,
     WorkerState,
 )
+from core.drains import drain_timeout
 from core.state import PoolState, Worker, split_worker_id
 
 __all__ = ["MAX_WORKER_ID_CHARS", "build_app", "listen", "serve", "worker_token"]
@@ -342,8 +343,15 @@ def _pool_json(runner: Runner, state: State, name: str, pool: PoolState) -> dict
             for d in runner.decisions
             if _command_pool(d.command, state) == name
         ],
+        "drain_deadline": _drain_deadline(pool),
         "summary": pool_summary(state, name),
     }
+
+
+def _drain_deadline(pool: PoolState) -> dict[str, Any]:
+    """The deadline a drain of this pool gets now, and why (measured or configured)."""
+    seconds, why = drain_timeout(pool.spec, pool.drains)
+    return {"seconds": seconds, "why": why, "measured_drains": len(pool.drains)}
 
 
 def _global_status(runner: Runner) -> dict[str, Any]:

@@ -218,6 +218,9 @@ def status(args: argparse.Namespace) -> int:
                 f"{'':<14}{load.get('in_flight_requests')} requests in flight "
                 f"({_age(now, load.get('t'))} old)"
             )
+        deadline = pool.get("drain_deadline")
+        if isinstance(deadline, dict):
+            print(f"{'':<14}drain deadline {deadline.get('seconds'):g}s: {deadline.get('why')}")
         if pool.get("source_error"):
             last = pool.get("last_sample_t")
             since = "no sample yet" if last is None else f"last sample {_age(now, last)} ago"

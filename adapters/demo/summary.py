@@ -143,6 +143,7 @@ def simulate_static(
         batch_size_seqs=batch_size_seqs,
         step_s=step_s[0],
         phases=tuple(Phase(at_s=i * third, step_s=s) for i, s in enumerate(step_s) if i),
+        fetch_all=True,  # the demo trainer pulls from atroposlib's /batch
     )
     env = EnvPool(
         name=pool.name,

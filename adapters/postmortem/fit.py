@@ -33,6 +33,7 @@ What a log shows, and how each value is read from it:
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import statistics
 import tempfile
@@ -124,6 +125,14 @@ class RunFacts:
     scales: list[tuple[float, int, int]] = attrs.field(factory=list)
     reconfigured: int = 0
     problems: list[LogProblem] = attrs.field(factory=list)
+    #: The trainer takes every full batch queued at once (atroposlib's ``/batch``): its step
+    #: counter counts batches taken, and the queue read excludes those it holds.
+    fetch_all: bool = False
+    #: Fetches of two batches or more that the trainer was seen to hold (see :func:`_fetch_all`).
+    held_fetches: int = 0
+    #: ``queue`` as a trainer that takes one batch per step would show it: steps placed between
+    #: fetches, held batches counted as queued (``queue`` itself when ``fetch_all`` is False).
+    trainer_queue: list[tuple[float, int, int, int]] = attrs.field(factory=list)
 
     @property
     def duration_s(self) -> float:
@@ -151,7 +160,73 @@ def read_run(path: Path, policies: PolicyCatalog) -> RunFacts:
     if facts is None:
         raise FitError(f"{path}: no Configured event: nothing says what ran")
     facts.problems = problems
+    facts.held_fetches, facts.fetch_all = _fetch_all(facts.queue)
+    facts.trainer_queue = (
+        _one_per_step(facts.queue, facts.duration_s) if facts.fetch_all else facts.queue
+    )
     return facts
+
+
+def _fetch_all(queue: list[tuple[float, int, int, int]]) -> tuple[int, bool]:
+    """Whether the trainer takes every full batch at once (atroposlib's ``/batch`` does: it takes
+    all full batches out of the queue, counts them all as steps, and hands them out one per
+    call): fetches of two batches or more, each followed by a sample with a batch queued and no
+    step. A trainer taking one batch per step would have taken that batch unless its step
+    outlasted a whole sample interval right after taking two batches within one. Fetch-all
+    when at least 3 such fetches and a third of all multi-batch fetches are seen."""
+    multi = held = 0
+    for previous, sample, after in zip(queue, queue[1:], queue[2:], strict=False):
+        taken = sample[3] - previous[3]
+        if taken >= 2:
+            multi += 1
+            held += after[3] == sample[3] and after[1] >= after[2]
+    return held, held >= 3 and 3 * held >= multi
+
+
+def _one_per_step(
+    queue: list[tuple[float, int, int, int]], end_s: float
+) -> list[tuple[float, int, int, int]]:
+    """``queue`` of a fetch-all trainer as a one-batch-per-step trainer would show it.
+
+    Each fetch is placed in the middle of the sample interval it shows in; the k batches it
+    took are stepped on one after another until the next fetch: evenly over the span when a
+    batch was queued at the sample before the next fetch (the trainer fetched the moment it was
+    done), else at the step time of the fed spans nearby (it waited for data before fetching).
+    """
+    fetches = [
+        ((a[0] + b[0]) / 2, b[3] - a[3]) for a, b in itertools.pairwise(queue) if b[3] > a[3]
+    ]
+    # For each fetch: was a batch queued at the sample just before the next fetch?
+    fed_before: list[bool] = []
+    for index, (t, _) in enumerate(fetches):
+        if index + 1 == len(fetches):
+            fed_before.append(False)
+            continue
+        next_t = fetches[index + 1][0]
+        before = [sample for sample in queue if t < sample[0] < next_t]
+        fed_before.append(bool(before) and before[-1][1] >= before[-1][2])
+    fed_steps = [
+        (t, (fetches[i + 1][0] - t) / k)
+        for i, (t, k) in enumerate(fetches)
+        if fed_before[i] and i + 1 < len(fetches)
+    ]
+    starts: list[float] = []
+    for i, (t, k) in enumerate(fetches):
+        stop = fetches[i + 1][0] if i + 1 < len(fetches) else end_s
+        if fed_before[i]:
+            step_s = (stop - t) / k
+        else:
+            nearby = [s for at, s in fed_steps if abs(at - t) <= 30.0] or [s for _, s in fed_steps]
+            even = (stop - t) / k
+            step_s = min(even, statistics.median(nearby)) if nearby else even
+        starts += [t + n * step_s for n in range(k)]
+    first = queue[0][3]
+    out = []
+    for t, queued, batch, taken in queue:
+        started = first + bisect.bisect_right(starts, t)
+        held = max(taken - started, 0)
+        out.append((t, queued + held * batch, batch, min(started, taken)))
+    return out
 
 
 def _take(facts: RunFacts, event: Any, commands: list[Any]) -> None:
@@ -226,9 +301,14 @@ class Interval:
         return self.end - self.start
 
 
-def _intervals(facts: RunFacts) -> list[Interval]:
+def _intervals(
+    facts: RunFacts, samples: list[tuple[float, int, int, int]] | None = None
+) -> list[Interval]:
+    """The intervals between ``samples`` (the queue as read; the trainer's view:
+    ``facts.trainer_queue``)."""
+    samples = facts.queue if samples is None else samples
     out: list[Interval] = []
-    for (t1, q1, batch, s1), (t2, q2, _, s2) in zip(facts.queue, facts.queue[1:], strict=False):
+    for (t1, q1, batch, s1), (t2, q2, _, s2) in itertools.pairwise(samples):
         steps = max(s2 - s1, 0)  # a trainer restarted from step 0 took none
         out.append(
             Interval(
@@ -326,7 +406,8 @@ def fit_trainer(facts: RunFacts, intervals: list[Interval]) -> TrainerFit:
             else:
                 fed_since = fed_since and i.q_end >= batch
     fed_s = sum(seconds for _, seconds, _ in spans)
-    window_s = max(30.0, 20.0 * typical)
+    # Short runs get shorter windows (at least six), so that their phases can show.
+    window_s = max(min(30.0, facts.duration_s / 6), 20.0 * typical)
     end = facts.duration_s
     windows: list[tuple[float, float, float, int]] = []
     measured: list[float | None] = []
@@ -412,7 +493,7 @@ def observe(facts: RunFacts, trainer: TrainerFit | None = None) -> Observed:
     """Measure the run in ``facts`` (see the module docstring for how)."""
     intervals = _intervals(facts)
     if trainer is None:
-        trainer = fit_trainer(facts, intervals)
+        trainer = fit_trainer(facts, _intervals(facts, facts.trainer_queue))
     running = busy = 0.0
     for (start, stop, run_s, steps), seen in zip(trainer.windows, trainer.seen, strict=True):
         running += run_s
@@ -821,9 +902,16 @@ def fit_scenario(
             f"{MIN_SAMPLES} samples)"
         )
     intervals = _intervals(facts)
-    trainer = fit_trainer(facts, intervals)
+    trainer = fit_trainer(facts, _intervals(facts, facts.trainer_queue))
     observed = observe(facts, trainer)
     notes: list[str] = []
+    if facts.fetch_all:
+        notes.append(
+            f"the trainer takes every full batch queued at once (atroposlib's /batch): its step "
+            f"counter counts batches taken ({facts.held_fetches} fetches of several batches held "
+            f"while a batch waited); its steps are placed between fetches, held batches counted "
+            f"as queued, and the fitted trainer fetches the same way"
+        )
     phases = ", ".join(f"{s:.2f} s from {a:.0f} s" for a, s in trainer.phases)
     window = trainer.windows[0][1] - trainer.windows[0][0]
     if any(trainer.seen):
@@ -890,6 +978,7 @@ def fit_scenario(
             step_s=first_step,
             phases=tuple(Phase(at_s=a, step_s=s) for a, s in trainer.phases[1:]),
             pauses=tuple(Pause(at_s=a, duration_s=b - a) for a, b in trainer.pauses),
+            fetch_all=facts.fetch_all,
         ),
         pools=(env,),
         faults=tuple(faults),
@@ -1048,6 +1137,8 @@ def scenario_toml(scenario: Scenario, header: Iterable[str] = ()) -> str:
         f"batch_size_seqs = {trainer.batch_size_seqs}",
         f"step_s = {_literal(trainer.step_s)}",
     ]
+    if trainer.fetch_all:
+        lines.append("fetch_all = true")
     if trainer.phases:
         items = ", ".join(_inline({"at_s": p.at_s, "step_s": p.step_s}) for p in trainer.phases)
         lines.append(f"phases = [{items}]")

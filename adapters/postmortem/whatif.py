@@ -37,6 +37,7 @@ from adapters.sim.metrics import Metrics
 from adapters.sim.scenario import EnvPool, Scenario, parse_override
 from bench.baselines import CATALOG, baseline_specs
 from core import ConfigError, DeoError, PolicySpec
+from core.config import AUTO
 
 __all__ = ["Change", "FitError", "WhatIfError", "parse_changes", "run_what_if"]
 
@@ -55,7 +56,7 @@ POOL_TYPES: dict[str, tuple[str, tuple[type, ...]]] = {
     "min_workers": ("a whole number", (int,)),
     "max_workers": ("a whole number", (int,)),
     "stabilization_s": ("a number of seconds", (int, float)),
-    "drain_timeout_s": ("a number of seconds", (int, float)),
+    "drain_timeout_s": ('a number of seconds or "auto"', (int, float, str)),
     "metrics_stale_s": ("a number of seconds", (int, float)),
     "start_timeout_s": ("a number of seconds", (int, float)),
     "require_ready": ("true or false", (bool,)),
@@ -122,7 +123,8 @@ def parse_changes(items: Sequence[str]) -> Change:
         elif key in POOL_KEYS:
             expected, types = POOL_TYPES[key]
             is_bool = isinstance(value, bool)
-            if not isinstance(value, types) or (is_bool and bool not in types):
+            wrong_text = isinstance(value, str) and value != AUTO
+            if not isinstance(value, types) or (is_bool and bool not in types) or wrong_text:
                 raise WhatIfError(f"--what-if {item!r}: {key} takes {expected}, not {raw!r}")
             pool[key] = value
         else:

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-from core.config import Config, CrashLoopRules, PolicySpec, PoolSpec
+from core.config import AUTO, Config, CrashLoopRules, PolicySpec, PoolSpec
 from core.errors import ConfigError
 from core.policies import BUILT_INS, PolicyCatalog
 
@@ -122,6 +122,10 @@ class TrainerSpec:
     step_sigma: float = 0.0
     phases: tuple[Phase, ...] = attrs.field(default=(), converter=_tuple)
     pauses: tuple[Pause, ...] = attrs.field(default=(), converter=_tuple)
+    #: Takes every full batch queued at once, as atroposlib's ``/batch`` does (it hands the rest
+    #: out on the next calls): the queue the source reads then excludes them, and the step counter
+    #: counts batches taken, not steps.
+    fetch_all: bool = False
 
     def __attrs_post_init__(self) -> None:
         _require(
@@ -190,7 +194,8 @@ class EnvPool:
     policy: PolicySpec = attrs.field(factory=PolicySpec)
     # deo's pool settings (core.config.PoolSpec), with deo's defaults.
     stabilization_s: float = 120.0
-    drain_timeout_s: float = 60.0
+    #: Seconds, or "auto": measured from the pool's drains (core.drains).
+    drain_timeout_s: float | str = AUTO
     metrics_stale_s: float = 30.0
     start_timeout_s: float = 300.0
     crash_loop: CrashLoopRules = attrs.field(factory=CrashLoopRules)
@@ -663,6 +668,7 @@ _OPTIONAL: dict[tuple[str, str], type] = {
     ("Fault", "duration_s"): float,
     ("Fault", "gpu"): int,
     ("Fault", "pool"): str,
+    ("EnvPool", "drain_timeout_s"): float,  # or "auto"
 }
 _REQUIRED: dict[tuple[str, str], type] = {
     ("Scenario", "name"): str,
@@ -689,7 +695,11 @@ def _scalars(
     _known(table, where, fields - {"name"} if cls is EnvPool else fields)
     prefix = f"{where}." if where else ""
     return {
-        key: _typed(f"{prefix}{key}", value, _scalar_kind(cls, key))
+        key: (
+            value
+            if (cls, key, type(value)) == (EnvPool, "drain_timeout_s", str)  # "auto"
+            else _typed(f"{prefix}{key}", value, _scalar_kind(cls, key))
+        )
         for key, value in table.items()
         if key not in skip
     }

@@ -190,6 +190,10 @@ class World:
         self._queue: deque[list[int]] = deque()
         self.queued_seqs = 0
         self.steps = 0
+        # Batches taken out of the queue (what an atroposlib API server's step counter counts),
+        # and those taken but not yet stepped on (a trainer that takes every full batch at once).
+        self.taken = 0
+        self._held = 0
         self._busy = False
         self._paused = 0
         self._waiting_since: float | None = None
@@ -316,12 +320,19 @@ class World:
         t = self.now
         if self._busy or self._paused:
             return
+        if self._held:
+            self._held -= 1
+            self._step(t)
+            return
         if self.queued_seqs < self.batch_seqs:
             if self._waiting_since is None:
                 self._waiting_since = t
             return
         self._stop_waiting()
-        need = self.batch_seqs
+        # atroposlib's /batch takes every full batch queued and hands out the rest on the
+        # trainer's next calls; its step counter counts the batches taken.
+        batches = self.queued_seqs // self.batch_seqs if self.trainer.fetch_all else 1
+        need = batches * self.batch_seqs
         taken_before = self.steps
         lags = self._lag_seqs
         while need:
@@ -333,12 +344,17 @@ class World:
             need -= take
             if not head[0]:
                 self._queue.popleft()
-        self.queued_seqs -= self.batch_seqs
+        self.queued_seqs -= batches * self.batch_seqs
+        self.taken += batches
+        self._held = batches - 1
+        self._step(t)
+        self._fill_all()  # the queue shrank: workers held back by the off-policy limit resume
+
+    def _step(self, t: float) -> None:
         step_s = self.trainer.step_s_at(t) * self.draws.step_factor(self.steps)
         self.steps += 1
         self._busy = True
         self._at(t + max(round(step_s, 3), 0.001), "trainer", None)
-        self._fill_all()  # the queue shrank: workers held back by the off-policy limit resume
 
     def _stop_waiting(self) -> None:
         if self._waiting_since is not None:
@@ -606,7 +622,7 @@ class World:
                     pool=name,
                     queued_sequences=self.queued_seqs,
                     batch_size_seqs=self.batch_seqs,
-                    trainer_step=self.steps,
+                    trainer_step=self.taken,
                 )
             )
             in_flight = sum(

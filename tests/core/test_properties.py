@@ -123,7 +123,7 @@ def pool_specs(draw: st.DrawFn, name: str, gpus: int) -> PoolSpec:
         require_ready=draw(st.booleans()),
         start_timeout_s=draw(st.sampled_from([5.0, 30.0])),
         heartbeat_grace_s=draw(st.sampled_from([None, 4.0, 20.0])),
-        drain_timeout_s=draw(st.sampled_from([2.0, 10.0])),
+        drain_timeout_s=draw(st.sampled_from([2.0, 10.0, "auto"])),
         stop_timeout_s=draw(st.sampled_from([1.0, 3.0])),
         metrics_stale_s=draw(st.sampled_from([5.0, 30.0])),
         stabilization_s=draw(st.sampled_from([0.0, 10.0, 60.0])),

@@ -172,6 +172,10 @@ async def test_global_status_reports_pools_workers_gpus_and_alerts(tmp_path: Pat
         assert envs["worker_ids_by_state"]["requested"] == ["envs-1"]
         assert envs["queue"] is None and envs["load"] is None
         assert (envs["failures"], envs["source_error"]) == (0, None)
+        # The drain deadline a drain would get now, and why (the pool measures "auto" ones).
+        deadline = envs["drain_deadline"]
+        assert deadline["seconds"] > 0 and deadline["why"] and deadline["measured_drains"] == 0
+        assert "drain deadline" in envs["summary"]
         types = [d["type"] for d in envs["decisions"]]
         assert types.count("ScalePool") == 1 and types.count("SpawnWorker") == 2
         assert all(d["reason"] and d["t"] == 0.0 for d in envs["decisions"])

@@ -196,6 +196,7 @@ def test_status_shows_how_old_the_pressure_is_during_a_source_outage(
 
         out = wait_for("the sample's age", outage_shown_with_age)
         assert "queue 0.50 batches of 64 sequences" in out
+        assert re.search(r"^ +drain deadline \d+s: ", out, re.M), out
         found = re.search(r"pressure source down \(last sample (\d+)s ago\): (.+)$", out, re.M)
         assert found is not None, out
         assert f"127.0.0.1:{port}" in found.group(2)

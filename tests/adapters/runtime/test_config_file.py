@@ -210,3 +210,28 @@ def test_a_configuration_the_log_cannot_hold_is_refused_by_key() -> None:
     config = attrs.evolve(Config(), pools=[spec])
     with pytest.raises(ConfigError, match=r"^pools\.envs\.drain_timeout_s: inf would read back"):
         check_loggable(config)
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [("", "auto"), ('drain_timeout_s = "auto"', "auto"), ("drain_timeout_s = 45", 45.0)],
+)
+def test_the_drain_timeout_is_measured_unless_seconds_are_given(
+    tmp_path: Path, line: str, expected: object
+) -> None:
+    text = GOOD.replace("heartbeat_grace_s = 10", f"heartbeat_grace_s = 10\n{line}", 1)
+    settings = load(write(tmp_path, text))
+    [pool] = settings.config.pools
+    assert pool.drain_timeout_s == expected
+    check_loggable(settings.config)
+
+
+@pytest.mark.parametrize("value", ['"soon"', "true", "[60]"])
+def test_a_drain_timeout_neither_seconds_nor_auto_is_refused_by_key(
+    tmp_path: Path, value: str
+) -> None:
+    text = GOOD.replace(
+        "heartbeat_grace_s = 10", f"heartbeat_grace_s = 10\ndrain_timeout_s = {value}"
+    )
+    with pytest.raises(ConfigError, match=r"^pools\.envs\.drain_timeout_s: "):
+        load(write(tmp_path, text))
