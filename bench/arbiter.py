@@ -551,6 +551,12 @@ def _delta(ours: float, theirs: float) -> str:
     return f"{(ours / theirs - 1):+.1%}"
 
 
+def _word(verdict: dict[str, bool], figure: str) -> str:
+    if verdict[f"{figure}_beats"]:
+        return "beats"
+    return "ties" if verdict[f"{figure}_no_worse"] else "loses"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -606,10 +612,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f" {_delta(deo.pipeline_mean_step_s, theirs.pipeline_mean_step_s)}, worst step"
                 f" {_delta(deo.worst_step_s, theirs.worst_step_s)}, busy"
                 f" {(deo.busy_fraction - theirs.busy_fraction) * 100:+.1f} points:"
-                f" {'beats' if verdict['step_beats'] else 'ties' if verdict['step_no_worse'] else 'loses'}"
-                f" on step time,"
-                f" {'beats' if verdict['busy_beats'] else 'ties' if verdict['busy_no_worse'] else 'loses'}"
-                f" on busy; goal ({'beat' if other == 'static' else 'never worse'})"
+                f" {_word(verdict, 'step')} on step time, {_word(verdict, 'busy')} on busy;"
+                f" goal ({'beat' if other == 'static' else 'never worse'})"
                 f" {'met' if goal else 'missed'}"
             )
     return 0
