@@ -177,6 +177,11 @@ class Pipeline:
     activity_t: float = 0.0
     #: When its generation last woke from zero ranks (None: never).
     woken_t: float | None = None
+    #: Measured trajectories per awake generation GPU-second, smoothed (None: not yet), and the
+    #: progress report it was last measured from: its time and its completed trajectories.
+    generation_rate: float | None = None
+    rate_mark_t: float | None = None
+    rate_mark_completed: int = 0
 
     def generation(self) -> Cluster | None:
         """Its generation cluster (at most one), if registered."""

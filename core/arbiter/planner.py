@@ -39,10 +39,10 @@ from typing import Protocol
 
 import attrs
 
-from core.arbiter.model import ArbiterState, ClusterSpec
+from core.arbiter.model import ArbiterState, ClusterSpec, Pipeline
 from core.arbiter.plan import ClusterKey, GpuOp, Plan, RankOp, merge_rank_ops
 
-__all__ = ["Demand", "GapRatioPlanner", "Planner", "RlixPlanner", "Share"]
+__all__ = ["Demand", "GapRatioPlanner", "Planner", "RlixPlanner", "Share", "observe_rate"]
 
 
 class Planner(Protocol):
@@ -210,6 +210,58 @@ def _remaining(state: ArbiterState, pipeline_id: str) -> int | None:
     return sum(p.remaining for p in progress.values())
 
 
+#: Weight of a new sample in the smoothed generation rate.
+RATE_SMOOTHING = 0.2
+#: Seconds a rate sample spans at least (shorter spans are noisy: ranks just woken produce
+#: nothing yet).
+RATE_WINDOW_S = 5.0
+
+
+def observe_rate(pipeline: Pipeline, now: float) -> Pipeline:
+    """``pipeline`` after a progress report at ``now``, with its generation rate measured: the
+    trajectories completed since the last mark, over the seconds since then times the GPUs its
+    generation has awake. A sample is taken once it spans :data:`RATE_WINDOW_S` and shows
+    progress (a stall lowers the next sample instead of making the rate zero); it is smoothed
+    exponentially. Fewer completed trajectories than at the mark (a new rollout) or no awake
+    GPU start a new mark."""
+    completed = sum(max(p.completed_trajectories, 0) for p in pipeline.progress.values())
+    cluster = pipeline.generation()
+    gpus = 0 if cluster is None else len(cluster.active_gpus())
+    mark_t = pipeline.rate_mark_t
+    if mark_t is None or gpus == 0 or completed < pipeline.rate_mark_completed:
+        return attrs.evolve(pipeline, rate_mark_t=now, rate_mark_completed=completed)
+    done = completed - pipeline.rate_mark_completed
+    span_s = now - mark_t
+    if span_s < RATE_WINDOW_S or done == 0:
+        return pipeline
+    sample = done / (span_s * gpus)
+    old = pipeline.generation_rate
+    rate = sample if old is None else old + RATE_SMOOTHING * (sample - old)
+    return attrs.evolve(
+        pipeline, generation_rate=rate, rate_mark_t=now, rate_mark_completed=completed
+    )
+
+
+def _rates(state: ArbiterState, keys: Iterable[ClusterKey]) -> dict[ClusterKey, float]:
+    """Trajectories per GPU-second per generation cluster: measured, else the mean of the
+    measured ones, else 1 per rank (``1 / tp`` per GPU, which makes the weight rlix's
+    ``R * tp``)."""
+    measured = {
+        k: rate
+        for k in keys
+        if (rate := state.pipelines[k[0]].generation_rate) is not None and rate > 0
+    }
+    mean = sum(measured.values()) / len(measured) if measured else None
+    return {
+        k: measured.get(k, mean if mean is not None else 1.0 / _spec(state, k).tp_size)
+        for k in keys
+    }
+
+
+def _spec(state: ArbiterState, key: ClusterKey) -> ClusterSpec:
+    return state.pipelines[key[0]].clusters[key[1]].spec
+
+
 @attrs.frozen(slots=True)
 class GapRatioPlanner:
     """deo's planner: rlix's gap ratio with its known flaws fixed.
@@ -243,6 +295,11 @@ class GapRatioPlanner:
     name: str = "deo"
     #: Seconds without a sign of life after which a pipeline is silent (None: never).
     stale_after_s: float | None = 60.0
+    #: A generating rank is taken from a donor only when the acceptor's time to finish exceeds
+    #: the donor's (after the move) by this fraction and by ``move_cost_s`` seconds: a move costs
+    #: a wake, a sleep and the donor's trajectories in flight, and shares must not churn.
+    hysteresis: float = 0.25
+    move_cost_s: float = 10.0
 
     def demand(self, state: ArbiterState) -> dict[ClusterKey, Demand]:
         found: dict[ClusterKey, Demand] = {}
@@ -272,6 +329,13 @@ class GapRatioPlanner:
             )
         return found
 
+    def work(
+        self, state: ArbiterState, demand: dict[ClusterKey, Demand]
+    ) -> dict[ClusterKey, float]:
+        """Each generation cluster's remaining work in GPU-seconds: ``R / rate``."""
+        rates = _rates(state, demand)
+        return {k: d.remaining / rates[k] for k, d in demand.items()}
+
     def shares(self, state: ArbiterState) -> dict[ClusterKey, Share]:
         """Each generation cluster's demand, target and awake GPUs as this planner sees ``state``
         (for ``deo status`` and metrics; targets are those of the next plan)."""
@@ -279,9 +343,9 @@ class GapRatioPlanner:
         _priorities(board, shrink_when_blocked=False)
         demand = self.demand(state)
         eligible = sorted(k for k, d in demand.items() if d.eligible)
-        remaining = {k: demand[k].remaining for k in demand}
+        work = self.work(state, demand)
         probes = {k for k in eligible if demand[k].probe}
-        targets = self._targets(board, eligible, remaining, probes) if eligible else {}
+        targets = self._targets(board, eligible, work, probes) if eligible else {}
         return {
             key: Share(
                 remaining=d.remaining,
@@ -301,60 +365,85 @@ class GapRatioPlanner:
         if not eligible:
             return board.result()
         remaining = {k: demand[k].remaining for k in demand}
+        work = self.work(state, demand)
         probes = {k for k in eligible if demand[k].probe}
-        targets = self._targets(board, eligible, remaining, probes)
+        targets = self._targets(board, eligible, work, probes)
+        # Idle GPUs first: waking on them takes nothing from anyone.
+        self._fill_idle(board, eligible, targets, remaining, work, probes, within_targets=True)
         stuck: set[ClusterKey] = set()
         while True:
             acceptors = _acceptors(board, eligible, targets, stuck)
             if not acceptors:
                 break
-            key = min(
-                acceptors,
-                key=lambda k: (-(targets[k] - board.active_gpus(k)) / targets[k], -remaining[k], k),
-            )
-            if not self._wake_one(board, key, targets, remaining):
+            key = max(acceptors, key=lambda k: (_finish_s(board, work, k), remaining[k], k))
+            if not self._wake_one(board, key, targets, remaining, work):
                 stuck.add(key)
-        self._fill_idle(board, eligible, remaining, probes)
+        self._fill_idle(board, eligible, targets, remaining, work, probes, within_targets=False)
         return board.result()
 
     def _fill_idle(
         self,
         board: _Board,
         eligible: list[ClusterKey],
+        targets: dict[ClusterKey, int],
         remaining: dict[ClusterKey, int],
+        work: dict[ClusterKey, float],
         probes: set[ClusterKey],
+        *,
+        within_targets: bool,
     ) -> None:
-        """Idle bundles that no target could use go to eligible pipelines that can place them,
-        most remaining work first (targets are shares of a budget, and a share may sit where
-        its owner cannot place it: nothing waits while its own GPUs are idle)."""
-        for key in sorted(eligible, key=lambda k: (-remaining[k], k)):
-            spec = board.specs[key]
-            limit = 1 if key in probes else spec.dp_limit
-            for rank in range(spec.ranks):
+        """Wake ranks on idle bundles, the pipeline with the longest time to finish first: up to
+        each target (``within_targets``), or past targets for idle bundles that no target could
+        use (targets are shares of a budget, and a share may sit where its owner cannot place
+        it: nothing waits while GPUs it can use are idle)."""
+        while True:
+            woken = False
+            for key in sorted(eligible, key=lambda k: (-_finish_s(board, work, k), k)):
+                spec = board.specs[key]
+                limit = 1 if key in probes else spec.dp_limit
                 if len(board.active[key]) >= limit:
-                    break
-                if rank in board.active[key] or not board.placeable(key, rank):
                     continue
-                if all(g in board.idle for g in spec.bundle(rank)):
-                    board.expand(
-                        key,
-                        rank,
-                        f"{_name(key)} takes idle GPUs no other pipeline's target can use"
-                        f" ({remaining[key]} trajectories remaining)",
-                    )
+                if within_targets and board.active_gpus(key) + spec.tp_size > targets[key]:
+                    continue
+                rank = next(
+                    (
+                        r
+                        for r in range(spec.ranks)
+                        if r not in board.active[key]
+                        and board.placeable(key, r)
+                        and all(g in board.idle for g in spec.bundle(r))
+                    ),
+                    None,
+                )
+                if rank is None:
+                    continue
+                why = (
+                    f"below its target of {targets[key]} GPUs"
+                    if within_targets
+                    else "takes idle GPUs no other pipeline's target can use"
+                )
+                board.expand(
+                    key,
+                    rank,
+                    f"gap ratio: {_name(key)} {why} ({remaining[key]} trajectories,"
+                    f" {work[key]:.0f} GPU-s remaining); woken on idle GPUs",
+                )
+                woken = True
+                break
+            if not woken:
+                return
 
     def _targets(
         self,
         board: _Board,
         eligible: list[ClusterKey],
-        remaining: dict[ClusterKey, int],
+        work: dict[ClusterKey, float],
         probes: set[ClusterKey],
     ) -> dict[ClusterKey, int]:
         usable_for_generation = {g for k in eligible for g in board.specs[k].device_mapping}
         budget = len(board.idle & usable_for_generation) + len(board.awake)
-        weight = {k: remaining[k] * board.specs[k].tp_size for k in eligible}
-        total = sum(weight.values())
-        share = {k: budget * weight[k] / total for k in eligible}
+        total = sum(work[k] for k in eligible)
+        share = {k: budget * work[k] / total for k in eligible}
         cap = {
             k: min(
                 board.specs[k].dp_limit,
@@ -366,7 +455,7 @@ class GapRatioPlanner:
         }
         targets = dict.fromkeys(board.specs, 0)
         left = budget
-        for k in sorted(eligible, key=lambda k: (-remaining[k], k)):
+        for k in sorted(eligible, key=lambda k: (-work[k], k)):
             tp = board.specs[k].tp_size
             if cap[k] >= tp and tp <= left:
                 targets[k] = tp
@@ -379,7 +468,7 @@ class GapRatioPlanner:
             ]
             if not open_:
                 return targets
-            k = min(open_, key=lambda k: (-(share[k] - targets[k]), -remaining[k], k))
+            k = min(open_, key=lambda k: (-(share[k] - targets[k]), -work[k], k))
             targets[k] += board.specs[k].tp_size
             left -= board.specs[k].tp_size
 
@@ -389,9 +478,11 @@ class GapRatioPlanner:
         key: ClusterKey,
         targets: dict[ClusterKey, int],
         remaining: dict[ClusterKey, int],
+        work: dict[ClusterKey, float],
     ) -> bool:
         spec = board.specs[key]
-        best: tuple[tuple[int, int, int, int], int, list[tuple[ClusterKey, int]]] | None = None
+        finish_s = _finish_s(board, work, key)
+        best: tuple[tuple[int, float, int, int], int, list[tuple[ClusterKey, int]]] | None = None
         for rank in range(spec.ranks):
             if rank in board.active[key] or not board.placeable(key, rank):
                 continue
@@ -400,12 +491,17 @@ class GapRatioPlanner:
             for donor, _ in donors:
                 taken[donor] = taken.get(donor, 0) + board.specs[donor].tp_size
             if any(
-                d == key or board.active_gpus(d) - n < targets.get(d, 0) for d, n in taken.items()
+                d == key
+                or board.active_gpus(d) - n < targets.get(d, 0)
+                or not self._worth_moving(
+                    finish_s, _finish_s(board, work, d, -n), timed=_measured(board, key, d)
+                )
+                for d, n in taken.items()
             ):
                 continue
             score = (
                 1 if donors else 0,
-                sum(remaining.get(d, 0) for d in taken),
+                max((_finish_s(board, work, d, -n) for d, n in taken.items()), default=0.0),
                 len(donors),
                 rank,
             )
@@ -419,16 +515,45 @@ class GapRatioPlanner:
                 donor,
                 donor_rank,
                 f"gap ratio: {_name(donor)} is above its target of {targets.get(donor, 0)} GPUs"
-                f" and gives GPUs to {_name(key)}",
+                f" and gives GPUs to {_name(key)}, which needs longer to finish",
             )
         source = f"from {', '.join(_name(d) for d, _ in donors)}" if donors else "on idle GPUs"
         board.expand(
             key,
             rank,
             f"gap ratio: {_name(key)} is below its target of {targets[key]} GPUs"
-            f" ({remaining[key]} trajectories remaining); woken {source}",
+            f" ({remaining[key]} trajectories, {work[key]:.0f} GPU-s remaining); woken {source}",
         )
         return True
+
+    def _worth_moving(
+        self, acceptor_finish_s: float, donor_finish_s: float, *, timed: bool
+    ) -> bool:
+        """Whether taking a bundle from a donor that would then finish in ``donor_finish_s`` for
+        an acceptor that finishes in ``acceptor_finish_s`` now pays for the move (``timed``: both
+        rates are measured, so the times are seconds and ``move_cost_s`` applies)."""
+        if donor_finish_s == 0.0:
+            return True  # the donor has nothing left to generate
+        if acceptor_finish_s <= (1 + self.hysteresis) * donor_finish_s:
+            return False
+        return not timed or acceptor_finish_s - donor_finish_s > self.move_cost_s
+
+
+def _measured(board: _Board, *keys: ClusterKey) -> bool:
+    """Whether every one of ``keys`` has a measured generation rate."""
+    return all(board.state.pipelines[k[0]].generation_rate is not None for k in keys)
+
+
+def _finish_s(
+    board: _Board, work: dict[ClusterKey, float], key: ClusterKey, change_gpus: int = 0
+) -> float:
+    """Seconds ``key`` needs to finish its remaining work on its awake GPUs (plus
+    ``change_gpus``): infinite with none and work left, 0 with no work."""
+    left = work.get(key, 0.0)
+    if left <= 0:
+        return 0.0
+    gpus = board.active_gpus(key) + change_gpus
+    return left / gpus if gpus > 0 else math.inf
 
 
 @attrs.frozen(slots=True)
