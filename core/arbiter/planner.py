@@ -95,9 +95,18 @@ class _Board:
         self.grants: list[GpuOp] = []
         #: Ranks put to sleep in this plan: not woken again in the same plan.
         self.slept: set[tuple[ClusterKey, int]] = set()
+        #: The pipelines whose non-generation clusters map each GPU (who may claim it back).
+        self.homes: dict[str, set[str]] = {}
+        #: Each pipeline's generation cluster.
+        self.generation: dict[str, ClusterKey] = {}
         for pipeline_id, cluster in state.clusters():
             key = (pipeline_id, cluster.spec.name)
             self.specs[key] = cluster.spec
+            if cluster.spec.is_generation:
+                self.generation[pipeline_id] = key
+            else:
+                for gpu in cluster.spec.device_mapping:
+                    self.homes.setdefault(gpu, set()).add(pipeline_id)
             for gpu in cluster.held:
                 self.holder[gpu] = key
             self.active[key] = set(cluster.active_ranks)
@@ -300,6 +309,7 @@ class GapRatioPlanner:
     #: a wake, a sleep and the donor's trajectories in flight, and shares must not churn.
     hysteresis: float = 0.25
     move_cost_s: float = 10.0
+    work_exponent: float = 1.0
 
     def demand(self, state: ArbiterState) -> dict[ClusterKey, Demand]:
         found: dict[ClusterKey, Demand] = {}
@@ -334,7 +344,7 @@ class GapRatioPlanner:
     ) -> dict[ClusterKey, float]:
         """Each generation cluster's remaining work in GPU-seconds: ``R / rate``."""
         rates = _rates(state, demand)
-        return {k: d.remaining / rates[k] for k, d in demand.items()}
+        return {k: (d.remaining / rates[k]) ** self.work_exponent for k, d in demand.items()}
 
     def shares(self, state: ArbiterState) -> dict[ClusterKey, Share]:
         """Each generation cluster's demand, target and awake GPUs as this planner sees ``state``
@@ -405,18 +415,16 @@ class GapRatioPlanner:
                     continue
                 if within_targets and board.active_gpus(key) + spec.tp_size > targets[key]:
                     continue
-                rank = next(
-                    (
-                        r
-                        for r in range(spec.ranks)
-                        if r not in board.active[key]
-                        and board.placeable(key, r)
-                        and all(g in board.idle for g in spec.bundle(r))
-                    ),
-                    None,
-                )
-                if rank is None:
+                free = [
+                    r
+                    for r in range(spec.ranks)
+                    if r not in board.active[key]
+                    and board.placeable(key, r)
+                    and all(g in board.idle for g in spec.bundle(r))
+                ]
+                if not free:
                     continue
+                rank = min(free, key=lambda r: (_claim_risk(board, work, key, r), r))
                 why = (
                     f"below its target of {targets[key]} GPUs"
                     if within_targets
@@ -482,7 +490,11 @@ class GapRatioPlanner:
     ) -> bool:
         spec = board.specs[key]
         finish_s = _finish_s(board, work, key)
-        best: tuple[tuple[int, float, int, int], int, list[tuple[ClusterKey, int]]] | None = None
+        best: (
+            tuple[int, tuple[int, float], float, int, int],
+            int,
+            list[tuple[ClusterKey, int]],
+        ) | None = None
         for rank in range(spec.ranks):
             if rank in board.active[key] or not board.placeable(key, rank):
                 continue
@@ -501,6 +513,7 @@ class GapRatioPlanner:
                 continue
             score = (
                 1 if donors else 0,
+                _claim_risk(board, work, key, rank),
                 max((_finish_s(board, work, d, -n) for d, n in taken.items()), default=0.0),
                 len(donors),
                 rank,
@@ -537,6 +550,26 @@ class GapRatioPlanner:
         if acceptor_finish_s <= (1 + self.hysteresis) * donor_finish_s:
             return False
         return not timed or acceptor_finish_s - donor_finish_s > self.move_cost_s
+
+
+def _claim_risk(
+    board: _Board, work: dict[ClusterKey, float], key: ClusterKey, rank: int
+) -> tuple[int, float]:
+    """How soon rank ``rank`` of ``key`` may be preempted by another pipeline's training (lower
+    is safer): (0, 0) on GPUs no other pipeline's non-generation cluster maps (its own
+    training takes them back only when it has released generation anyway); else (1, -t) where
+    t is the shortest time to finish among those pipelines' rollouts (the sooner one finishes,
+    the sooner its training claims its GPUs; one with no rollout work may claim them any
+    time)."""
+    others = {p for g in board.specs[key].bundle(rank) for p in board.homes.get(g, ())}
+    others.discard(key[0])
+    if not others:
+        return (0, 0.0)
+    soonest = min(
+        _finish_s(board, work, board.generation[p]) if p in board.generation else 0.0
+        for p in others
+    )
+    return (1, -soonest)
 
 
 def _measured(board: _Board, *keys: ClusterKey) -> bool:
