@@ -352,16 +352,7 @@ def run(scenario: Scenario, planner_name: str, seed: int | None = None) -> Resul
                         ),
                     )
                 )
-                _start_rollout(step, job, t, scenario)
-                step(
-                    GpusRequested(
-                        t=t,
-                        pipeline=name,
-                        cluster="gen",
-                        priority=Priority.GENERATION,
-                        estimate_trajectories=job.spec.rollout_trajectories,
-                    )
-                )
+                _start_rollout(step, job, t, scenario, release=None)
                 job.waiting_since = t
         state = arbiter.state
         if t >= start:
@@ -427,17 +418,7 @@ def run(scenario: Scenario, planner_name: str, seed: int | None = None) -> Resul
                 if job.train_left_s <= 0:
                     job.step_times.append(t + 1.0 - job.step_started_s)
                     job.train_ready_s = math.inf
-                    step(
-                        GpusReleasedAndRequested(
-                            t=t,
-                            pipeline=job.spec.name,
-                            release_cluster="train",
-                            cluster="gen",
-                            priority=Priority.GENERATION,
-                            estimate_trajectories=job.spec.rollout_trajectories,
-                        )
-                    )
-                    _start_rollout(step, job, t + 1.0, scenario)
+                    _start_rollout(step, job, t + 1.0, scenario, release="train")
                     job.waiting_since = t
         t += 1.0
     progress = []
@@ -464,13 +445,48 @@ def run(scenario: Scenario, planner_name: str, seed: int | None = None) -> Resul
     )
 
 
-def _start_rollout(step: Any, job: _Job, t: float, scenario: Scenario) -> None:
+def _start_rollout(step: Any, job: _Job, t: float, scenario: Scenario, release: str | None) -> None:
+    """A new rollout, as a training loop starts one: clear the last rollout's progress, ask
+    for generation (releasing ``release`` in the same step) with an estimate, report the new
+    rollout's target, open the rollout (durable demand)."""
+    name = job.spec.name
     job.phase = "rollout"
     job.completed = 0.0
     job.step_started_s = t
     job.draw(scenario)
-    step(ProgressCleared(t=t, pipeline=job.spec.name))
-    step(RolloutOpened(t=t, pipeline=job.spec.name))
+    target = job.spec.rollout_trajectories
+    step(ProgressCleared(t=t, pipeline=name))
+    if release is None:
+        step(
+            GpusRequested(
+                t=t,
+                pipeline=name,
+                cluster="gen",
+                priority=Priority.GENERATION,
+                estimate_trajectories=target,
+            )
+        )
+    else:
+        step(
+            GpusReleasedAndRequested(
+                t=t,
+                pipeline=name,
+                release_cluster=release,
+                cluster="gen",
+                priority=Priority.GENERATION,
+                estimate_trajectories=target,
+            )
+        )
+    step(
+        ProgressReported(
+            t=t,
+            pipeline=name,
+            stream="rollout",
+            target_trajectories=target,
+            completed_trajectories=0,
+        )
+    )
+    step(RolloutOpened(t=t, pipeline=name))
 
 
 PLANNERS = ("static", "rlix", "deo")

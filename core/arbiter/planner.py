@@ -309,7 +309,6 @@ class GapRatioPlanner:
     #: a wake, a sleep and the donor's trajectories in flight, and shares must not churn.
     hysteresis: float = 0.25
     move_cost_s: float = 10.0
-    work_exponent: float = 1.0
 
     def demand(self, state: ArbiterState) -> dict[ClusterKey, Demand]:
         found: dict[ClusterKey, Demand] = {}
@@ -344,7 +343,7 @@ class GapRatioPlanner:
     ) -> dict[ClusterKey, float]:
         """Each generation cluster's remaining work in GPU-seconds: ``R / rate``."""
         rates = _rates(state, demand)
-        return {k: (d.remaining / rates[k]) ** self.work_exponent for k, d in demand.items()}
+        return {k: d.remaining / rates[k] for k, d in demand.items()}
 
     def shares(self, state: ArbiterState) -> dict[ClusterKey, Share]:
         """Each generation cluster's demand, target and awake GPUs as this planner sees ``state``
