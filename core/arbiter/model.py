@@ -158,6 +158,8 @@ class Cluster:
     held: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
     active_ranks: frozenset[int] = attrs.field(default=frozenset(), converter=_int_set)
     request: Request | None = None
+    #: When it was granted what it holds (None: it holds nothing).
+    held_t: float | None = None
 
     def active_gpus(self) -> tuple[str, ...]:
         return tuple(g for r in sorted(self.active_ranks) for g in self.spec.bundle(r))

@@ -175,8 +175,15 @@ def _acceptors(
     ]
 
 
-def _priorities(board: _Board, shrink_when_blocked: bool) -> None:
-    """Serve waiting non-generation requests in priority order (see the module's docstring)."""
+def _priorities(board: _Board, shrink_when_blocked: bool, reserve_s: float | None = None) -> None:
+    """Serve waiting non-generation requests in priority order (see the module's docstring).
+
+    A blocked request reserves its mapping against requests of lower priority, except when it
+    is blocked only by its own pipeline, or (``reserve_s`` set) by another pipeline's holder
+    that has held its GPUs for ``reserve_s`` seconds or more: such a holder may never let go,
+    and requests behind it that can be served from the GPUs it does not hold are served. Once
+    that holder lets go, the request reserves again."""
+    now = board.state.now
     waiting = sorted(
         (cluster.request.priority, cluster.request.seq, (pipeline_id, cluster.spec.name))
         for pipeline_id, cluster in board.state.clusters()
@@ -193,6 +200,13 @@ def _priorities(board: _Board, shrink_when_blocked: bool) -> None:
         reserves = blocked and not (
             {p for p, _ in held_by} == {key[0]} and not any(g in reserved for g in mapping)
         )
+        overstaying = [
+            holder
+            for holder in held_by
+            if holder[0] != key[0] and _held_for_s(board, holder, now) >= (reserve_s or math.inf)
+        ]
+        if overstaying:
+            reserves = False
         if blocked and not shrink_when_blocked:
             if reserves:
                 for gpu in mapping:
@@ -209,6 +223,14 @@ def _priorities(board: _Board, shrink_when_blocked: bool) -> None:
                     reserved.setdefault(gpu, key)
             continue
         board.grant(key, f"{why}: granted")
+
+
+def _held_for_s(board: _Board, key: ClusterKey, now: float) -> float:
+    """How long ``key`` has held its GPUs (0 if it was granted in this plan)."""
+    held_t = board.state.pipelines[key[0]].clusters[key[1]].held_t
+    if held_t is None or not board.state.pipelines[key[0]].clusters[key[1]].held:
+        return 0.0
+    return now - held_t
 
 
 def _remaining(state: ArbiterState, pipeline_id: str) -> int | None:
@@ -309,6 +331,9 @@ class GapRatioPlanner:
     #: a wake, a sleep and the donor's trajectories in flight, and shares must not churn.
     hysteresis: float = 0.25
     move_cost_s: float = 10.0
+    #: A request blocked by another pipeline's holder stops reserving its other GPUs against
+    #: lower priorities once that holder has held its GPUs this long (None: never).
+    reserve_s: float | None = 600.0
 
     def demand(self, state: ArbiterState) -> dict[ClusterKey, Demand]:
         found: dict[ClusterKey, Demand] = {}
@@ -349,7 +374,7 @@ class GapRatioPlanner:
         """Each generation cluster's demand, target and awake GPUs as this planner sees ``state``
         (for ``deo status`` and metrics; targets are those of the next plan)."""
         board = _Board(state)
-        _priorities(board, shrink_when_blocked=False)
+        _priorities(board, shrink_when_blocked=False, reserve_s=self.reserve_s)
         demand = self.demand(state)
         eligible = sorted(k for k, d in demand.items() if d.eligible)
         work = self.work(state, demand)
@@ -368,7 +393,7 @@ class GapRatioPlanner:
 
     def plan(self, state: ArbiterState) -> Plan:
         board = _Board(state)
-        _priorities(board, shrink_when_blocked=False)
+        _priorities(board, shrink_when_blocked=False, reserve_s=self.reserve_s)
         demand = self.demand(state)
         eligible = sorted(k for k, d in demand.items() if d.eligible)
         if not eligible:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from core import GpuLost, RaiseAlert, decode, encode
+from core import GpuLost, RaiseAlert, Tick, decode, encode
 from core.arbiter import (
     ArbiterGpusDeclared,
     ArbiterReducer,
@@ -147,6 +147,30 @@ def test_a_higher_priority_request_reserves_its_gpus_against_lower_ones() -> Non
     # GPU 1 is idle, but "high" waits for it: "low" must not jump the queue.
     assert grants(arbiter.step(train_request("low", priority=Priority.VALUE_COMPUTE))) == []
     commands = arbiter.step(GpusReleased(t=2.0, pipeline="holder", cluster="train"))
+    assert grants(commands) == [("high", "train")]
+
+
+def test_a_holder_that_never_releases_holds_up_only_the_requests_that_need_its_gpus() -> None:
+    # "stuck" holds GPU 0 and never lets go. "high" needs GPUs 0-1 and waits; "low" needs only
+    # GPUs 1-2, which are free. "high" reserves GPU 1 against "low" until "stuck" has held
+    # GPU 0 for reserve_s; then "low" is served from the GPUs "stuck" does not hold.
+    arbiter = make_arbiter(3, planner=GapRatioPlanner(reserve_s=100.0))
+    register(arbiter, "stuck", train=["0"])
+    register(arbiter, "high", train=["0", "1"])
+    register(arbiter, "low", train=["1", "2"])
+    register(arbiter, "later", train=["0"])
+    arbiter.step(train_request("stuck", t=1.0))
+    arbiter.step(train_request("high", t=2.0, priority=Priority.INITIALIZATION))
+    assert grants(arbiter.step(train_request("low", t=3.0, priority=Priority.VALUE_COMPUTE))) == []
+    assert grants(arbiter.step(Tick(t=100.0))) == []  # held 99 s: "high" still reserves
+    assert grants(arbiter.step(Tick(t=101.0))) == [("low", "train")]
+    assert held(arbiter, "low") == ["1", "2"]
+    # "high" still waits for GPU 0 and for "low" to let go; once "stuck" lets go, "high"
+    # reserves again: a later, lower request for GPU 0 does not jump it.
+    arbiter.step(train_request("later", t=102.0, priority=Priority.VALUE_COMPUTE))
+    assert grants(arbiter.step(GpusReleased(t=103.0, pipeline="stuck", cluster="train"))) == []
+    assert held(arbiter, "later") == []
+    commands = arbiter.step(GpusReleased(t=104.0, pipeline="low", cluster="train"))
     assert grants(commands) == [("high", "train")]
 
 
