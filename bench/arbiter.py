@@ -179,6 +179,71 @@ SCENARIOS: tuple[Scenario, ...] = (
             ),
         ),
     ),
+    Scenario(
+        name="2 uneven on 4 GPUs",
+        gpus=4,
+        duration_s=3600,
+        pipelines=(
+            PipelineSpec(
+                name="long", rollout_trajectories=384, trajectories_per_gpu_s=1.0, train_s=45
+            ),
+            PipelineSpec(
+                name="short", rollout_trajectories=96, trajectories_per_gpu_s=0.5, train_s=90
+            ),
+        ),
+    ),
+    Scenario(
+        name="3 on 12 GPUs, tp 2 and a fast one",
+        gpus=12,
+        duration_s=3600,
+        pipelines=(
+            PipelineSpec(
+                name="big",
+                rollout_trajectories=1024,
+                trajectories_per_gpu_s=0.75,
+                train_s=60,
+                tp=2,
+            ),
+            PipelineSpec(
+                name="mid", rollout_trajectories=384, trajectories_per_gpu_s=1.0, train_s=60
+            ),
+            PipelineSpec(
+                name="fast", rollout_trajectories=192, trajectories_per_gpu_s=2.0, train_s=45
+            ),
+        ),
+    ),
+    Scenario(
+        name="4 on 16 GPUs, one stalls, one late",
+        gpus=16,
+        duration_s=3600,
+        pipelines=(
+            PipelineSpec(
+                name="a", rollout_trajectories=768, trajectories_per_gpu_s=1.0, train_s=60
+            ),
+            PipelineSpec(
+                name="b",
+                rollout_trajectories=512,
+                trajectories_per_gpu_s=1.5,
+                train_s=90,
+                tp=2,
+            ),
+            PipelineSpec(
+                name="stall",
+                rollout_trajectories=256,
+                trajectories_per_gpu_s=1.0,
+                train_s=120,
+                stall_at_s=900,
+                stall_s=600,
+            ),
+            PipelineSpec(
+                name="late",
+                rollout_trajectories=512,
+                trajectories_per_gpu_s=1.0,
+                train_s=60,
+                arrive_s=1800,
+            ),
+        ),
+    ),
 )
 
 

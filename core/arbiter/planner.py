@@ -329,8 +329,8 @@ class GapRatioPlanner:
     #: A generating rank is taken from a donor only when the acceptor's time to finish exceeds
     #: the donor's (after the move) by this fraction and by ``move_cost_s`` seconds: a move costs
     #: a wake, a sleep and the donor's trajectories in flight, and shares must not churn.
-    hysteresis: float = 0.25
-    move_cost_s: float = 10.0
+    hysteresis: float = 0.5
+    move_cost_s: float = 30.0
     #: A request blocked by another pipeline's holder stops reserving its other GPUs against
     #: lower priorities once that holder has held its GPUs this long (None: never).
     reserve_s: float | None = 600.0
