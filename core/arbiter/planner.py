@@ -326,10 +326,11 @@ class GapRatioPlanner:
     name: str = "deo"
     #: Seconds without a sign of life after which a pipeline is silent (None: never).
     stale_after_s: float | None = 60.0
-    #: A generating rank is taken from a donor only when the acceptor's time to finish exceeds
-    #: the donor's (after the move) by this fraction and by ``move_cost_s`` seconds: a move costs
-    #: a wake, a sleep and the donor's trajectories in flight, and shares must not churn.
-    hysteresis: float = 0.5
+    #: A rank is taken from a donor that is generating only when the move shortens the longer
+    #: of the two pipelines' times to finish by this fraction of it and by more than
+    #: ``move_cost_s`` seconds: a move costs a wake, a sleep and the donor's trajectories in
+    #: flight (about 12 s with vLLM's level-1 sleep), and shares must not churn.
+    hysteresis: float = 0.1
     move_cost_s: float = 30.0
     #: A request blocked by another pipeline's holder stops reserving its other GPUs against
     #: lower priorities once that holder has held its GPUs this long (None: never).
@@ -530,7 +531,9 @@ class GapRatioPlanner:
                 d == key
                 or board.active_gpus(d) - n < targets.get(d, 0)
                 or not self._worth_moving(
-                    finish_s, _finish_s(board, work, d, -n), timed=_measured(board, key, d)
+                    (finish_s, _finish_s(board, work, key, spec.tp_size)),
+                    (_finish_s(board, work, d), _finish_s(board, work, d, -n)),
+                    timed=_measured(board, key, d),
                 )
                 for d, n in taken.items()
             ):
@@ -564,16 +567,27 @@ class GapRatioPlanner:
         return True
 
     def _worth_moving(
-        self, acceptor_finish_s: float, donor_finish_s: float, *, timed: bool
+        self,
+        acceptor_s: tuple[float, float],
+        donor_s: tuple[float, float],
+        *,
+        timed: bool,
     ) -> bool:
-        """Whether taking a bundle from a donor that would then finish in ``donor_finish_s`` for
-        an acceptor that finishes in ``acceptor_finish_s`` now pays for the move (``timed``: both
-        rates are measured, so the times are seconds and ``move_cost_s`` applies)."""
-        if donor_finish_s == 0.0:
+        """Whether moving a bundle pays: ``acceptor_s`` and ``donor_s`` are each side's time to
+        finish before and after the move. It must shorten the longer of the two by
+        ``hysteresis`` of it, and (``timed``: both rates measured, so the times are seconds) by
+        more than ``move_cost_s``."""
+        if donor_s[0] == 0.0:
             return True  # the donor has nothing left to generate
-        if acceptor_finish_s <= (1 + self.hysteresis) * donor_finish_s:
+        if donor_s[1] == math.inf:
+            return False  # the donor would be left with work and no GPU
+        if acceptor_s[0] == math.inf:
+            return True  # the acceptor has work and no GPU
+        before = max(acceptor_s[0], donor_s[0])
+        gain = before - max(acceptor_s[1], donor_s[1])
+        if gain <= self.hysteresis * before:
             return False
-        return not timed or acceptor_finish_s - donor_finish_s > self.move_cost_s
+        return not timed or gain > self.move_cost_s
 
 
 def _claim_risk(
