@@ -12,10 +12,13 @@ device mapping, and may take GPUs from generation only: each active generation r
 mapping is put to sleep (a whole bundle of ``tp`` GPUs at a time). Memory-exclusive holders are
 never preempted; a request they block waits. deo shrinks generation for a request only when the
 request is granted in the same plan, and a waiting request reserves its mapping against requests
-of lower priority (no priority inversion, no shrink that serves nobody).
+of lower priority (no priority inversion, no shrink that serves nobody), except when it is
+blocked only by its own pipeline, or by another pipeline's holder that has held its GPUs for
+``reserve_s`` (a holder that may never let go must not hold up the requests behind it that can
+be served from other GPUs; the reservation comes back once that holder lets go).
 
-**Gap ratio.** Generation GPUs are shared among pipelines by their remaining work. Per pipeline
-with a generation cluster, from the latest progress report of each stream ``i``
+**Gap ratio (rlix).** Generation GPUs are shared among pipelines by their remaining work. Per
+pipeline with a generation cluster, from the latest progress report of each stream ``i``
 (``T_i = max(target_i, 1)``, ``remaining_i = T_i - clamp(completed_i, 0, T_i)``)::
 
     R = sum_i remaining_i            (remaining trajectories)
@@ -26,9 +29,30 @@ with a generation cluster, from the latest progress report of each stream ``i``
 rlix sets ``target = max(floor(rho * B / tp + 0.5) * tp, tp)`` and then repeatedly wakes ONE
 rank of the acceptor with the largest ``(rho - active / B) / rho``, on an idle bundle when there is
 one, else by shrinking donors (pipelines above their target, each keeping ``max(1, target/tp)``
-bundles). deo keeps the weights, the budget and the one-rank-at-a-time loop and changes the
-targets and donors (:class:`GapRatioPlanner` lists how and why). A generation request is answered
-only once one of its ranks is awake.
+bundles).
+
+**Time-to-finish gap (deo).** deo shares by the GPU-seconds each pipeline still needs, so that
+a pipeline whose GPUs turn out trajectories faster gets fewer of them, and moves a generating
+rank only when the move pays for its wake, sleep and lost in-flight work::
+
+    r    = trajectories per awake generation GPU-second, measured and smoothed (observe_rate);
+           not measured yet: the mean of the measured ones, or 1/tp (then W = R * tp, as rlix)
+    W    = R / r                         (remaining work, GPU-seconds)
+    t(g) = W / g                         (time to finish on g awake GPUs)
+    rho = W / sum_p W_p,  targets apportioned from rho * B in bundles (one-bundle floor first)
+
+1. Idle bundles first, up to each target, the pipeline with the longest ``t`` first, on the
+   bundle least likely to be claimed back soon (GPUs no other pipeline trains on first, then
+   those whose owner finishes its rollout last).
+2. Then, while an acceptor is below its target (longest ``t`` first), it takes one bundle from
+   donors above their target, if the move shortens the longer of the two times to finish,
+   ``max(t_a(g_a), t_d(g_d)) - max(t_a(g_a + tp), t_d(g_d - n))``, by more than ``hysteresis``
+   of it and (both rates measured) by more than ``move_cost_s`` seconds. A donor with no work
+   left always gives; one left with work and no GPU never does; an acceptor with no GPU always
+   takes (the floor).
+3. Idle bundles that no target can use go to eligible pipelines that can place them.
+
+A generation request is answered only once one of its ranks is awake.
 """
 
 from __future__ import annotations
@@ -295,7 +319,8 @@ def _spec(state: ArbiterState, key: ClusterKey) -> ClusterSpec:
 
 @attrs.frozen(slots=True)
 class GapRatioPlanner:
-    """deo's planner: rlix's gap ratio with its known flaws fixed.
+    """deo's planner: the time-to-finish gap (the module's docstring has the rule and its
+    formula), with rlix's known flaws fixed.
 
     - Demand is durable and counted once: an open rollout or a waiting request makes a pipeline
       eligible (so a pipeline preempted to zero competes before it reports again), and adds no
@@ -304,13 +329,19 @@ class GapRatioPlanner:
       waits forever); a waiting request always counts at least one.
     - A pipeline awake with no demand is a donor with target 0 (rlix does not see it, so its GPUs
       can never be reclaimed); its ranks stay awake until someone needs them.
+    - Shares follow remaining GPU-seconds ``W = R / rate``, not remaining trajectories: rlix
+      gives a pipeline with fast trajectories as many GPUs as a slow one with the same count.
     - Targets are apportioned in bundles and sum to at most the budget: first one bundle to each
-      eligible pipeline with work left (most remaining work first, while bundles last), then one
+      eligible pipeline with work left (most work first, while bundles last), then one
       bundle at a time to the pipeline furthest below ``rho * B``; a target never exceeds the
       ranks the cluster can place (``max_dp_size``, lost or held GPUs) (rlix's targets can sum past
       the budget, and give a bundle to pipelines with nothing left).
+    - Idle GPUs are filled before anyone is shrunk, and a generating rank moves only when the
+      move pays (hysteresis): rlix moves ranks on every change of the ratio, and each move
+      costs a wake, a sleep and the trajectories in flight.
     - Donors are pipelines above their target; a donor never goes below it. Among bundles to
-      wake, an idle one wins, then the one whose donors have the least remaining work (protect
+      wake, an idle one wins, then the one least likely to be claimed back by another
+      pipeline's training, then the one whose donors finish soonest after the move (protect
       the donors with the most work), then the fewest ranks shrunk, then the lowest rank.
     - A non-generation request shrinks generation only when it is granted in the same plan.
     - Idle bundles that no target can use (a share may sit where its owner cannot place it) go to
