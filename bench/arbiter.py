@@ -3,16 +3,20 @@ and rlix's planner as published.
 
 Run from the repository root::
 
-    .venv/bin/python bench/arbiter.py
+    .venv/bin/python bench/arbiter.py [--seeds 3] [--scenario TEXT]
 
-Each scenario runs 2-4 RL pipelines on 4-16 GPUs for a fixed simulated time. A pipeline loops:
-rollout (generate ``rollout_trajectories`` trajectories at ``trajectories_per_gpu_s`` per awake
-generation GPU, reporting progress every second), then training (``train_s`` seconds on its
-training cluster's GPUs), then rollout again. It talks to the arbiter the way a training loop
-would: ``RolloutOpened`` and a generation request with an estimate when a rollout starts;
-``RolloutClosed`` and ``GpusReleasedAndRequested`` (generation -> training) when it ends;
-``GpusReleasedAndRequested`` (training -> generation) when training ends. Commands take effect at
-once (no wake or sleep latency); time advances in steps of 1 s.
+Each scenario runs 2-4 RL pipelines on 4-16 GPUs for a fixed simulated time, once per seed (a
+seed varies each step's generation rate by up to ``rate_jitter`` and its training time by up to
+``train_jitter``). A pipeline loops: rollout (generate ``rollout_trajectories`` trajectories at
+``trajectories_per_gpu_s`` per producing generation GPU, reporting progress every second), then
+training (``train_s`` seconds on its training cluster's GPUs), then rollout again. It talks to
+the arbiter the way a training loop would: at a rollout's start ``ProgressCleared``, a
+generation request with an estimate (``GpusReleasedAndRequested`` training -> generation after
+a step), a progress report of the new target, ``RolloutOpened``; at its end ``RolloutClosed`` and
+``GpusReleasedAndRequested`` (generation -> training). Engines take time: a woken rank produces
+nothing for ``wake_s``, a rank put to sleep keeps its GPUs for ``sleep_s`` (a grant or a wake on
+them waits), and a rank put to sleep while generating loses ``preempt_lost_s`` of its output.
+Time advances in steps of 1 s.
 
 Planners:
 
@@ -22,11 +26,14 @@ Planners:
   pipeline's own block of the same size as the static partition.
 - ``deo``: :class:`core.arbiter.GapRatioPlanner` on the same mappings.
 
-Figures, per scenario and planner: steps done and mean step time per pipeline; GPU busy fraction
-(GPU-seconds spent generating for a pipeline in rollout or training, over all GPU-seconds from the
-first arrival); fairness (slowest / fastest normalised progress, where a pipeline's normalised
-progress is its steps times its step time alone on its static share, over the time it was
-present); and the longest time any request waited (no pipeline waits forever).
+Figures, per scenario and planner, means over seeds: mean step time per pipeline; the mean over
+pipelines of their mean step times (*mean step*) and the slowest pipeline's (*worst step*); GPU
+busy fraction (GPU-seconds producing: generating after a wake, or training, over all GPU-seconds
+from the first arrival); fairness (slowest / fastest normalised progress, where a pipeline's
+normalised progress is its steps times its step time alone on its static share, over the time it
+was present); the longest time any request waited (no pipeline waits forever); preemptions
+(ranks put to sleep while generating). Then deo against static and rlix: *beats* is better by
+more than :data:`TIE` (for step time: mean step lower, worst step no higher), *ties* within it.
 """
 
 from __future__ import annotations
@@ -64,7 +71,17 @@ from core.arbiter import (
 )
 from core.commands import RaiseAlert
 
-__all__ = ["SCENARIOS", "PipelineSpec", "Result", "Scenario", "main", "run"]
+__all__ = [
+    "SCENARIOS",
+    "PipelineSpec",
+    "Result",
+    "Scenario",
+    "Summary",
+    "compare",
+    "main",
+    "run",
+    "summarize",
+]
 
 
 @attrs.frozen(kw_only=True)

@@ -179,6 +179,10 @@ class _Board:
         )
 
 
+#: A bundle to wake: its score (lower wins), its rank, and the donor ranks it shrinks.
+_Choice = tuple[tuple[int, tuple[int, float], float, int, int], int, list[tuple[ClusterKey, int]]]
+
+
 def _name(key: ClusterKey) -> str:
     return f"{key[0]}/{key[1]}"
 
@@ -546,11 +550,7 @@ class GapRatioPlanner:
     ) -> bool:
         spec = board.specs[key]
         finish_s = _finish_s(board, work, key)
-        best: (
-            tuple[int, tuple[int, float], float, int, int],
-            int,
-            list[tuple[ClusterKey, int]],
-        ) | None = None
+        best: _Choice | None = None
         for rank in range(spec.ranks):
             if rank in board.active[key] or not board.placeable(key, rank):
                 continue

@@ -6,9 +6,10 @@ After every step: no plan was refused (deo's planner never proposes a plan that 
 invariant), the state keeps the invariants, a generation request with an awake rank has been
 answered, no non-generation grant jumped a waiting request of higher priority on the same GPUs
 (unless a holder that does not let go blocks that request), no request waits for free GPUs
-except behind a higher request that reserves them, and every command survives the log encoding. At teardown: the accepted events replay to the same
-commands, and each waiting request is answered once everyone else lets go (liveness over bounded
-sequences), unless the pipeline that never releases holds what it needs.
+except behind a higher request that reserves them, and every command survives the log
+encoding. At teardown: the accepted events replay to the same commands, and each waiting request
+is answered once everyone else lets go (liveness over bounded sequences), unless the pipeline
+that never releases holds what it needs.
 """
 
 from __future__ import annotations
