@@ -168,6 +168,8 @@ class Cluster:
     held: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
     active_ranks: frozenset[int] = attrs.field(default=frozenset(), converter=_int_set)
     request: Request | None = None
+    #: When it was granted what it holds (None: it holds nothing).
+    held_t: float | None = None
 
     def active_gpus(self) -> tuple[str, ...]:
         return tuple(g for r in sorted(self.active_ranks) for g in self.spec.bundle(r))
@@ -187,6 +189,11 @@ class Pipeline:
     activity_t: float = 0.0
     #: When its generation last woke from zero ranks (None: never).
     woken_t: float | None = None
+    #: Measured trajectories per awake generation GPU-second, smoothed (None: not yet), and the
+    #: progress report it was last measured from: its time and its completed trajectories.
+    generation_rate: float | None = None
+    rate_mark_t: float | None = None
+    rate_mark_completed: int = 0
 
     def generation(self) -> Cluster | None:
         """Its generation cluster (at most one), if registered."""

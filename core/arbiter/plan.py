@@ -111,7 +111,7 @@ def apply_plan(state: ArbiterState, plan: Plan) -> ArbiterState:
     for op in plan.frees:
         cluster = _cluster(state, op.key)
         if cluster is not None:
-            state = _with_cluster(state, op.key, attrs.evolve(cluster, held=()))
+            state = _with_cluster(state, op.key, attrs.evolve(cluster, held=(), held_t=None))
             idle |= set(op.gpus) & usable
     for rank_op in plan.shrinks:
         cluster = _cluster(state, rank_op.key)
@@ -129,7 +129,9 @@ def apply_plan(state: ArbiterState, plan: Plan) -> ArbiterState:
     for op in plan.grants:
         cluster = _cluster(state, op.key)
         if cluster is not None:
-            state = _with_cluster(state, op.key, attrs.evolve(cluster, held=op.gpus))
+            state = _with_cluster(
+                state, op.key, attrs.evolve(cluster, held=op.gpus, held_t=state.now)
+            )
             idle -= set(op.gpus)
     for rank_op in plan.expands:
         cluster = _cluster(state, rank_op.key)

@@ -12,10 +12,13 @@ device mapping, and may take GPUs from generation only: each active generation r
 mapping is put to sleep (a whole bundle of ``tp`` GPUs at a time). Memory-exclusive holders are
 never preempted; a request they block waits. deo shrinks generation for a request only when the
 request is granted in the same plan, and a waiting request reserves its mapping against requests
-of lower priority (no priority inversion, no shrink that serves nobody).
+of lower priority (no priority inversion, no shrink that serves nobody), except when it is
+blocked only by its own pipeline, or by another pipeline's holder that has held its GPUs for
+``reserve_s`` (a holder that may never let go must not hold up the requests behind it that can
+be served from other GPUs; the reservation comes back once that holder lets go).
 
-**Gap ratio.** Generation GPUs are shared among pipelines by their remaining work. Per pipeline
-with a generation cluster, from the latest progress report of each stream ``i``
+**Gap ratio (rlix).** Generation GPUs are shared among pipelines by their remaining work. Per
+pipeline with a generation cluster, from the latest progress report of each stream ``i``
 (``T_i = max(target_i, 1)``, ``remaining_i = T_i - clamp(completed_i, 0, T_i)``)::
 
     R = sum_i remaining_i            (remaining trajectories)
@@ -26,9 +29,30 @@ with a generation cluster, from the latest progress report of each stream ``i``
 rlix sets ``target = max(floor(rho * B / tp + 0.5) * tp, tp)`` and then repeatedly wakes ONE
 rank of the acceptor with the largest ``(rho - active / B) / rho``, on an idle bundle when there is
 one, else by shrinking donors (pipelines above their target, each keeping ``max(1, target/tp)``
-bundles). deo keeps the weights, the budget and the one-rank-at-a-time loop and changes the
-targets and donors (:class:`GapRatioPlanner` lists how and why). A generation request is answered
-only once one of its ranks is awake.
+bundles).
+
+**Time-to-finish gap (deo).** deo shares by the GPU-seconds each pipeline still needs, so that
+a pipeline whose GPUs turn out trajectories faster gets fewer of them, and moves a generating
+rank only when the move pays for its wake, sleep and lost in-flight work::
+
+    r    = trajectories per awake generation GPU-second, measured and smoothed (observe_rate);
+           not measured yet: the mean of the measured ones, or 1/tp (then W = R * tp, as rlix)
+    W    = R / r                         (remaining work, GPU-seconds)
+    t(g) = W / g                         (time to finish on g awake GPUs)
+    rho = W / sum_p W_p,  targets apportioned from rho * B in bundles (one-bundle floor first)
+
+1. Idle bundles first, up to each target, the pipeline with the longest ``t`` first, on the
+   bundle least likely to be claimed back soon (GPUs no other pipeline trains on first, then
+   those whose owner finishes its rollout last).
+2. Then, while an acceptor is below its target (longest ``t`` first), it takes one bundle from
+   donors above their target, if the move shortens the longer of the two times to finish,
+   ``max(t_a(g_a), t_d(g_d)) - max(t_a(g_a + tp), t_d(g_d - n))``, by more than ``hysteresis``
+   of it and (both rates measured) by more than ``move_cost_s`` seconds. A donor with no work
+   left always gives; one left with work and no GPU never does; an acceptor with no GPU always
+   takes (the floor).
+3. Idle bundles that no target can use go to eligible pipelines that can place them.
+
+A generation request is answered only once one of its ranks is awake.
 """
 
 from __future__ import annotations
@@ -39,10 +63,10 @@ from typing import Protocol
 
 import attrs
 
-from core.arbiter.model import ArbiterState, ClusterSpec
+from core.arbiter.model import ArbiterState, ClusterSpec, Pipeline
 from core.arbiter.plan import ClusterKey, GpuOp, Plan, RankOp, merge_rank_ops
 
-__all__ = ["Demand", "GapRatioPlanner", "Planner", "RlixPlanner", "Share"]
+__all__ = ["Demand", "GapRatioPlanner", "Planner", "RlixPlanner", "Share", "observe_rate"]
 
 
 class Planner(Protocol):
@@ -95,9 +119,18 @@ class _Board:
         self.grants: list[GpuOp] = []
         #: Ranks put to sleep in this plan: not woken again in the same plan.
         self.slept: set[tuple[ClusterKey, int]] = set()
+        #: The pipelines whose non-generation clusters map each GPU (who may claim it back).
+        self.homes: dict[str, set[str]] = {}
+        #: Each pipeline's generation cluster.
+        self.generation: dict[str, ClusterKey] = {}
         for pipeline_id, cluster in state.clusters():
             key = (pipeline_id, cluster.spec.name)
             self.specs[key] = cluster.spec
+            if cluster.spec.is_generation:
+                self.generation[pipeline_id] = key
+            else:
+                for gpu in cluster.spec.device_mapping:
+                    self.homes.setdefault(gpu, set()).add(pipeline_id)
             for gpu in cluster.held:
                 self.holder[gpu] = key
             self.active[key] = set(cluster.active_ranks)
@@ -146,6 +179,10 @@ class _Board:
         )
 
 
+#: A bundle to wake: its score (lower wins), its rank, and the donor ranks it shrinks.
+_Choice = tuple[tuple[int, tuple[int, float], float, int, int], int, list[tuple[ClusterKey, int]]]
+
+
 def _name(key: ClusterKey) -> str:
     return f"{key[0]}/{key[1]}"
 
@@ -166,8 +203,15 @@ def _acceptors(
     ]
 
 
-def _priorities(board: _Board, shrink_when_blocked: bool) -> None:
-    """Serve waiting non-generation requests in priority order (see the module's docstring)."""
+def _priorities(board: _Board, shrink_when_blocked: bool, reserve_s: float | None = None) -> None:
+    """Serve waiting non-generation requests in priority order (see the module's docstring).
+
+    A blocked request reserves its mapping against requests of lower priority, except when it
+    is blocked only by its own pipeline, or (``reserve_s`` set) by another pipeline's holder
+    that has held its GPUs for ``reserve_s`` seconds or more: such a holder may never let go,
+    and requests behind it that can be served from the GPUs it does not hold are served. Once
+    that holder lets go, the request reserves again."""
+    now = board.state.now
     waiting = sorted(
         (cluster.request.priority, cluster.request.seq, (pipeline_id, cluster.spec.name))
         for pipeline_id, cluster in board.state.clusters()
@@ -184,6 +228,13 @@ def _priorities(board: _Board, shrink_when_blocked: bool) -> None:
         reserves = blocked and not (
             {p for p, _ in held_by} == {key[0]} and not any(g in reserved for g in mapping)
         )
+        overstaying = [
+            holder
+            for holder in held_by
+            if holder[0] != key[0] and _held_for_s(board, holder, now) >= (reserve_s or math.inf)
+        ]
+        if overstaying:
+            reserves = False
         if blocked and not shrink_when_blocked:
             if reserves:
                 for gpu in mapping:
@@ -202,6 +253,14 @@ def _priorities(board: _Board, shrink_when_blocked: bool) -> None:
         board.grant(key, f"{why}: granted")
 
 
+def _held_for_s(board: _Board, key: ClusterKey, now: float) -> float:
+    """How long ``key`` has held its GPUs (0 if it was granted in this plan)."""
+    held_t = board.state.pipelines[key[0]].clusters[key[1]].held_t
+    if held_t is None or not board.state.pipelines[key[0]].clusters[key[1]].held:
+        return 0.0
+    return now - held_t
+
+
 def _remaining(state: ArbiterState, pipeline_id: str) -> int | None:
     """R from the latest progress reports, or None with no report."""
     progress = state.pipelines[pipeline_id].progress
@@ -210,9 +269,62 @@ def _remaining(state: ArbiterState, pipeline_id: str) -> int | None:
     return sum(p.remaining for p in progress.values())
 
 
+#: Weight of a new sample in the smoothed generation rate.
+RATE_SMOOTHING = 0.2
+#: Seconds a rate sample spans at least (shorter spans are noisy: ranks just woken produce
+#: nothing yet).
+RATE_WINDOW_S = 5.0
+
+
+def observe_rate(pipeline: Pipeline, now: float) -> Pipeline:
+    """``pipeline`` after a progress report at ``now``, with its generation rate measured: the
+    trajectories completed since the last mark, over the seconds since then times the GPUs its
+    generation has awake. A sample is taken once it spans :data:`RATE_WINDOW_S` and shows
+    progress (a stall lowers the next sample instead of making the rate zero); it is smoothed
+    exponentially. Fewer completed trajectories than at the mark (a new rollout) or no awake
+    GPU start a new mark."""
+    completed = sum(max(p.completed_trajectories, 0) for p in pipeline.progress.values())
+    cluster = pipeline.generation()
+    gpus = 0 if cluster is None else len(cluster.active_gpus())
+    mark_t = pipeline.rate_mark_t
+    if mark_t is None or gpus == 0 or completed < pipeline.rate_mark_completed:
+        return attrs.evolve(pipeline, rate_mark_t=now, rate_mark_completed=completed)
+    done = completed - pipeline.rate_mark_completed
+    span_s = now - mark_t
+    if span_s < RATE_WINDOW_S or done == 0:
+        return pipeline
+    sample = done / (span_s * gpus)
+    old = pipeline.generation_rate
+    rate = sample if old is None else old + RATE_SMOOTHING * (sample - old)
+    return attrs.evolve(
+        pipeline, generation_rate=rate, rate_mark_t=now, rate_mark_completed=completed
+    )
+
+
+def _rates(state: ArbiterState, keys: Iterable[ClusterKey]) -> dict[ClusterKey, float]:
+    """Trajectories per GPU-second per generation cluster: measured, else the mean of the
+    measured ones, else 1 per rank (``1 / tp`` per GPU, which makes the weight rlix's
+    ``R * tp``)."""
+    measured = {
+        k: rate
+        for k in keys
+        if (rate := state.pipelines[k[0]].generation_rate) is not None and rate > 0
+    }
+    mean = sum(measured.values()) / len(measured) if measured else None
+    return {
+        k: measured.get(k, mean if mean is not None else 1.0 / _spec(state, k).tp_size)
+        for k in keys
+    }
+
+
+def _spec(state: ArbiterState, key: ClusterKey) -> ClusterSpec:
+    return state.pipelines[key[0]].clusters[key[1]].spec
+
+
 @attrs.frozen(slots=True)
 class GapRatioPlanner:
-    """deo's planner: rlix's gap ratio with its known flaws fixed.
+    """deo's planner: the time-to-finish gap (the module's docstring has the rule and its
+    formula), with rlix's known flaws fixed.
 
     - Demand is durable and counted once: an open rollout or a waiting request makes a pipeline
       eligible (so a pipeline preempted to zero competes before it reports again), and adds no
@@ -221,13 +333,19 @@ class GapRatioPlanner:
       waits forever); a waiting request always counts at least one.
     - A pipeline awake with no demand is a donor with target 0 (rlix does not see it, so its GPUs
       can never be reclaimed); its ranks stay awake until someone needs them.
+    - Shares follow remaining GPU-seconds ``W = R / rate``, not remaining trajectories: rlix
+      gives a pipeline with fast trajectories as many GPUs as a slow one with the same count.
     - Targets are apportioned in bundles and sum to at most the budget: first one bundle to each
-      eligible pipeline with work left (most remaining work first, while bundles last), then one
+      eligible pipeline with work left (most work first, while bundles last), then one
       bundle at a time to the pipeline furthest below ``rho * B``; a target never exceeds the
       ranks the cluster can place (``max_dp_size``, lost or held GPUs) (rlix's targets can sum past
       the budget, and give a bundle to pipelines with nothing left).
+    - Idle GPUs are filled before anyone is shrunk, and a generating rank moves only when the
+      move pays (hysteresis): rlix moves ranks on every change of the ratio, and each move
+      costs a wake, a sleep and the trajectories in flight.
     - Donors are pipelines above their target; a donor never goes below it. Among bundles to
-      wake, an idle one wins, then the one whose donors have the least remaining work (protect
+      wake, an idle one wins, then the one least likely to be claimed back by another
+      pipeline's training, then the one whose donors finish soonest after the move (protect
       the donors with the most work), then the fewest ranks shrunk, then the lowest rank.
     - A non-generation request shrinks generation only when it is granted in the same plan.
     - Idle bundles that no target can use (a share may sit where its owner cannot place it) go to
@@ -243,6 +361,15 @@ class GapRatioPlanner:
     name: str = "deo"
     #: Seconds without a sign of life after which a pipeline is silent (None: never).
     stale_after_s: float | None = 60.0
+    #: A rank is taken from a donor that is generating only when the move shortens the longer
+    #: of the two pipelines' times to finish by this fraction of it and by more than
+    #: ``move_cost_s`` seconds: a move costs a wake, a sleep and the donor's trajectories in
+    #: flight (about 12 s with vLLM's level-1 sleep), and shares must not churn.
+    hysteresis: float = 0.1
+    move_cost_s: float = 30.0
+    #: A request blocked by another pipeline's holder stops reserving its other GPUs against
+    #: lower priorities once that holder has held its GPUs this long (None: never).
+    reserve_s: float | None = 600.0
 
     def demand(self, state: ArbiterState) -> dict[ClusterKey, Demand]:
         found: dict[ClusterKey, Demand] = {}
@@ -272,16 +399,23 @@ class GapRatioPlanner:
             )
         return found
 
+    def work(
+        self, state: ArbiterState, demand: dict[ClusterKey, Demand]
+    ) -> dict[ClusterKey, float]:
+        """Each generation cluster's remaining work in GPU-seconds: ``R / rate``."""
+        rates = _rates(state, demand)
+        return {k: d.remaining / rates[k] for k, d in demand.items()}
+
     def shares(self, state: ArbiterState) -> dict[ClusterKey, Share]:
         """Each generation cluster's demand, target and awake GPUs as this planner sees ``state``
         (for ``deo status`` and metrics; targets are those of the next plan)."""
         board = _Board(state)
-        _priorities(board, shrink_when_blocked=False)
+        _priorities(board, shrink_when_blocked=False, reserve_s=self.reserve_s)
         demand = self.demand(state)
         eligible = sorted(k for k, d in demand.items() if d.eligible)
-        remaining = {k: demand[k].remaining for k in demand}
+        work = self.work(state, demand)
         probes = {k for k in eligible if demand[k].probe}
-        targets = self._targets(board, eligible, remaining, probes) if eligible else {}
+        targets = self._targets(board, eligible, work, probes) if eligible else {}
         return {
             key: Share(
                 remaining=d.remaining,
@@ -295,66 +429,89 @@ class GapRatioPlanner:
 
     def plan(self, state: ArbiterState) -> Plan:
         board = _Board(state)
-        _priorities(board, shrink_when_blocked=False)
+        _priorities(board, shrink_when_blocked=False, reserve_s=self.reserve_s)
         demand = self.demand(state)
         eligible = sorted(k for k, d in demand.items() if d.eligible)
         if not eligible:
             return board.result()
         remaining = {k: demand[k].remaining for k in demand}
+        work = self.work(state, demand)
         probes = {k for k in eligible if demand[k].probe}
-        targets = self._targets(board, eligible, remaining, probes)
+        targets = self._targets(board, eligible, work, probes)
+        # Idle GPUs first: waking on them takes nothing from anyone.
+        self._fill_idle(board, eligible, targets, remaining, work, probes, within_targets=True)
         stuck: set[ClusterKey] = set()
         while True:
             acceptors = _acceptors(board, eligible, targets, stuck)
             if not acceptors:
                 break
-            key = min(
-                acceptors,
-                key=lambda k: (-(targets[k] - board.active_gpus(k)) / targets[k], -remaining[k], k),
-            )
-            if not self._wake_one(board, key, targets, remaining):
+            key = max(acceptors, key=lambda k: (_finish_s(board, work, k), remaining[k], k))
+            if not self._wake_one(board, key, targets, remaining, work):
                 stuck.add(key)
-        self._fill_idle(board, eligible, remaining, probes)
+        self._fill_idle(board, eligible, targets, remaining, work, probes, within_targets=False)
         return board.result()
 
     def _fill_idle(
         self,
         board: _Board,
         eligible: list[ClusterKey],
+        targets: dict[ClusterKey, int],
         remaining: dict[ClusterKey, int],
+        work: dict[ClusterKey, float],
         probes: set[ClusterKey],
+        *,
+        within_targets: bool,
     ) -> None:
-        """Idle bundles that no target could use go to eligible pipelines that can place them,
-        most remaining work first (targets are shares of a budget, and a share may sit where
-        its owner cannot place it: nothing waits while its own GPUs are idle)."""
-        for key in sorted(eligible, key=lambda k: (-remaining[k], k)):
-            spec = board.specs[key]
-            limit = 1 if key in probes else spec.dp_limit
-            for rank in range(spec.ranks):
+        """Wake ranks on idle bundles, the pipeline with the longest time to finish first: up to
+        each target (``within_targets``), or past targets for idle bundles that no target could
+        use (targets are shares of a budget, and a share may sit where its owner cannot place
+        it: nothing waits while GPUs it can use are idle)."""
+        while True:
+            woken = False
+            for key in sorted(eligible, key=lambda k: (-_finish_s(board, work, k), k)):
+                spec = board.specs[key]
+                limit = 1 if key in probes else spec.dp_limit
                 if len(board.active[key]) >= limit:
-                    break
-                if rank in board.active[key] or not board.placeable(key, rank):
                     continue
-                if all(g in board.idle for g in spec.bundle(rank)):
-                    board.expand(
-                        key,
-                        rank,
-                        f"{_name(key)} takes idle GPUs no other pipeline's target can use"
-                        f" ({remaining[key]} trajectories remaining)",
-                    )
+                if within_targets and board.active_gpus(key) + spec.tp_size > targets[key]:
+                    continue
+                free = [
+                    r
+                    for r in range(spec.ranks)
+                    if r not in board.active[key]
+                    and board.placeable(key, r)
+                    and all(g in board.idle for g in spec.bundle(r))
+                ]
+                if not free:
+                    continue
+                rank = min(free, key=lambda r: (_claim_risk(board, work, key, r), r))
+                why = (
+                    f"below its target of {targets[key]} GPUs"
+                    if within_targets
+                    else "takes idle GPUs no other pipeline's target can use"
+                )
+                board.expand(
+                    key,
+                    rank,
+                    f"gap ratio: {_name(key)} {why} ({remaining[key]} trajectories,"
+                    f" {work[key]:.0f} GPU-s remaining); woken on idle GPUs",
+                )
+                woken = True
+                break
+            if not woken:
+                return
 
     def _targets(
         self,
         board: _Board,
         eligible: list[ClusterKey],
-        remaining: dict[ClusterKey, int],
+        work: dict[ClusterKey, float],
         probes: set[ClusterKey],
     ) -> dict[ClusterKey, int]:
         usable_for_generation = {g for k in eligible for g in board.specs[k].device_mapping}
         budget = len(board.idle & usable_for_generation) + len(board.awake)
-        weight = {k: remaining[k] * board.specs[k].tp_size for k in eligible}
-        total = sum(weight.values())
-        share = {k: budget * weight[k] / total for k in eligible}
+        total = sum(work[k] for k in eligible)
+        share = {k: budget * work[k] / total for k in eligible}
         cap = {
             k: min(
                 board.specs[k].dp_limit,
@@ -366,7 +523,7 @@ class GapRatioPlanner:
         }
         targets = dict.fromkeys(board.specs, 0)
         left = budget
-        for k in sorted(eligible, key=lambda k: (-remaining[k], k)):
+        for k in sorted(eligible, key=lambda k: (-work[k], k)):
             tp = board.specs[k].tp_size
             if cap[k] >= tp and tp <= left:
                 targets[k] = tp
@@ -379,7 +536,7 @@ class GapRatioPlanner:
             ]
             if not open_:
                 return targets
-            k = min(open_, key=lambda k: (-(share[k] - targets[k]), -remaining[k], k))
+            k = min(open_, key=lambda k: (-(share[k] - targets[k]), -work[k], k))
             targets[k] += board.specs[k].tp_size
             left -= board.specs[k].tp_size
 
@@ -389,9 +546,11 @@ class GapRatioPlanner:
         key: ClusterKey,
         targets: dict[ClusterKey, int],
         remaining: dict[ClusterKey, int],
+        work: dict[ClusterKey, float],
     ) -> bool:
         spec = board.specs[key]
-        best: tuple[tuple[int, int, int, int], int, list[tuple[ClusterKey, int]]] | None = None
+        finish_s = _finish_s(board, work, key)
+        best: _Choice | None = None
         for rank in range(spec.ranks):
             if rank in board.active[key] or not board.placeable(key, rank):
                 continue
@@ -400,12 +559,20 @@ class GapRatioPlanner:
             for donor, _ in donors:
                 taken[donor] = taken.get(donor, 0) + board.specs[donor].tp_size
             if any(
-                d == key or board.active_gpus(d) - n < targets.get(d, 0) for d, n in taken.items()
+                d == key
+                or board.active_gpus(d) - n < targets.get(d, 0)
+                or not self._worth_moving(
+                    (finish_s, _finish_s(board, work, key, spec.tp_size)),
+                    (_finish_s(board, work, d), _finish_s(board, work, d, -n)),
+                    timed=_measured(board, key, d),
+                )
+                for d, n in taken.items()
             ):
                 continue
             score = (
                 1 if donors else 0,
-                sum(remaining.get(d, 0) for d in taken),
+                _claim_risk(board, work, key, rank),
+                max((_finish_s(board, work, d, -n) for d, n in taken.items()), default=0.0),
                 len(donors),
                 rank,
             )
@@ -419,16 +586,76 @@ class GapRatioPlanner:
                 donor,
                 donor_rank,
                 f"gap ratio: {_name(donor)} is above its target of {targets.get(donor, 0)} GPUs"
-                f" and gives GPUs to {_name(key)}",
+                f" and gives GPUs to {_name(key)}, which needs longer to finish",
             )
         source = f"from {', '.join(_name(d) for d, _ in donors)}" if donors else "on idle GPUs"
         board.expand(
             key,
             rank,
             f"gap ratio: {_name(key)} is below its target of {targets[key]} GPUs"
-            f" ({remaining[key]} trajectories remaining); woken {source}",
+            f" ({remaining[key]} trajectories, {work[key]:.0f} GPU-s remaining); woken {source}",
         )
         return True
+
+    def _worth_moving(
+        self,
+        acceptor_s: tuple[float, float],
+        donor_s: tuple[float, float],
+        *,
+        timed: bool,
+    ) -> bool:
+        """Whether moving a bundle pays: ``acceptor_s`` and ``donor_s`` are each side's time to
+        finish before and after the move. It must shorten the longer of the two by
+        ``hysteresis`` of it, and (``timed``: both rates measured, so the times are seconds) by
+        more than ``move_cost_s``."""
+        if donor_s[0] == 0.0:
+            return True  # the donor has nothing left to generate
+        if donor_s[1] == math.inf:
+            return False  # the donor would be left with work and no GPU
+        if acceptor_s[0] == math.inf:
+            return True  # the acceptor has work and no GPU
+        before = max(acceptor_s[0], donor_s[0])
+        gain = before - max(acceptor_s[1], donor_s[1])
+        if gain <= self.hysteresis * before:
+            return False
+        return not timed or gain > self.move_cost_s
+
+
+def _claim_risk(
+    board: _Board, work: dict[ClusterKey, float], key: ClusterKey, rank: int
+) -> tuple[int, float]:
+    """How soon rank ``rank`` of ``key`` may be preempted by another pipeline's training (lower
+    is safer): (0, 0) on GPUs no other pipeline's non-generation cluster maps (its own
+    training takes them back only when it has released generation anyway); else (1, -t) where
+    t is the shortest time to finish among those pipelines' rollouts (the sooner one finishes,
+    the sooner its training claims its GPUs; one with no rollout work may claim them any
+    time)."""
+    others = {p for g in board.specs[key].bundle(rank) for p in board.homes.get(g, ())}
+    others.discard(key[0])
+    if not others:
+        return (0, 0.0)
+    soonest = min(
+        _finish_s(board, work, board.generation[p]) if p in board.generation else 0.0
+        for p in others
+    )
+    return (1, -soonest)
+
+
+def _measured(board: _Board, *keys: ClusterKey) -> bool:
+    """Whether every one of ``keys`` has a measured generation rate."""
+    return all(board.state.pipelines[k[0]].generation_rate is not None for k in keys)
+
+
+def _finish_s(
+    board: _Board, work: dict[ClusterKey, float], key: ClusterKey, change_gpus: int = 0
+) -> float:
+    """Seconds ``key`` needs to finish its remaining work on its awake GPUs (plus
+    ``change_gpus``): infinite with none and work left, 0 with no work."""
+    left = work.get(key, 0.0)
+    if left <= 0:
+        return 0.0
+    gpus = board.active_gpus(key) + change_gpus
+    return left / gpus if gpus > 0 else math.inf
 
 
 @attrs.frozen(slots=True)

@@ -30,7 +30,7 @@ from core.arbiter.commands import ExpandGeneration, GrantGpus, RequestFailed, Sh
 from core.arbiter.invariants import plan_violations
 from core.arbiter.model import ArbiterState, Cluster, Pipeline, Priority, Progress, Request
 from core.arbiter.plan import ClusterKey, GpuOp, Plan, RankOp, apply_plan
-from core.arbiter.planner import GapRatioPlanner, Planner
+from core.arbiter.planner import GapRatioPlanner, Planner, observe_rate
 from core.errors import InvalidEvent, Refused, UnknownSubject
 from core.vocabulary import AlertName
 
@@ -237,7 +237,7 @@ def _progress(state: ArbiterState, event: ae.ProgressReported) -> Any:
         completed_trajectories=event.completed_trajectories,
     )
     progress = {**pipeline.progress, event.stream: report}
-    changed = attrs.evolve(pipeline, progress=progress, activity_t=event.t)
+    changed = observe_rate(attrs.evolve(pipeline, progress=progress, activity_t=event.t), event.t)
     return _put_pipeline(state, changed), Plan(), []
 
 

@@ -3,9 +3,10 @@ and no request left waiting."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
-from bench.arbiter import PLANNERS, PipelineSpec, Scenario, run
+from bench.arbiter import PLANNERS, PipelineSpec, Scenario, run, summarize
 
 SMALL = Scenario(
     name="small",
@@ -39,3 +40,22 @@ def test_the_shared_planners_use_the_gpus_a_static_partition_leaves_idle() -> No
     # "b" arrives late and stalls: its static block idles meanwhile; deo lends it out.
     static, deo = run(SMALL, "static"), run(SMALL, "deo")
     assert deo.busy_fraction > static.busy_fraction
+
+
+def test_engine_latency_and_preemption_cost_step_time() -> None:
+    free = attrs.evolve(SMALL, wake_s=0.0, sleep_s=0.0, preempt_lost_s=0.0)
+    slow = attrs.evolve(SMALL, wake_s=20.0, sleep_s=10.0, preempt_lost_s=20.0)
+    for planner in PLANNERS:
+        fast_run, slow_run = run(free, planner), run(slow, planner)
+        assert slow_run.mean_step_s["a"] > fast_run.mean_step_s["a"], planner
+        assert slow_run.busy_fraction < fast_run.busy_fraction, planner
+
+
+def test_a_seed_varies_the_run_and_the_same_seed_repeats_it() -> None:
+    once, again, other = run(SMALL, "deo", seed=1), run(SMALL, "deo", seed=1), run(SMALL, "deo", 2)
+    assert once == again
+    assert once.mean_step_s != other.mean_step_s
+    summary = summarize(SMALL, "deo", seeds=(1, 2))
+    assert summary.pipeline_mean_step_s == pytest.approx(
+        (once.pipeline_mean_step_s + other.pipeline_mean_step_s) / 2
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from core import GpuLost, RaiseAlert, decode, encode
+from core import GpuLost, RaiseAlert, Tick, decode, encode
 from core.arbiter import (
     ArbiterGpusDeclared,
     ArbiterReducer,
@@ -150,6 +150,30 @@ def test_a_higher_priority_request_reserves_its_gpus_against_lower_ones() -> Non
     assert grants(commands) == [("high", "train")]
 
 
+def test_a_holder_that_never_releases_holds_up_only_the_requests_that_need_its_gpus() -> None:
+    # "stuck" holds GPU 0 and never lets go. "high" needs GPUs 0-1 and waits; "low" needs only
+    # GPUs 1-2, which are free. "high" reserves GPU 1 against "low" until "stuck" has held
+    # GPU 0 for reserve_s; then "low" is served from the GPUs "stuck" does not hold.
+    arbiter = make_arbiter(3, planner=GapRatioPlanner(reserve_s=100.0))
+    register(arbiter, "stuck", train=["0"])
+    register(arbiter, "high", train=["0", "1"])
+    register(arbiter, "low", train=["1", "2"])
+    register(arbiter, "later", train=["0"])
+    arbiter.step(train_request("stuck", t=1.0))
+    arbiter.step(train_request("high", t=2.0, priority=Priority.INITIALIZATION))
+    assert grants(arbiter.step(train_request("low", t=3.0, priority=Priority.VALUE_COMPUTE))) == []
+    assert grants(arbiter.step(Tick(t=100.0))) == []  # held 99 s: "high" still reserves
+    assert grants(arbiter.step(Tick(t=101.0))) == [("low", "train")]
+    assert held(arbiter, "low") == ["1", "2"]
+    # "high" still waits for GPU 0 and for "low" to let go; once "stuck" lets go, "high"
+    # reserves again: a later, lower request for GPU 0 does not jump it.
+    arbiter.step(train_request("later", t=102.0, priority=Priority.VALUE_COMPUTE))
+    assert grants(arbiter.step(GpusReleased(t=103.0, pipeline="stuck", cluster="train"))) == []
+    assert held(arbiter, "later") == []
+    commands = arbiter.step(GpusReleased(t=104.0, pipeline="low", cluster="train"))
+    assert grants(commands) == [("high", "train")]
+
+
 def test_a_request_blocked_by_its_own_pipeline_holds_up_nobody() -> None:
     # "stuck" asks for training while its own critic holds GPU 0 and never releases: it waits,
     # but reserves nothing, so "other" is not queued behind it forever.
@@ -252,6 +276,79 @@ def test_progress_is_latest_wins_and_moves_gpus() -> None:
     arbiter.step(ProgressCleared(t=2.0, pipeline="p2"))
     # With no progress and an open rollout p2 counts one trajectory: 100 vs 1 -> 3 and 1.
     assert (len(active(arbiter, "p1")), len(active(arbiter, "p2"))) == (3, 1)
+
+
+def report(arbiter: ArbiterReducer, pipeline: str, t: float, target: int, completed: int) -> None:
+    arbiter.step(
+        ProgressReported(
+            t=t,
+            pipeline=pipeline,
+            stream="main",
+            target_trajectories=target,
+            completed_trajectories=completed,
+        )
+    )
+
+
+def test_the_generation_rate_is_measured_from_progress_over_awake_gpu_seconds() -> None:
+    arbiter = make_arbiter(2)
+    register(arbiter, "p1", generation=gpus(2))
+    arbiter.step(RolloutOpened(t=0.0, pipeline="p1"))
+    report(arbiter, "p1", 0.0, 1000, 0)
+    report(arbiter, "p1", 2.0, 1000, 8)  # too short a span for a sample
+    assert arbiter.state.pipelines["p1"].generation_rate is None
+    report(arbiter, "p1", 10.0, 1000, 40)  # 40 trajectories on 2 GPUs in 10 s
+    assert arbiter.state.pipelines["p1"].generation_rate == pytest.approx(2.0)
+    report(arbiter, "p1", 20.0, 1000, 40)  # no progress: no sample, the span grows
+    report(arbiter, "p1", 30.0, 1000, 80)  # 40 in 20 s on 2 GPUs: 1.0, smoothed
+    assert arbiter.state.pipelines["p1"].generation_rate == pytest.approx(2.0 + 0.2 * (1.0 - 2.0))
+    arbiter.step(ProgressCleared(t=31.0, pipeline="p1"))
+    report(arbiter, "p1", 40.0, 1000, 10)  # fewer than at the mark: a new rollout, a new mark
+    assert arbiter.state.pipelines["p1"].generation_rate == pytest.approx(1.8)
+
+
+def test_generation_follows_remaining_gpu_seconds_not_trajectories() -> None:
+    # Same remaining trajectories, but p1's GPUs turn them out twice as fast: p2 needs twice the
+    # GPU-seconds and gets twice the GPUs (rlix's ratio would split 3 and 3).
+    arbiter = make_arbiter(6)
+    for name in ("p1", "p2"):
+        register(arbiter, name, generation=gpus(6))
+        arbiter.step(RolloutOpened(t=0.0, pipeline=name))
+        report(arbiter, name, 0.0, 1000, 0)
+    assert len(active(arbiter, "p1")) == len(active(arbiter, "p2")) == 3
+    report(arbiter, "p1", 10.0, 1000, 60)  # 2 trajectories per GPU-second
+    report(arbiter, "p2", 10.0, 1030, 30)  # 1 per GPU-second, 1000 left as p1
+    assert (len(active(arbiter, "p1")), len(active(arbiter, "p2"))) == (2, 4)
+
+
+def test_a_generating_rank_moves_only_when_the_move_pays() -> None:
+    # Targets say 3 and 1 (100 against 60 GPU-seconds of work on 4 GPUs), but moving a rank
+    # from p2 to p1 would make p2 the one to finish last, later than p1 finishes now.
+    arbiter = make_arbiter(4)
+    for name, target in (("p1", 120), ("p2", 80)):
+        register(arbiter, name, generation=gpus(4))
+        arbiter.step(RolloutOpened(t=0.0, pipeline=name))
+        report(arbiter, name, 0.0, target, 0)
+    assert len(active(arbiter, "p1")) == len(active(arbiter, "p2")) == 2
+    report(arbiter, "p1", 10.0, 120, 20)
+    report(arbiter, "p2", 10.0, 80, 20)
+    shares = GapRatioPlanner().shares(arbiter.state)
+    assert [s.target_gpus for s in shares.values()] == [3, 1]
+    assert len(active(arbiter, "p1")) == len(active(arbiter, "p2")) == 2
+
+
+def test_generation_wakes_first_where_no_other_pipeline_trains() -> None:
+    # Each pipeline trains on its own half; generation may run anywhere. p2's first ranks go to
+    # its own half, where only its own training (after it has released generation) takes them.
+    arbiter = make_arbiter(4)
+    register(arbiter, "p1", train=["0", "1"], generation=gpus(4))
+    register(arbiter, "p2", train=["2", "3"], generation=gpus(4))
+    arbiter.step(RolloutOpened(t=0.0, pipeline="p1"))
+    report(arbiter, "p1", 0.0, 100, 0)
+    assert active(arbiter, "p1") == [0, 1, 2, 3]
+    arbiter.step(RolloutOpened(t=1.0, pipeline="p2"))
+    report(arbiter, "p2", 1.0, 100, 0)
+    assert active(arbiter, "p1") == [0, 1] and active(arbiter, "p2") == [2, 3]
 
 
 def test_targets_never_exceed_max_dp_size_and_the_rest_goes_to_others() -> None:

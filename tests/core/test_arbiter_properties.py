@@ -1,13 +1,15 @@
 """Property tests of the arbiter: arbitrary sequences of registrations, requests, releases,
 progress reports and faults (a GPU lost between plans, a pipeline that never releases its
-training GPUs), right and deliberately wrong.
+training GPUs), time passing, right and deliberately wrong.
 
 After every step: no plan was refused (deo's planner never proposes a plan that breaks a plan
 invariant), the state keeps the invariants, a generation request with an awake rank has been
-answered, no non-generation grant jumped a waiting request of higher priority on the same GPUs,
-and every command survives the log encoding. At teardown: the accepted events replay to the same
-commands, and each waiting request is answered once everyone else lets go (liveness over bounded
-sequences), unless the pipeline that never releases holds what it needs.
+answered, no non-generation grant jumped a waiting request of higher priority on the same GPUs
+(unless a holder that does not let go blocks that request), no request waits for free GPUs
+except behind a higher request that reserves them, and every command survives the log
+encoding. At teardown: the accepted events replay to the same commands, and each waiting request
+is answered once everyone else lets go (liveness over bounded sequences), unless the pipeline
+that never releases holds what it needs.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from core import GpuLost, RaiseAlert, decode, encode
+from core import GpuLost, RaiseAlert, Tick, decode, encode
 from core.arbiter import (
     ArbiterGpusDeclared,
     ArbiterReducer,
@@ -54,6 +56,9 @@ from core.errors import DeoError
 from core.events import Event
 
 STUBBORN = "stubborn"
+#: The state machine's planner stops a blocked request's reservation after this many seconds
+#: of a holder that does not let go (each rule advances time by a second; a rule skips more).
+RESERVE_S = 5.0
 NAMES = st.sampled_from(["p0", "p1", "p2", STUBBORN])
 NON_GENERATION = st.sampled_from([p for p in Priority if p is not Priority.GENERATION])
 
@@ -62,7 +67,7 @@ class ArbiterMachine(RuleBasedStateMachine):
     """Drives :class:`ArbiterReducer` with deo's planner; ``stubborn`` never releases training."""
 
     #: The planner under test.
-    planner: Planner = GapRatioPlanner()
+    planner: Planner = GapRatioPlanner(reserve_s=RESERVE_S)
 
     def __init__(self) -> None:
         super().__init__()
@@ -110,6 +115,8 @@ class ArbiterMachine(RuleBasedStateMachine):
                 own = {g for c in after.pipelines[pipeline_id].clusters.values() for g in c.held}
                 if own & set(cluster.spec.device_mapping):
                     continue  # it waits for its own pipeline to release, and reserves nothing
+                if _overstayed(after, pipeline_id, cluster.spec.name):
+                    continue  # a holder that does not let go blocks it: it reserves nothing
                 overlap = set(cluster.spec.device_mapping) & set(grant.gpus)
                 assert not (overlap and request.priority < grant.priority), (
                     f"{grant.pipeline}/{grant.cluster} ({grant.priority.name}) granted while"
@@ -281,6 +288,11 @@ class ArbiterMachine(RuleBasedStateMachine):
             name = data.draw(st.sampled_from(candidates))
             self.step(PipelineUnregistered(t=self.tick(), pipeline=name))
 
+    @rule(seconds=st.sampled_from([1.0, RESERVE_S]))
+    def time_passes(self, seconds: float) -> None:
+        self.t += seconds
+        self.step(Tick(t=self.t))
+
     @precondition(lambda self: len(self.arbiter.state.lost) < 2)
     @rule(data=st.data())
     def lose_a_gpu(self, data: st.DataObject) -> None:
@@ -349,6 +361,8 @@ class ArbiterMachine(RuleBasedStateMachine):
                 and (c.request.priority, c.request.seq)
                 < (cluster.request.priority, cluster.request.seq)
                 and set(c.spec.device_mapping) & mapping
+                # One blocked by a holder that does not let go reserves nothing.
+                and not _overstayed(state, p, c.spec.name)
             ]
             assert ahead, f"{where} waits for {sorted(mapping)}: idle or generation only ({awake})"
 
@@ -400,6 +414,19 @@ class ArbiterMachine(RuleBasedStateMachine):
                 f"{pipeline_id}/{name} still waits with everyone else gone; stubborn holds"
                 f" {sorted(blocked)}, lost {sorted(state.lost)}"
             )
+
+
+def _overstayed(state: ArbiterState, pipeline_id: str, name: str) -> bool:
+    """Whether the cluster's waiting request is blocked by another pipeline's holder that has
+    held its GPUs for RESERVE_S seconds or more."""
+    mapping = set(state.pipelines[pipeline_id].clusters[name].spec.device_mapping)
+    return any(
+        other_id != pipeline_id
+        and other.held_t is not None
+        and state.now - other.held_t >= RESERVE_S
+        and mapping & set(other.held)
+        for other_id, other in state.clusters()
+    )
 
 
 def _held_by(clusters: Any) -> set[str]:
