@@ -44,11 +44,12 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
   (fell by less than a quarter of the share removed) means saturation: while the trainer
   still waits, another eighth, and so on; the step that passes the knee shows production
   falling, and workers there run unshared, so the knee is the count that makes, at their
-  production per worker, the most a pool of the series made. That count is held for 30
-  start-ups. A fall already clear after one settle time is judged then, on the level it is
-  heading for, so a pool below the knee is not kept there long. Production that fell at the
-  first removal means the trainer simply wants more: back to the maximum, not tested again
-  until production per worker falls well below what it was then.
+  production per worker, the most a pool of the series made (a fall of less than half the
+  share removed is measured for up to four settle times before it is told from noise). That
+  count is held for 30 start-ups. A fall already clear after one settle time is judged then,
+  on the level it is heading for, so a pool below the knee is not kept there long. Production
+  that fell at the first removal means the trainer simply wants more: back to the maximum, not
+  tested again until production per worker falls well below what it was then.
 
 The count the policy works from is the one the reducer applied: ``PolicyContext.desired``
 tells, on the next call, whether the last decision was applied or dropped (stabilization window,
@@ -824,6 +825,14 @@ class BufferPolicy:
                 target=current,
                 reason=f"{made}: the shared inference saturates, holding {current} workers",
                 memory=saturated,
+            )
+        if kept > 1 - removed / 2 and elapsed < 4 * settle:
+            # Production fell by less than half as much as the workers: saturated still (and
+            # noise), or the knee passed part of the way. Measured for longer before it is told.
+            return Decision(
+                target=current,
+                reason=f"{made}: measuring longer -> hold {current}",
+                memory=memory,
             )
         last = memory.saturated_workers if t < memory.saturated_until_t else None
         above = last is not None and last > current

@@ -511,6 +511,21 @@ def test_a_fall_already_clear_is_judged_before_the_second_settle_time() -> None:
     assert "measuring what they make" in waiting.reason
 
 
+def test_a_fall_of_less_than_half_the_workers_removed_is_measured_longer() -> None:
+    # 21 workers make 76 of the 80 seq/s 24 made: 5% less for 12.5% fewer workers. Saturated
+    # still with some noise, or the knee passed part of the way: measured for longer.
+    memory = saturated_series(shed_t=342.0, production_seqs_s=76.0)
+    decision = probe(memory, 21, queued=32, steps=2, active=21, max_workers=40)
+    assert decision.target == 21, decision.reason
+    assert "measuring longer" in decision.reason
+    assert decision.memory.shed_workers == 24
+    # Four settle times after the removal it is told: the knee between 21 and 24.
+    later = saturated_series(shed_t=250.0, production_seqs_s=76.0)
+    told = probe(later, 21, queued=32, steps=2, active=21, max_workers=40)
+    assert "below the knee" in told.reason, told.reason
+    assert told.target == 23
+
+
 def test_a_saturation_test_that_filled_the_queue_is_void() -> None:
     # The queue reached the off-policy limit after the removal: the envs held back, so what
     # the smaller pool made is not what it can make.
