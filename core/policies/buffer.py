@@ -36,10 +36,20 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
 * saturation: while the trainer starves the pool grows in steps (below); when a step's workers are
   active and the total production rose by less than half of what they should have added, the
   shared inference service is the bottleneck: the pool is held at the count that makes that
-  production, and tried again only after 10 start-ups. Starving at the pool's maximum with
-  production per worker below 70% of its best, a quarter of the pool is removed to see: if
-  production holds up (falls by less than half as much), the pool stays there (saturated);
-  otherwise it goes back to the maximum, and the test waits 10 start-ups.
+  production, and tried again only after 10 start-ups. Short at the pool's maximum with a
+  trainer that waits (less than a batch queued, the queue not near the off-policy limit, where
+  envs hold back), a removal tests for saturation: a quarter of the pool when production per
+  worker fell below 70% of its best, an eighth when it was never measured with a pool an
+  eighth smaller (a pool saturated from its first measurement). Production that held up
+  (fell by less than a quarter of the share removed) means saturation: while the trainer
+  still waits, another eighth, and so on; the step that passes the knee shows production
+  falling, and workers there run unshared, so the knee is the count that makes, at their
+  production per worker, the most a pool of the series made (a fall of less than half the
+  share removed is measured for up to four settle times before it is told from noise). That
+  count is held for 30 start-ups. A fall already clear after one settle time is judged then,
+  on the level it is heading for, so a pool below the knee is not kept there long. Production
+  that fell at the first removal means the trainer simply wants more: back to the maximum, not
+  tested again until production per worker falls well below what it was then.
 
 The count the policy works from is the one the reducer applied: ``PolicyContext.desired``
 tells, on the next call, whether the last decision was applied or dropped (stabilization window,
@@ -114,6 +124,13 @@ _REMOVAL_STARTUPS = 3.0
 _REMOVAL_STEPS = 8.0
 #: Starving, no batch for the time the pool makes this many at its measured rate: an outage.
 _OUTAGE_BATCHES = 2.0
+#: Start-ups a knee found by removals (the count the shared inference saturates at) holds.
+_KNEE_STARTUPS = 30.0
+#: Production per worker below this share of its best at the maximum: a sign of saturation.
+_FELL = 0.7
+#: A smaller pool whose production fell by less than this share of the workers removed (a
+#: quarter of a proportional fall): saturated.
+_HELD = 0.25
 
 
 def _floats(value: Iterable[float]) -> tuple[float, ...]:
@@ -179,8 +196,15 @@ class BufferMemory:
     shed_workers: int = 0
     shed_seqs_s: float = 0.0
     shed_t: float = 0.0
+    #: The most a pool made in a series of such removals (what the shared inference gives).
+    capacity_seqs_s: float = 0.0
     #: No such removal before this time.
     no_shed_until_t: float = 0.0
+    #: Production per worker at the maximum when such a removal showed no saturation: the next
+    #: is tried only once it falls well below this (0: none tried yet).
+    unsaturated_per_worker_seqs_s: float = 0.0
+    #: The fewest workers active throughout an interval in which p was measured (0: none).
+    fewest_measured_workers: int = 0
     #: The count the shared inference saturates at, and until when that holds.
     saturated_workers: int | None = None
     saturated_until_t: float = 0.0
@@ -390,7 +414,7 @@ class BufferPolicy:
         if memory.shed_workers:
             # A removal made to test for saturation: nothing else moves the pool until judged.
             settle = self._production_settle_s(memory, batch)
-            return self._judge_shed(context, memory, figures, settle, startup)
+            return self._judge_shed(context, memory, figures, settle, startup, low_seqs)
         # The workers of the last addition just became active: their first groups are still in
         # generation, so a trainer still waiting is no reason to grow yet.
         warming = since_up < startup + settle_s and t - memory.active_changed_t < settle_s
@@ -411,6 +435,9 @@ class BufferPolicy:
                 target = max(workers, balanced, current + 1 if not starting else current)
                 if cap is not None:
                     target = min(target, max(cap, current))
+                if target > current and current >= context.max_workers:
+                    # Short at the pool's maximum: perhaps the shared inference saturates.
+                    return self._at_maximum(context, memory, figures, startup)
                 if target > current:
                     # Short (it would empty the queue within a start-up, or p is measured over
                     # its window, not from the cold start's first groups), with the pool in place
@@ -655,28 +682,57 @@ class BufferPolicy:
         figures: str,
         startup: float,
     ) -> Decision:
-        """Starving at the pool's maximum. If production per worker has fallen well below its
-        best, the shared inference may be saturated: remove a quarter and see whether production
-        falls with them (judged by :meth:`_judge_shed`)."""
+        """Short at the pool's maximum. The shared inference may be saturated (production per
+        worker fell well below its best, or no such test has been made yet): remove a quarter
+        and see whether production falls with them (judged by :meth:`_judge_shed`)."""
         t, current, active = context.t, self.in_force(context), context.active
         p, best = memory.per_worker_seqs_s or 0.0, memory.best_per_worker_seqs_s
-        # Starving, the queue never reaches the limit: all the pool makes is in this estimate.
+        # The queue is short of the band, never near the limit: all the pool makes is in this
+        # estimate.
         production = memory.production_seqs_s or 0.0
         since_up = math.inf if memory.last_up_t is None else t - memory.last_up_t
         since_down = math.inf if memory.last_down_t is None else t - memory.last_down_t
         quiet = min(since_up, since_down) >= 2 * startup and t >= memory.no_shed_until_t
-        if quiet and active >= 4 and 0 < p < 0.7 * best:
-            target = current - max(1, current // 4)
+        tested = memory.unsaturated_per_worker_seqs_s
+        # A pool that made its best at the maximum tells nothing: it may have been saturated
+        # from its first measurement. One test; the next only once p falls well below that.
+        if tested:
+            fell, why = p < _FELL * tested, f"fell from {tested:.2f} to {p:.2f} seq/s since"
+        elif p < _FELL * best:
+            fell, why = True, f"fell from {best:.2f} to {p:.2f} seq/s"
+        else:
+            # Only once p is measured over its window (not the cold start's first groups), and
+            # never measured with a pool an eighth smaller (which made as much per worker).
+            fewest = memory.fewest_measured_workers
+            fell = memory.production_seen_s >= self.production_window_s and (
+                not fewest or fewest > active - max(1, active // 8)
+            )
+            why = f"is {p:.2f} seq/s, never measured with fewer workers"
+        sample = context.queue
+        assert sample is not None
+        # Production is what the pool can make only if the envs were not held back at the
+        # off-policy limit within the time it is averaged over.
+        settle = self._production_settle_s(memory, sample.batch_size_seqs)
+        clean = memory.limit_t is None or t - memory.limit_t >= 2 * settle
+        # A trainer short of the band but fed (a batch queued) is not worth a test's cost.
+        waiting = memory.queue_seqs < sample.batch_size_seqs
+        if quiet and clean and waiting and active >= 4 and p > 0 and fell:
+            # Without a sign of saturation, a smaller test: it costs less if there is none.
+            target = current - max(1, current // (4 if tested or p < _FELL * best else 8))
             return Decision(
                 target=target,
-                reason=f"{figures}; trainer starving at the pool's maximum, production per worker "
-                f"fell from {best:.2f} to {p:.2f} seq/s: trying {target} workers to see whether "
-                f"the shared inference saturates",
-                memory=replace(memory, shed_workers=active, shed_seqs_s=production, shed_t=t),
+                reason=f"{figures}; short at the pool's maximum, production per worker {why}: "
+                f"trying {target} workers to see whether the shared inference saturates",
+                memory=replace(
+                    memory,
+                    shed_workers=active,
+                    shed_seqs_s=production,
+                    shed_t=t,
+                ),
             )
         return Decision(
             target=current,
-            reason=f"{figures}; trainer starving at the pool's maximum -> hold {current}",
+            reason=f"{figures}; short at the pool's maximum -> hold {current}",
             memory=memory,
         )
 
@@ -687,13 +743,27 @@ class BufferPolicy:
         figures: str,
         settle: float,
         startup: float,
+        low_seqs: float,
     ) -> Decision:
-        """After a removal made at the maximum: production that held up means saturation (keep
-        the smaller pool); production that fell with the workers means the trainer simply wants
-        more than the pool can make (back to the maximum, and no such removal for a while)."""
+        """After a removal made short at the maximum: production that held up means saturation
+        (keep the smaller pool, and while the queue stays short try another quarter fewer);
+        production that fell with the workers means the trainer simply wants more than that
+        pool can make. After a saturated step that places the knee: the count at which workers
+        at the production per worker now measured (unshared) make what the saturated pool made,
+        held until demand or the inference changes. With no saturated step before: back to the
+        maximum, and no such removal for a while."""
         t, current, active = context.t, self.in_force(context), context.active
         production = memory.production_seqs_s or 0.0
         cleared = replace(memory, shed_workers=0, no_shed_until_t=t + 10 * startup)
+        if memory.limit_t is not None and memory.limit_t >= memory.shed_t:
+            # Near the off-policy limit the envs hold back: what the smaller pool made is not
+            # what it can make (and it is not short); the other rules decide.
+            return Decision(
+                target=current,
+                reason=f"{figures}; {active} workers filled the queue: no saturation test -> "
+                f"hold {current}",
+                memory=cleared,
+            )
         if active >= memory.shed_workers:
             if t - memory.shed_t > startup + 2 * settle:  # the removal was not applied
                 return Decision(
@@ -704,33 +774,100 @@ class BufferPolicy:
                 reason=f"{figures}; waiting for the removal -> hold {current}",
                 memory=memory,
             )
-        if t - memory.shed_t < 2 * settle:
-            return Decision(
-                target=current,
-                reason=f"{figures}; {active} of {memory.shed_workers} workers: measuring what "
-                f"they make -> hold {current}",
-                memory=memory,
-            )
         removed = 1 - active / memory.shed_workers
+        elapsed = t - memory.shed_t
+        if elapsed < 2 * settle and memory.shed_seqs_s > 0:
+            # Production is averaged over a settle time, so it shows a fall only in part yet:
+            # a fall already clear (half what the removal would cost without saturation) is
+            # judged now, on its extrapolated level, so a pool below the knee is not kept
+            # there long.
+            shown = 1 - math.exp(-elapsed / settle)
+            fall = (memory.shed_seqs_s - production) / memory.shed_seqs_s
+            if elapsed < settle or fall < shown * removed / 2:
+                return Decision(
+                    target=current,
+                    reason=f"{figures}; {active} of {memory.shed_workers} workers: measuring "
+                    f"what they make -> hold {current}",
+                    memory=memory,
+                )
+            production = memory.shed_seqs_s * (1 - min(fall / shown, 1.0))
         kept = production / memory.shed_seqs_s if memory.shed_seqs_s > 0 else 0.0
-        saturated = replace(cleared, saturated_workers=current, saturated_until_t=t + 10 * startup)
-        if kept >= 1 - removed / 2:
+        made = (
+            f"{figures}; {active} workers make {production:.1f} seq/s, "
+            f"{memory.shed_workers} made {memory.shed_seqs_s:.1f}"
+        )
+        # The most a pool of this series made: what the shared inference gives.
+        capacity = max(memory.shed_seqs_s, memory.capacity_seqs_s)
+        if kept >= 1 - removed * _HELD:
+            saturated = replace(
+                cleared,
+                saturated_workers=current,
+                saturated_until_t=t + 10 * startup,
+                capacity_seqs_s=capacity,
+            )
+            if memory.queue_seqs < low_seqs and active >= 4:
+                # Still short with fewer workers making as much: the knee is lower still.
+                # An eighth at a time: the step that passes the knee costs what it removes
+                # until judged and brought back.
+                target = current - max(1, current // 8)
+                return Decision(
+                    target=target,
+                    reason=f"{made}: the shared inference saturates; still short, trying "
+                    f"{target} workers",
+                    memory=replace(
+                        saturated,
+                        shed_workers=active,
+                        shed_seqs_s=production,
+                        shed_t=t,
+                    ),
+                )
             return Decision(
                 target=current,
-                reason=f"{figures}; {active} workers make {production:.1f} seq/s, "
-                f"{memory.shed_workers} made {memory.shed_seqs_s:.1f}: the shared inference "
-                f"saturates, holding {current} workers",
+                reason=f"{made}: the shared inference saturates, holding {current} workers",
                 memory=saturated,
             )
-        # Production fell with the workers: back to the last count found saturated, or to the
-        # maximum (the trainer simply wants more than the pool can make).
+        if kept > 1 - removed / 2 and elapsed < 4 * settle:
+            # Production fell by less than half as much as the workers: saturated still (and
+            # noise), or the knee passed part of the way. Measured for longer before it is told.
+            return Decision(
+                target=current,
+                reason=f"{made}: measuring longer -> hold {current}",
+                memory=memory,
+            )
         last = memory.saturated_workers if t < memory.saturated_until_t else None
-        target = max(current, last if last is not None else context.max_workers)
+        above = last is not None and last > current
+        if (above or kept >= 1 - removed / 2) and active > 0 and production > 0:
+            # Fewer workers made less, by less than in proportion or after a step that made as
+            # much: the knee lies between. Here workers share the inference less (if at all),
+            # so the knee is where they make the most a pool of this series made.
+            per_worker = production / active
+            before = memory.shed_workers if last is None else max(last, memory.shed_workers)
+            knee = math.ceil(capacity / per_worker - 1e-9)
+            target = min(max(knee, current + 1), before)
+            return Decision(
+                target=target,
+                reason=f"{made}: below the knee; at {per_worker:.2f} seq/s per worker "
+                f"{target} workers make {capacity:.1f}, the most the shared inference gave "
+                f"-> {target}",
+                memory=replace(
+                    cleared,
+                    saturated_workers=target,
+                    saturated_until_t=t + _KNEE_STARTUPS * startup,
+                    capacity_seqs_s=0.0,
+                ),
+            )
+        # Production fell with the workers and no saturation was seen: the trainer simply wants
+        # more than the pool can make (back to the maximum, not tested again until production
+        # per worker falls well below this).
+        target = max(current, context.max_workers)
         return Decision(
             target=target,
-            reason=f"{figures}; {active} workers make {production:.1f} seq/s, "
-            f"{memory.shed_workers} made {memory.shed_seqs_s:.1f}: not saturated -> {target}",
-            memory=cleared,
+            reason=f"{made}: not saturated -> {target}",
+            memory=replace(
+                cleared,
+                unsaturated_per_worker_seqs_s=memory.per_worker_seqs_s or 0.0,
+                capacity_seqs_s=0.0,
+            ),
         )
 
     def _production_settle_s(self, memory: BufferMemory, batch: int) -> float:
@@ -866,6 +1003,10 @@ class BufferPolicy:
                 p = changes["per_worker_seqs_s"]
                 assert isinstance(p, float)
                 changes["best_per_worker_seqs_s"] = max(memory.best_per_worker_seqs_s, p)
+                fewest = memory.fewest_measured_workers
+                changes["fewest_measured_workers"] = (
+                    min(fewest, throughout) if fewest else throughout
+                )
             changes.update(self._spread(memory, t, produced, throughout * dt))
         return replace(memory, **changes)
 
