@@ -78,6 +78,8 @@ class Runner:
     ) -> None:
         self.log = log_
         self.reducer = reducer
+        #: What readers see: the state as of the last batch the log holds durably.
+        self._durable_state = reducer.state
         self.executor = executor
         self.clock = clock
         self.tick_interval_s = tick_interval_s
@@ -98,8 +100,12 @@ class Runner:
 
     @property
     def state(self) -> State:
-        """The state after the last event handled."""
-        return self.reducer.state
+        """The state after the last event the log holds durably.
+
+        Readers (the API, status pages) never see a state a restart could not recover: an
+        alert shown before its record reached the disk would vanish after a kill -9.
+        """
+        return self._durable_state
 
     def emit(self, event: Event) -> None:
         """Queue an event from a source; never blocks (the channel is unbounded).
@@ -152,6 +158,8 @@ class Runner:
             try:
                 item = self._receive.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream):
+                self.log.flush()
+                self._durable_state = self.reducer.state
                 return
             if item.reply is not None:
                 item.reply.close()  # the submitter is told deo is stopping
@@ -190,6 +198,7 @@ class Runner:
             state = self.reducer.state
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._persist, state)
+            self._durable_state = state
             for queued, outcome in zip(batch, outcomes, strict=True):
                 if queued.reply is not None:
                     async with queued.reply:

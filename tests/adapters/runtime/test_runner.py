@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import traceback
 from pathlib import Path
 from typing import Any
@@ -268,3 +269,37 @@ async def test_a_submitter_gets_the_error_the_core_raised_not_a_copy_of_its_mess
     assert "_pinned" in frames, frames
     with pytest.raises(Stopping, match="deo is stopping"):
         await runner.submit(PoolPinned(t=3.0, pool="envs", count=1))
+
+
+@pytest.mark.anyio
+async def test_readers_never_see_a_state_the_log_does_not_hold_yet(tmp_path: Path) -> None:
+    """A status page read while a batch is being made durable shows the state before it: after a
+    kill -9 at that moment the restart recovers exactly what was shown."""
+    runner, _ = make(tmp_path)
+    persist = runner._persist
+    flushing, release = anyio.Event(), threading.Event()
+    token = anyio.lowlevel.current_token()
+
+    def slow_persist(state: Any) -> None:
+        anyio.from_thread.run_sync(flushing.set, token=token)
+        release.wait(60)
+        persist(state)
+
+    runner._persist = slow_persist  # type: ignore[method-assign]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run)
+        runner.emit(Configured(t=0.0, config=Config(pools=[SPEC])))
+        with anyio.fail_after(60):
+            await flushing.wait()
+        # Reduced, not yet durable: a reader does not see it.
+        assert runner.reducer.state.pools
+        assert not runner.state.pools
+        release.set()
+        with anyio.fail_after(60):
+            while not runner.state.pools:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    runner.log.close()
+    assert [r["event"]["@"] for r in records(tmp_path / "run.jsonl") if r["kind"] == "event"] == [
+        "Configured"
+    ]
