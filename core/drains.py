@@ -33,6 +33,7 @@ __all__ = [
     "WINDOW",
     "drain_timeout",
     "engine_drain_timeout_s",
+    "is_measured",
     "with_drain",
 ]
 
@@ -80,6 +81,12 @@ def drain_timeout(spec: PoolSpec, drains: tuple[tuple[float, bool], ...]) -> tup
         f"drains{cuts}{bound}"
     )
     return float(round(timeout)), why
+
+
+def is_measured(spec: PoolSpec, drains: tuple[tuple[float, bool], ...]) -> bool:
+    """Whether :func:`drain_timeout` measures the deadline from ``drains`` (not the
+    configuration's number or the start value)."""
+    return spec.drain_timeout_s == AUTO and not spec.is_engine and len(drains) >= MIN_DRAINS
 
 
 def engine_drain_timeout_s(spec: PoolSpec) -> float:

@@ -271,6 +271,8 @@ class Step:
             deadline_t=deadline,
             stop_cause=cause,
             drain_started_t=started,
+            drain_deadline_s=timeout_s,
+            drain_measured=drains.is_measured(spec, pool.drains),
         )
         self.signal_drain(worker, why)
         self.dirty_pools.add(worker.pool)

@@ -246,6 +246,32 @@ def test_a_worker_drained_before_it_started_is_not_measured() -> None:
     assert reducer.state.pools["envs"].drains == ()
 
 
+def test_the_sigterm_of_a_worker_drained_before_it_started_names_its_measured_deadline() -> None:
+    reducer, t = measured_at_15_s()
+    [active] = [w for w in reducer.state.workers.values() if w.state is WorkerState.ACTIVE]
+    reducer.step(DrainRequested(t=t, worker_id=active.worker_id))
+    # Its replacement is drained before it started: not measured, but given the measured 15 s.
+    [requested] = [w for w in reducer.state.workers.values() if w.state is WorkerState.REQUESTED]
+    [drain] = of(DrainWorker, reducer.step(DrainRequested(t=t + 1, worker_id=requested.worker_id)))
+    assert drain.deadline_t == t + 1 + 15.0 and "drain deadline 15s" in drain.reason
+    reducer.step(WorkerStarted(t=t + 2, worker_id=requested.worker_id, pid=4242, start_time=1))
+    terms = of(TerminateWorker, reducer.step(Tick(t=drain.deadline_t + 0.5)))
+    [term] = [c for c in terms if c.worker_id == requested.worker_id]
+    assert "still running 15s after the drain signal (its measured deadline)" in term.reason
+
+
+def test_the_sigterm_of_a_drain_at_the_start_value_does_not_call_it_measured() -> None:
+    reducer = running(spec())
+    [active] = [w for w in reducer.state.workers.values() if w.state is WorkerState.ACTIVE]
+    [drain] = of(DrainWorker, reducer.step(DrainRequested(t=T0 + 1, worker_id=active.worker_id)))
+    assert drain.deadline_t == T0 + 1 + drains.START_S
+    [term] = of(TerminateWorker, reducer.step(Tick(t=drain.deadline_t + 0.5)))
+    assert f"still running {drains.START_S:g}s after the drain signal (the start value" in (
+        term.reason
+    )
+    assert "measured deadline" not in term.reason
+
+
 def test_the_measured_drains_survive_the_log_and_a_replay() -> None:
     reducer = running(spec())
     t = T0 + 1
