@@ -8,6 +8,9 @@ quantile of the latest :data:`WINDOW` drains times a margin, within [:data:`FLOO
 :data:`CAP_S`]; before that it is :data:`START_S`. A cut drain counts at the length it was
 allowed, so when drains are cut often enough to reach the quantile the next deadline is at least
 the margin longer than the one that cut them: the deadline grows until drains end on their own.
+No drain counts longer than its deadline (a tick that escalates late, an exit seen after the
+deadline: deo's downtime is not the drain's). A pool reconfigured to run another program
+(``argv``, ``env`` or ``kind``) forgets its drains.
 
 Engine pools drain their in-flight requests, which deo sees directly; in auto their drains and
 sleeps wait :data:`START_S`.

@@ -280,6 +280,9 @@ def _configured(step: Step, event: e.Configured) -> None:
         if pinned is not None:
             pinned = min(max(pinned, spec.min_workers), spec.max_workers)
         updated = replace(pool, spec=spec, removed=False, policy_memory=memory, pinned=pinned)
+        if _runs_another_program(pool.spec, spec):
+            # Its drains measured the program it ran before, whose groups may be far shorter.
+            updated = replace(updated, drains=())
         if pool.retries:
             # Changed backoff rules apply to the crash loop in progress.
             rules = spec.crash_loop
@@ -307,6 +310,12 @@ def _configured(step: Step, event: e.Configured) -> None:
                 del step._own("pools")[name]
                 step.resolve_pool_alerts(name, "pool removed")
     step.dirty_pools.update(step.pools)  # the GPU inventory may have changed for every pool
+
+
+def _runs_another_program(before: PoolSpec, after: PoolSpec) -> bool:
+    """Whether a reconfigured pool's workers run another program (command, environment or
+    kind): what its workers did before says nothing of how long they take now."""
+    return (before.argv, before.env, before.kind) != (after.argv, after.env, after.kind)
 
 
 def _paused(step: Step, event: e.AutoscalingPaused) -> None:

@@ -272,6 +272,26 @@ def test_the_sigterm_of_a_drain_at_the_start_value_does_not_call_it_measured() -
     assert "measured deadline" not in term.reason
 
 
+@pytest.mark.parametrize(
+    ("change", "kept"),
+    [
+        ({"max_workers": 3}, True),
+        ({"policy": PolicySpec(name="static", params={"count": 2}), "max_workers": 2}, True),
+        ({"drain_timeout_s": 30.0}, True),
+        ({"argv": ["python", "other_env.py"]}, False),
+        ({"env": {"ENV_GROUP_SIZE": "64"}}, False),
+    ],
+    ids=["max-workers", "policy", "drain-timeout", "argv", "env"],
+)
+def test_a_pool_that_runs_another_program_measures_its_drains_again(
+    change: dict[str, Any], kept: bool
+) -> None:
+    reducer, t = measured_at_15_s()
+    measured = reducer.state.pools["envs"].drains
+    reducer.step(Configured(t=t, config=Config(pools=[spec(**change)])))
+    assert reducer.state.pools["envs"].drains == (measured if kept else ())
+
+
 def test_the_measured_drains_survive_the_log_and_a_replay() -> None:
     reducer = running(spec())
     t = T0 + 1
