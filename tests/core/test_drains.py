@@ -85,7 +85,7 @@ def drain_once(reducer: Reducer, t: float, takes_s: float) -> tuple[DrainWorker,
 
 def test_a_configured_number_is_the_deadline_whatever_the_drains_took() -> None:
     pool = spec(drain_timeout_s=20)
-    measured = tuple((300.0, False) for _ in range(drains.WINDOW))
+    measured = tuple((300.0, False) for _ in range(drains.WINDOW_DRAINS))
     assert drains.drain_timeout(pool, measured) == (
         20.0,
         "drain_timeout_s set in the configuration",
@@ -107,7 +107,7 @@ def test_auto_is_a_high_quantile_of_the_latest_drains_times_the_margin() -> None
     seconds, why = drains.drain_timeout(spec(), measured)
     assert seconds == round(drains.MARGIN * 19.0)
     assert "p95 19.0s of the last 20 drains" in why
-    # Only the latest WINDOW count: old long drains are forgotten.
+    # Only the latest WINDOW_DRAINS count: old long drains are forgotten.
     old = tuple((1000.0, False) for _ in range(10))
     assert drains.drain_timeout(spec(), old + measured * 2)[0] == seconds
 

@@ -55,7 +55,7 @@ def test_a_drain_begun_under_a_longer_measured_deadline_is_waited_for() -> None:
     assert state.workers[first].deadline_t == T0 + 160
     state = start_requested(state, T0 + 11)
     # Since then the pool's drains got short: a drain now gets the 10 s floor.
-    state = with_drains(state, ((2.0, False),) * drains.WINDOW)
+    state = with_drains(state, ((2.0, False),) * drains.WINDOW_DRAINS)
     assert drains.drain_timeout(pool, state.pools["envs"].drains)[0] == drains.FLOOR_S
     # deo stop --drain removes every pool.
     now = T0 + 20
