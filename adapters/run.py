@@ -76,9 +76,10 @@ from core import (
     WorkerStarted,
 )
 from core.arbiter import ArbiterGpusDeclared
-from core.drains import drain_timeout
+from core.drains import START_S, drain_timeout
 
 __all__ = [
+    "drain_all_wait_s",
     "find_spawned",
     "reconcile",
     "run",
@@ -567,6 +568,26 @@ async def _stop_on_signal(
             scope.cancel()
 
 
+def drain_all_wait_s(state: State, now: float) -> float:
+    """How long, from ``now``, every worker of ``state`` may take to end once all are drained.
+
+    Drain, SIGTERM, SIGKILL and the give-up after it each have their deadline; past the latest
+    the core has ended every worker. A worker already draining keeps the deadline it was given,
+    which in ``"auto"`` may be longer than the one a drain would get now.
+    """
+    bound_s = 0.0
+    for worker in state.workers.values():
+        pool = state.pools.get(worker.pool)
+        stop_s = DEFAULT_STOP_TIMEOUT_S if pool is None else pool.spec.stop_timeout_s
+        if worker.deadline_t is not None:
+            # Draining: two stop deadlines follow; stopping already: at most two as well.
+            left_s = worker.deadline_t - now
+        else:
+            left_s = START_S if pool is None else drain_timeout(pool.spec, pool.drains)[0]
+        bound_s = max(bound_s, left_s + 2 * stop_s)
+    return bound_s
+
+
 def _stop_timeout_s(pool: str | None, state: State, config: Config) -> float:
     """The stop timeout of ``pool`` in the state, or else in the configuration being applied."""
     specs = [p.spec for p in state.pools.values()] + list(config.pools)
@@ -603,13 +624,7 @@ async def _stop_on_request(
         out("deo: stop requested: draining every worker first")
         drained = attrs.evolve(runner.state.config, pools=())
         await runner.submit(Configured(t=runner.clock(), config=drained))
-        # Drain, SIGTERM, SIGKILL and the give-up after it each have their deadline; past the
-        # longest of them the core has ended every worker, so this wait is bounded too.
-        pools = runner.state.pools.values()
-        bound_s = max(
-            (drain_timeout(p.spec, p.drains)[0] + 2 * p.spec.stop_timeout_s for p in pools),
-            default=0,
-        )
+        bound_s = drain_all_wait_s(runner.state, runner.clock())
         with anyio.move_on_after(bound_s + 10 * runner.tick_interval_s):
             while runner.state.workers:
                 await anyio.sleep(0.2)

@@ -4,10 +4,13 @@ A pool's ``drain_timeout_s`` is either a number of seconds (the operator's: alwa
 ``"auto"`` (the default). In auto, each drain of a worker of the pool is measured from the drain
 signal to the worker's exit, or, if its deadline came first, to the deadline (a cut drain: it
 would have taken longer). Once :data:`MIN_DRAINS` drains are measured, the deadline is a high
-quantile of the latest :data:`WINDOW` drains times a margin, within [:data:`FLOOR_S`,
+quantile of the latest :data:`WINDOW_DRAINS` drains times a margin, within [:data:`FLOOR_S`,
 :data:`CAP_S`]; before that it is :data:`START_S`. A cut drain counts at the length it was
 allowed, so when drains are cut often enough to reach the quantile the next deadline is at least
 the margin longer than the one that cut them: the deadline grows until drains end on their own.
+No drain counts longer than its deadline (a tick that escalates late, an exit seen after the
+deadline: deo's downtime is not the drain's). A pool reconfigured to run another program
+(``argv``, ``env`` or ``kind``) forgets its drains.
 
 Engine pools drain their in-flight requests, which deo sees directly; in auto their drains and
 sleeps wait :data:`START_S`.
@@ -30,9 +33,10 @@ __all__ = [
     "MIN_DRAINS",
     "QUANTILE",
     "START_S",
-    "WINDOW",
+    "WINDOW_DRAINS",
     "drain_timeout",
     "engine_drain_timeout_s",
+    "is_measured",
     "with_drain",
 ]
 
@@ -41,10 +45,10 @@ START_S = 60.0
 #: Bounds of a measured deadline: no drain is cut sooner than FLOOR_S, none waits beyond CAP_S.
 FLOOR_S = 10.0
 CAP_S = 1800.0
-#: The measured deadline is MARGIN x the QUANTILE of the latest WINDOW drains ...
+#: The measured deadline is MARGIN x the QUANTILE of the latest WINDOW_DRAINS drains ...
 QUANTILE = 0.95
 MARGIN = 1.5
-WINDOW = 40
+WINDOW_DRAINS = 40
 #: ... once at least this many drains were measured.
 MIN_DRAINS = 3
 
@@ -65,7 +69,7 @@ def drain_timeout(spec: PoolSpec, drains: tuple[tuple[float, bool], ...]) -> tup
         return START_S, "auto: an engine's drain waits on its in-flight requests"
     if len(drains) < MIN_DRAINS:
         return START_S, f"auto: {len(drains)} of {MIN_DRAINS} drains measured, the start value"
-    latest = drains[-WINDOW:]
+    latest = drains[-WINDOW_DRAINS:]
     high = _quantile((seconds for seconds, _ in latest), QUANTILE)
     cut = sum(1 for _, was_cut in latest if was_cut)
     wanted = MARGIN * high
@@ -82,6 +86,12 @@ def drain_timeout(spec: PoolSpec, drains: tuple[tuple[float, bool], ...]) -> tup
     return float(round(timeout)), why
 
 
+def is_measured(spec: PoolSpec, drains: tuple[tuple[float, bool], ...]) -> bool:
+    """Whether :func:`drain_timeout` measures the deadline from ``drains`` (not the
+    configuration's number or the start value)."""
+    return spec.drain_timeout_s == AUTO and not spec.is_engine and len(drains) >= MIN_DRAINS
+
+
 def engine_drain_timeout_s(spec: PoolSpec) -> float:
     """How long an engine's in-flight requests get before its sleep call or SIGTERM."""
     return drain_timeout(spec, ())[0]
@@ -91,5 +101,5 @@ def with_drain(
     drains: tuple[tuple[float, bool], ...], seconds: float, cut: bool
 ) -> tuple[tuple[float, bool], ...]:
     """``drains`` with one more (its ``seconds``, whether its deadline cut it), the latest
-    :data:`WINDOW` kept."""
-    return (*drains[-(WINDOW - 1) :], (round(seconds, 3), cut))
+    :data:`WINDOW_DRAINS` kept."""
+    return (*drains[-(WINDOW_DRAINS - 1) :], (round(seconds, 3), cut))

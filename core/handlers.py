@@ -47,16 +47,31 @@ def _sigterm(step: Step, worker: Worker, spec: PoolSpec) -> None:
             f"{drains.engine_drain_timeout_s(spec):g}s after it left routing: SIGTERM",
         )
         return
-    if spec.drain_timeout_s == AUTO and worker.drain_started_t is not None:
-        assert worker.deadline_t is not None, worker
-        allowed_s = round(worker.deadline_t - worker.drain_started_t, 3)
-        ran = f"{allowed_s:g}s after the drain signal (its measured deadline)"
-    else:
+    if spec.drain_timeout_s != AUTO:
+        # The reason older logs recorded for a fixed deadline.
         ran = f"{drains.drain_timeout(spec, ())[0]:g}s after the drain signal"
+    else:
+        allowed_s, measured = _drain_deadline(worker)
+        ran = f"{allowed_s:g}s after the drain signal " + (
+            "(its measured deadline)"
+            if measured
+            else f"(the start value in auto, before {drains.MIN_DRAINS} drains were measured)"
+        )
     step.measure_drain(worker, cut=True)
     step.terminate(
         worker, StopCause.DRAIN_DEADLINE, f"{worker.worker_id} still running {ran}: SIGTERM"
     )
+
+
+def _drain_deadline(worker: Worker) -> tuple[float, bool]:
+    """The deadline an auto pool's ``worker`` was given for its drain, in seconds after its
+    drain signal, and whether it was measured."""
+    if worker.drain_deadline_s is not None:
+        return worker.drain_deadline_s, worker.drain_measured
+    # A drain begun by a deo that kept only the start of a drain it measured.
+    if worker.drain_started_t is not None and worker.deadline_t is not None:
+        return round(worker.deadline_t - worker.drain_started_t, 3), True
+    return drains.START_S, False
 
 
 def _sigkill(step: Step, worker: Worker, spec: PoolSpec) -> None:
@@ -265,6 +280,9 @@ def _configured(step: Step, event: e.Configured) -> None:
         if pinned is not None:
             pinned = min(max(pinned, spec.min_workers), spec.max_workers)
         updated = replace(pool, spec=spec, removed=False, policy_memory=memory, pinned=pinned)
+        if _runs_another_program(pool.spec, spec):
+            # Its drains measured the program it ran before, whose groups may be far shorter.
+            updated = replace(updated, drains=())
         if pool.retries:
             # Changed backoff rules apply to the crash loop in progress.
             rules = spec.crash_loop
@@ -292,6 +310,12 @@ def _configured(step: Step, event: e.Configured) -> None:
                 del step._own("pools")[name]
                 step.resolve_pool_alerts(name, "pool removed")
     step.dirty_pools.update(step.pools)  # the GPU inventory may have changed for every pool
+
+
+def _runs_another_program(before: PoolSpec, after: PoolSpec) -> bool:
+    """Whether a reconfigured pool's workers run another program (command, environment or
+    kind): what its workers did before says nothing of how long they take now."""
+    return (before.argv, before.env, before.kind) != (after.argv, after.env, after.kind)
 
 
 def _paused(step: Step, event: e.AutoscalingPaused) -> None:

@@ -127,8 +127,10 @@ def state_violations(state: State) -> list[str]:
         )
     # 3. A pool keeps only its latest drains, each a length of time.
     for name, pool in state.pools.items():
-        if len(pool.drains) > drains.WINDOW or any(s < 0 for s, _ in pool.drains):
-            found.append(f"3: pool {name} keeps drains {pool.drains} (at most {drains.WINDOW})")
+        if len(pool.drains) > drains.WINDOW_DRAINS or any(s < 0 for s, _ in pool.drains):
+            found.append(
+                f"3: pool {name} keeps drains {pool.drains} (at most {drains.WINDOW_DRAINS})"
+            )
     # 5. Backoff follows the rule: a slot that failed n times in a row is replaced delay(n)
     # after its last failure; the pool's failures are its most failed open slot's.
     for name, pool in state.pools.items():

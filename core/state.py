@@ -95,6 +95,10 @@ class Worker:
     #: When its drain signal went out (None: not draining, or drained before it started): the
     #: start of the drain its pool measures.
     drain_started_t: float | None = None
+    #: The deadline its drain was given, in seconds after the drain signal (None: not drained),
+    #: and whether the pool's measured drains set it (``"auto"`` past the start value).
+    drain_deadline_s: float | None = None
+    drain_measured: bool = False
 
     def __init__(
         self,
@@ -116,6 +120,8 @@ class Worker:
         asleep_t: float | None = None,
         attempt: int = 0,
         drain_started_t: float | None = None,
+        drain_deadline_s: float | None = None,
+        drain_measured: bool = False,
         killed: bool = False,
     ) -> None:
         # Snapshots written before KILLED was a state marked a killed worker STOPPING with
@@ -140,6 +146,8 @@ class Worker:
             asleep_t=asleep_t,
             attempt=attempt,
             drain_started_t=drain_started_t,
+            drain_deadline_s=drain_deadline_s,
+            drain_measured=drain_measured,
         )
 
     @property

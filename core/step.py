@@ -271,6 +271,8 @@ class Step:
             deadline_t=deadline,
             stop_cause=cause,
             drain_started_t=started,
+            drain_deadline_s=timeout_s,
+            drain_measured=drains.is_measured(spec, pool.drains),
         )
         self.signal_drain(worker, why)
         self.dirty_pools.add(worker.pool)
@@ -299,7 +301,11 @@ class Step:
 
     def measure_drain(self, worker: Worker, cut: bool) -> None:
         """A drain of a worker pool's worker ended: by its exit, or ``cut`` at its deadline; its
-        pool keeps how long it ran (the drains an ``"auto"`` deadline is measured from)."""
+        pool keeps how long it ran (the drains an ``"auto"`` deadline is measured from).
+
+        A drain counts at most the length it was allowed: a tick that escalates late (deo was
+        stalled or down) or an exit seen only after the deadline says nothing of how much
+        longer the drain would have taken, only that it took its whole deadline."""
         pool = self.pools.get(worker.pool)
         if (
             pool is None
@@ -308,7 +314,8 @@ class Step:
             or pool.spec.is_engine
         ):
             return
-        seconds = max(self.t - worker.drain_started_t, 0.0)
+        assert worker.deadline_t is not None, worker
+        seconds = max(min(self.t, worker.deadline_t) - worker.drain_started_t, 0.0)
         self.put_pool(replace(pool, drains=drains.with_drain(pool.drains, seconds, cut)))
 
     def terminate(self, worker: Worker, cause: StopCause, why: str) -> None:

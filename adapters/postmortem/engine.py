@@ -16,10 +16,10 @@ import orjson
 
 from adapters.log import LogProblem, LogReader, not_reduced, segment_start, segments
 from core import Command, Configured, DeoError, Event, State, decode, encode, reduce
-from core.codec import types_with
+from core.codec import TYPE_KEY, types_with
 from core.policies import BUILT_INS, PolicyCatalog
 
-__all__ = ["Replayed", "apply_settings", "parse_setting", "replay"]
+__all__ = ["Replayed", "apply_settings", "parse_setting", "replay", "state_difference"]
 
 
 # A mutable slots class: one is built per event of logs with millions of them, and a frozen
@@ -91,9 +91,13 @@ def replay(
                 else:
                     if isinstance(start, State):
                         state, seq = start, start_seq
-            elif encoded != encode(state):
-                message = "the state this segment starts from is not the one replayed"
-                found.append(LogProblem(2, message))
+            else:
+                difference = state_difference(encoded, encode(state))
+                if difference is not None:
+                    message = (
+                        f"the state this segment starts from is not the one replayed ({difference})"
+                    )
+                    found.append(LogProblem(2, message))
             reader = LogReader(file, offset=offset, first_line=lines + 1, seq=seq, problems=found)
         for record in reader.events():
             before = state
@@ -123,6 +127,51 @@ def replay(
         seq = reader.seq
         if found is not problems:
             problems.extend(LogProblem(p.line, f"{p.message} (in {file.name})") for p in found)
+
+
+def state_difference(recorded: Any, replayed: Any, where: str = "state") -> str | None:
+    """Where the ``recorded`` encoded state first differs from the ``replayed`` one (encoded too),
+    or None when they agree.
+
+    A field of a record (an object with its class under ``"@"``) that the recorded one lacks is
+    one added to deo after the log was written: the replayed value is not compared (the codec
+    gives the old record its default, which need not be what the replay computed, e.g. the
+    drains a pool measured). Everything the record does hold must be equal: the same class, the
+    same fields, the same keys in every mapping, lists of the same length, equal values.
+    """
+    if type(recorded) is dict and type(replayed) is dict:
+        is_record = TYPE_KEY in recorded
+        if recorded.get(TYPE_KEY) != replayed.get(TYPE_KEY):
+            return (
+                f"{where} is a {recorded.get(TYPE_KEY)} in the log, a {replayed.get(TYPE_KEY)} now"
+            )
+        for key, value in recorded.items():
+            if key not in replayed:
+                return f"{where}.{key} is in the log, not in the replayed state"
+            found = state_difference(value, replayed[key], f"{where}.{key}")
+            if found is not None:
+                return found
+        if not is_record:
+            extra = sorted(str(key) for key in replayed.keys() - recorded.keys())
+            if extra:
+                return f"{where}.{extra[0]} is in the replayed state, not in the log"
+        return None
+    if type(recorded) is list and type(replayed) is list:
+        if len(recorded) != len(replayed):
+            return f"{where} has {len(recorded)} items in the log, {len(replayed)} replayed"
+        for index, (old, new) in enumerate(zip(recorded, replayed, strict=True)):
+            found = state_difference(old, new, f"{where}[{index}]")
+            if found is not None:
+                return found
+        return None
+    if recorded != replayed:
+        return f"{where} is {_short(recorded)} in the log, {_short(replayed)} replayed"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = orjson.dumps(value).decode()
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def _first_line(path: Path) -> bytes:

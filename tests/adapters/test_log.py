@@ -27,11 +27,12 @@ from adapters.log import (
     LogProblem,
     LogReader,
     NotALog,
+    segment_start,
     segments,
     snapshot_path,
 )
 from adapters.postmortem import replay as replay_command
-from adapters.postmortem.engine import replay
+from adapters.postmortem.engine import replay, state_difference
 from adapters.run import run_id_of
 from core import (
     Config,
@@ -1122,6 +1123,111 @@ def test_a_segment_whose_state_is_not_the_replayed_one_is_reported(
     problems: list[LogProblem] = []
     list(replay(path, problems=problems))
     assert [(p.line, second.name in p.message) for p in problems] == [(2, True)]
+
+
+OLD_ROTATED_LOG = Path(__file__).resolve().parent / "data" / "rotated_log_7d51f41"
+
+
+def old_rotated_log(tmp_path: Path) -> Path:
+    """A copy of the rotated log an older deo wrote (its segments' states lack later fields)."""
+    for file in OLD_ROTATED_LOG.glob("run.jsonl*"):
+        shutil.copyfile(file, tmp_path / file.name)
+    return tmp_path / "run.jsonl"
+
+
+def replay_args(path: Path) -> argparse.Namespace:
+    return argparse.Namespace(
+        log=path,
+        set=[],
+        what_if=[],
+        what_if_seeds=3,
+        fitted_out=None,
+        sqlite=None,
+        at=None,
+        explain=None,
+        quiet=True,
+    )
+
+
+def test_a_rotated_log_an_older_deo_wrote_replays_verified(tmp_path: Path) -> None:
+    path = old_rotated_log(tmp_path)
+    earlier = segments(path)
+    assert len(earlier) == 3
+    states = [segment_start(file) for file in [*earlier[1:], path]]
+    # Written before pools measured their drains: the fields added since are not there.
+    for begins in states:
+        assert begins is not None
+        assert "drains" not in begins[0]["pools"]["envs"]
+    problems: list[LogProblem] = []
+    steps = list(replay(path, problems=problems))
+    assert problems == []
+    assert all(step.matches for step in steps)
+    assert len(steps) == 493
+    # ... although the replay did measure the pool's two drains (the state now has them).
+    assert len(steps[-1].after.pools["envs"].drains) == 2
+    out = io.StringIO()
+    assert replay_command.run(replay_args(path), out) == 0, out.getvalue()
+    assert "verified: 493 events" in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (
+            lambda state: state["pools"]["envs"].update(desired=5),
+            "state.pools.envs.desired is 5 in the log, 4 replayed",
+        ),
+        (
+            lambda state: state["workers"]["envs-1"].update(state="draining"),
+            'state.workers.envs-1.state is "draining" in the log, "active" replayed',
+        ),
+        (
+            lambda state: state["workers"].pop("envs-1"),
+            "state.workers.envs-1 is in the replayed state, not in the log",
+        ),
+        (
+            lambda state: state["pools"]["envs"].update(retired_field=1),
+            "state.pools.envs.retired_field is in the log, not in the replayed state",
+        ),
+        (
+            lambda state: state["pools"]["envs"]["spec"].update({"@": "EnginePoolSpec"}),
+            "state.pools.envs.spec is a EnginePoolSpec in the log, a PoolSpec now",
+        ),
+        (
+            lambda state: state["gpus"].update(g9={"@": "Gpu", "gpu_id": "g9"}),
+            "state.gpus.g9 is in the log, not in the replayed state",
+        ),
+    ],
+    ids=["value", "nested-value", "missing-worker", "unknown-field", "other-class", "extra-key"],
+)
+def test_an_older_segment_whose_state_differs_where_it_has_a_value_is_reported(
+    tmp_path: Path, damage: Callable[[dict[str, Any]], object], said: str
+) -> None:
+    path = old_rotated_log(tmp_path)
+    second = segments(path)[1]
+    lines = second.read_bytes().splitlines(keepends=True)
+    record = json.loads(lines[1])
+    damage(record["state"])
+    second.write_bytes(lines[0] + orjson.dumps(record) + b"\n" + b"".join(lines[2:]))
+    problems: list[LogProblem] = []
+    list(replay(path, problems=problems))
+    assert [p.line for p in problems] == [2]
+    assert said in problems[0].message and second.name in problems[0].message
+    out = io.StringIO()
+    assert replay_command.run(replay_args(path), out) == 2
+
+
+def test_a_list_in_a_segment_state_must_have_the_replayed_length() -> None:
+    recorded = {"@": "PoolState", "retries": [[1.0, 1]]}
+    assert (
+        state_difference(recorded, {"@": "PoolState", "retries": [[1.0, 1]], "drains": []}) is None
+    )
+    assert state_difference(recorded, {"@": "PoolState", "retries": []}) == (
+        "state.retries has 1 items in the log, 0 replayed"
+    )
+    assert state_difference(recorded, {"@": "PoolState", "retries": [[1.0, 2]]}) == (
+        "state.retries[0][1] is 1 in the log, 2 replayed"
+    )
 
 
 def test_a_rotation_cut_short_by_a_crash_is_undone_on_open(

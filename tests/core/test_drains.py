@@ -85,7 +85,7 @@ def drain_once(reducer: Reducer, t: float, takes_s: float) -> tuple[DrainWorker,
 
 def test_a_configured_number_is_the_deadline_whatever_the_drains_took() -> None:
     pool = spec(drain_timeout_s=20)
-    measured = tuple((300.0, False) for _ in range(drains.WINDOW))
+    measured = tuple((300.0, False) for _ in range(drains.WINDOW_DRAINS))
     assert drains.drain_timeout(pool, measured) == (
         20.0,
         "drain_timeout_s set in the configuration",
@@ -107,7 +107,7 @@ def test_auto_is_a_high_quantile_of_the_latest_drains_times_the_margin() -> None
     seconds, why = drains.drain_timeout(spec(), measured)
     assert seconds == round(drains.MARGIN * 19.0)
     assert "p95 19.0s of the last 20 drains" in why
-    # Only the latest WINDOW count: old long drains are forgotten.
+    # Only the latest WINDOW_DRAINS count: old long drains are forgotten.
     old = tuple((1000.0, False) for _ in range(10))
     assert drains.drain_timeout(spec(), old + measured * 2)[0] == seconds
 
@@ -154,13 +154,59 @@ def test_cut_drains_lengthen_the_deadline_until_drains_end_on_their_own() -> Non
         cuts.append(cut)
         t += 5.0
     pool = reducer.state.pools["envs"]
-    # The first MIN_DRAINS drains run at the start value (60 s) and are cut; then 1.5 x the cut
-    # length (60.5 s, as long as they ran) -> 91 s, still cut, -> 137 s: no longer cut.
+    # The first MIN_DRAINS drains run at the start value (60 s) and are cut; then 1.5 x the
+    # length they were allowed (60 s) -> 90 s, still cut, -> 135 s: no longer cut.
     assert cuts == [True] * (drains.MIN_DRAINS + 1) + [False] * (11 - drains.MIN_DRAINS)
     seconds, why = drains.drain_timeout(pool.spec, pool.drains)
     assert seconds > 100.0
     assert "cut at their deadline" in why
     assert [cut for _, cut in pool.drains] == cuts
+    assert [seconds for seconds, _ in pool.drains[: drains.MIN_DRAINS + 1]] == [60.0] * 3 + [90.0]
+
+
+def measured_at_15_s() -> tuple[Reducer, float]:
+    """A pool whose three drains took 10 s (deadline 15 s), and when the next may start."""
+    reducer = running(spec())
+    t = T0 + 1
+    for _ in range(drains.MIN_DRAINS):
+        _, _, t = drain_once(reducer, t, takes_s=10.0)
+        t += 1
+    pool = reducer.state.pools["envs"]
+    assert drains.drain_timeout(pool.spec, pool.drains)[0] == 15.0
+    return reducer, t
+
+
+@pytest.mark.parametrize("late_s", [0.5, 600.0, 3600.0])
+def test_a_drain_cut_by_a_late_tick_counts_the_length_it_was_allowed(late_s: float) -> None:
+    # deo stalled (or was down) for late_s past the deadline: the first tick after the stall
+    # judges nothing, the next one cuts the drain. It ran 15 s that deo allowed; the rest is
+    # deo's lateness, not the drain's length.
+    reducer, t = measured_at_15_s()
+    [active] = [w for w in reducer.state.workers.values() if w.state is WorkerState.ACTIVE]
+    [drain] = of(DrainWorker, reducer.step(DrainRequested(t=t, worker_id=active.worker_id)))
+    start_requested(reducer, t)
+    late_t = drain.deadline_t + late_s
+    commands = reducer.step(Tick(t=late_t)) + reducer.step(Tick(t=late_t + 1.0))
+    [term] = of(TerminateWorker, commands)
+    assert term.worker_id == active.worker_id
+    reducer.step(WorkerExited(t=late_t + 2.0, worker_id=active.worker_id, signal=15))
+    pool = reducer.state.pools["envs"]
+    assert pool.drains[-1] == (15.0, True)
+    seconds, why = drains.drain_timeout(pool.spec, pool.drains)
+    assert seconds == 22.0  # 1.5 x 15 s: one cut grows the deadline by the margin, no more
+    assert "cap" not in why
+
+
+def test_an_exit_seen_only_after_the_deadline_counts_at_most_the_deadline() -> None:
+    # deo was down past the deadline; on restart it sees the worker gone before any tick.
+    reducer, t = measured_at_15_s()
+    [active] = [w for w in reducer.state.workers.values() if w.state is WorkerState.ACTIVE]
+    [drain] = of(DrainWorker, reducer.step(DrainRequested(t=t, worker_id=active.worker_id)))
+    start_requested(reducer, t)
+    reducer.step(WorkerExited(t=drain.deadline_t + 3600.0, worker_id=active.worker_id, exit_code=0))
+    pool = reducer.state.pools["envs"]
+    assert pool.drains[-1] == (15.0, False)
+    assert drains.drain_timeout(pool.spec, pool.drains)[0] == 22.0
 
 
 def test_each_drain_says_its_deadline_and_why() -> None:
@@ -187,7 +233,7 @@ def test_a_fixed_deadline_keeps_the_reason_without_a_measurement() -> None:
     assert drain.deadline_t == pytest.approx(T0 + 6.0)
     assert "drain deadline" not in drain.reason
     # A fixed deadline needs no measurement, but the drains are kept: "auto" later has them.
-    assert reducer.state.pools["envs"].drains == ((5.5, True),)
+    assert reducer.state.pools["envs"].drains == ((5.0, True),)
 
 
 def test_a_worker_drained_before_it_started_is_not_measured() -> None:
@@ -198,6 +244,52 @@ def test_a_worker_drained_before_it_started_is_not_measured() -> None:
     reducer.step(WorkerStarted(t=T0 + 2, worker_id="envs-0", pid=1000, start_time=1))
     reducer.step(WorkerExited(t=T0 + 3, worker_id="envs-0", exit_code=0))
     assert reducer.state.pools["envs"].drains == ()
+
+
+def test_the_sigterm_of_a_worker_drained_before_it_started_names_its_measured_deadline() -> None:
+    reducer, t = measured_at_15_s()
+    [active] = [w for w in reducer.state.workers.values() if w.state is WorkerState.ACTIVE]
+    reducer.step(DrainRequested(t=t, worker_id=active.worker_id))
+    # Its replacement is drained before it started: not measured, but given the measured 15 s.
+    [requested] = [w for w in reducer.state.workers.values() if w.state is WorkerState.REQUESTED]
+    [drain] = of(DrainWorker, reducer.step(DrainRequested(t=t + 1, worker_id=requested.worker_id)))
+    assert drain.deadline_t == t + 1 + 15.0 and "drain deadline 15s" in drain.reason
+    reducer.step(WorkerStarted(t=t + 2, worker_id=requested.worker_id, pid=4242, start_time=1))
+    terms = of(TerminateWorker, reducer.step(Tick(t=drain.deadline_t + 0.5)))
+    [term] = [c for c in terms if c.worker_id == requested.worker_id]
+    assert "still running 15s after the drain signal (its measured deadline)" in term.reason
+
+
+def test_the_sigterm_of_a_drain_at_the_start_value_does_not_call_it_measured() -> None:
+    reducer = running(spec())
+    [active] = [w for w in reducer.state.workers.values() if w.state is WorkerState.ACTIVE]
+    [drain] = of(DrainWorker, reducer.step(DrainRequested(t=T0 + 1, worker_id=active.worker_id)))
+    assert drain.deadline_t == T0 + 1 + drains.START_S
+    [term] = of(TerminateWorker, reducer.step(Tick(t=drain.deadline_t + 0.5)))
+    assert f"still running {drains.START_S:g}s after the drain signal (the start value" in (
+        term.reason
+    )
+    assert "measured deadline" not in term.reason
+
+
+@pytest.mark.parametrize(
+    ("change", "kept"),
+    [
+        ({"max_workers": 3}, True),
+        ({"policy": PolicySpec(name="static", params={"count": 2}), "max_workers": 2}, True),
+        ({"drain_timeout_s": 30.0}, True),
+        ({"argv": ["python", "other_env.py"]}, False),
+        ({"env": {"ENV_GROUP_SIZE": "64"}}, False),
+    ],
+    ids=["max-workers", "policy", "drain-timeout", "argv", "env"],
+)
+def test_a_pool_that_runs_another_program_measures_its_drains_again(
+    change: dict[str, Any], kept: bool
+) -> None:
+    reducer, t = measured_at_15_s()
+    measured = reducer.state.pools["envs"].drains
+    reducer.step(Configured(t=t, config=Config(pools=[spec(**change)])))
+    assert reducer.state.pools["envs"].drains == (measured if kept else ())
 
 
 def test_the_measured_drains_survive_the_log_and_a_replay() -> None:

@@ -9,7 +9,9 @@ trainer reported waiting 1.0 s for data in the 58 s after its first batch.
 from __future__ import annotations
 
 import itertools
+import random
 import re
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ from typing import Any
 import pytest
 from conftest import deo_command
 
-from adapters.postmortem.fit import fit_scenario, read_run
+from adapters.postmortem.fit import _one_per_step, fit_scenario, read_run
 from adapters.sim.driver import simulate
 from adapters.sim.scenario import EnvPool, Phase, Scenario, TrainerSpec
 from bench.baselines import CATALOG
@@ -140,3 +142,81 @@ def test_a_fitted_scenario_with_a_fetch_all_trainer_loads_back(tmp_path: Path) -
     assert proc.returncode == 0, proc.stdout + proc.stderr
     sim = deo("simulate", "f.toml", cwd=tmp_path)
     assert sim.returncode == 0, sim.stdout + sim.stderr
+
+
+# --- unrolling fetches into steps ----------------------------------------------------------------
+
+Queue = list[tuple[float, int, int, int]]
+
+
+def fetching_every_6_s(t0: float, fetches: int) -> Queue:
+    """Samples every second of a trainer that takes 3 batches of 32 at once every 6 s, with a
+    batch queued at the sample before each fetch (it fetches the moment it is done)."""
+    return [(t0 + j, 32 if j % 6 == 5 else 0, 32, 3 * (j // 6)) for j in range(6 * fetches + 1)]
+
+
+def test_a_fetch_is_unrolled_into_steps_and_the_batches_held_count_as_queued() -> None:
+    queue = fetching_every_6_s(0.0, 4)
+    unrolled = _one_per_step(queue, end_s=queue[-1][0])
+    # Fetched at 5.5 s: steps at 5.5, 7.5 and 9.5 s. At 6 s one is taken, two held (queued).
+    assert unrolled[6] == (6.0, 64, 32, 1)
+    assert unrolled[8] == (8.0, 32, 32, 2)
+    assert unrolled[10] == (10.0, 0, 32, 3)
+
+
+def test_after_a_trainer_restart_its_fetches_are_unrolled_again() -> None:
+    before = fetching_every_6_s(0.0, 4)
+    after = fetching_every_6_s(100.0, 4)  # restarted: its counter starts again at 0
+    unrolled = _one_per_step(before + after, end_s=after[-1][0])
+    assert unrolled[: len(before)] == _one_per_step(before, end_s=after[0][0])
+    assert unrolled[len(before) + 6] == (106.0, 64, 32, 1)
+    assert unrolled[len(before) :] == _one_per_step(after, end_s=after[-1][0])
+
+
+def one_per_step_by_scanning(queue: Queue, end_s: float) -> Queue:
+    """The same reading, written as a scan of every sample and fed span for each fetch."""
+    fetches = [
+        ((a[0] + b[0]) / 2, b[3] - a[3]) for a, b in itertools.pairwise(queue) if b[3] > a[3]
+    ]
+    fed_before: list[bool] = []
+    for index, (t, _) in enumerate(fetches):
+        if index + 1 == len(fetches):
+            fed_before.append(False)
+            continue
+        next_t = fetches[index + 1][0]
+        between = [sample for sample in queue if t < sample[0] < next_t]
+        fed_before.append(bool(between) and between[-1][1] >= between[-1][2])
+    fed_steps = [
+        (t, (fetches[i + 1][0] - t) / k)
+        for i, (t, k) in enumerate(fetches)
+        if fed_before[i] and i + 1 < len(fetches)
+    ]
+    starts: list[float] = []
+    for i, (t, k) in enumerate(fetches):
+        stop = fetches[i + 1][0] if i + 1 < len(fetches) else end_s
+        even = (stop - t) / k
+        step_s = even
+        if not fed_before[i]:
+            nearby = [s for at, s in fed_steps if abs(at - t) <= 30.0] or [s for _, s in fed_steps]
+            step_s = min(even, statistics.median(nearby)) if nearby else even
+        starts += [t + n * step_s for n in range(k)]
+    first = queue[0][3]
+    out = []
+    for t, queued, batch, taken in queue:
+        started = first + sum(1 for start in starts if start <= t)
+        held = max(taken - started, 0)
+        out.append((t, queued + held * batch, batch, min(started, taken)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_unrolling_reads_any_queue_as_a_scan_of_it_would(seed: int) -> None:
+    rng = random.Random(seed)
+    t, taken, queue = 0.0, rng.randrange(5), []
+    for _ in range(400):
+        t += rng.uniform(0.2, 3.0)
+        if rng.random() < 0.3:
+            taken += rng.choice([1, 1, 2, 3, 4])
+        queue.append((round(t, 3), rng.randrange(0, 100), 32, taken))
+    end_s = t + rng.uniform(0.0, 5.0)
+    assert _one_per_step(queue, end_s) == one_per_step_by_scanning(queue, end_s)
