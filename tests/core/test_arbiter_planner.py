@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from core import RaiseAlert, ResolveAlert, Tick, decode, encode
+from core import Config, Configured, RaiseAlert, Reducer, ResolveAlert, Tick, decode, encode
 from core.arbiter import (
     PLANNER_SETTINGS_UNRECORDED,
     ArbiterGpusDeclared,
     ArbiterReducer,
+    ClusterSpec,
     ExpandGeneration,
     GapRatioPlanner,
     GpusReleased,
     GpusRequested,
     GrantGpus,
+    PipelineRegistered,
     PlannerSettings,
     Priority,
     ProgressReported,
@@ -280,3 +282,20 @@ def test_reasons_say_gpu_seconds_only_once_a_rate_is_measured() -> None:
     assert "600 trajectories remaining, weight 1200 (rate not measured yet: R x tp)" in (
         expand.reason
     )
+
+
+def test_deo_keeps_an_overstaying_holder_among_its_alerts_until_it_lets_go() -> None:
+    reducer = Reducer(check_invariants=True)
+    reducer.step(Configured(t=0.0, config=Config(gpus=gpus(2))))
+    reducer.step(ArbiterGpusDeclared(t=0.0, gpus=gpus(2), planner=PlannerSettings(reserve_s=10.0)))
+    for name, mapping in (("stuck", ["0"]), ("high", ["0", "1"])):
+        spec = ClusterSpec(name="train", kind=TRAIN, device_mapping=mapping)
+        reducer.step(PipelineRegistered(t=0.0, pipeline=name, clusters=[spec]))
+    reducer.step(request("stuck", 0.0))
+    reducer.step(request("high", 1.0, Priority.INITIALIZATION))
+    reducer.step(Tick(t=9.0))
+    assert (AlertName.HOLDER_OVERSTAYING, "stuck/train") not in reducer.state.alerts
+    reducer.step(Tick(t=10.0))
+    assert (AlertName.HOLDER_OVERSTAYING, "stuck/train") in reducer.state.alerts
+    reducer.step(release("stuck", 11.0))
+    assert (AlertName.HOLDER_OVERSTAYING, "stuck/train") not in reducer.state.alerts
