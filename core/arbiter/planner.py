@@ -61,7 +61,6 @@ A generation request is answered only once one of its ranks is awake.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable
 from typing import Protocol
@@ -906,7 +905,6 @@ class RlixPlanner:
         return True
 
 
-@functools.lru_cache(maxsize=32)
 def planner_for(settings: PlannerSettings | None) -> Planner:
     """The planner the recorded ``settings`` describe (None: a log that recorded none, which
     replays with :data:`~core.arbiter.model.PLANNER_SETTINGS_UNRECORDED`)."""

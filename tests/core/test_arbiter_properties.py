@@ -328,7 +328,16 @@ class ArbiterMachine(RuleBasedStateMachine):
 
     @invariant()
     def state_is_sound(self) -> None:
-        assert state_violations(self.arbiter.state) == []
+        state = self.arbiter.state
+        assert state_violations(state) == []
+        for name in state.overstaying:  # alerted holders hold GPUs another request waits for
+            pipeline_id, cluster = name.split("/")
+            holder = state.pipelines[pipeline_id].clusters[cluster]
+            assert holder.held, f"{name} is alerted as overstaying and holds nothing"
+        for pipeline_id, other in state.clusters():
+            assert all(hold_s >= 0 for hold_s in other.holds_s), (pipeline_id, other.holds_s)
+        for pipeline in state.pipelines.values():
+            assert pipeline.rate_gpu_s >= 0
 
     @invariant()
     def awake_generation_requests_are_answered(self) -> None:
