@@ -523,13 +523,16 @@ async def run(
 async def _declare_arbiter(
     settings: RunSettings, runner: Runner, out: Callable[[str], None]
 ) -> bool:
-    """Declare the ``[arbiter]`` GPUs to the arbiter unless the log already did; False (said
-    why) when it refuses them (the log's arbiter shares other GPUs)."""
+    """Declare the ``[arbiter]`` GPUs and planner settings to the arbiter unless the log already
+    did; False (said why) when it refuses them (the log's arbiter shares other GPUs)."""
     wanted = settings.arbiter
-    if wanted is None or runner.state.arbiter.gpus == wanted.gpus:
+    recorded = runner.state.arbiter
+    if wanted is None or (recorded.gpus, recorded.planner) == (wanted.gpus, wanted.planner):
         return True
     try:
-        await runner.submit(ArbiterGpusDeclared(t=runner.clock(), gpus=wanted.gpus))
+        await runner.submit(
+            ArbiterGpusDeclared(t=runner.clock(), gpus=wanted.gpus, planner=wanted.planner)
+        )
     except DeoError as exc:
         out(f"deo: arbiter.gpus was refused: {exc}")
         return False

@@ -61,6 +61,7 @@ from core.arbiter import (
     GrantGpus,
     PipelineRegistered,
     Planner,
+    PlannerSettings,
     Priority,
     ProgressCleared,
     ProgressReported,
@@ -398,7 +399,8 @@ def run(scenario: Scenario, planner_name: str, seed: int | None = None) -> Resul
                 job = jobs[command.pipeline]
                 job.train_ready_s = max([t, *(gpu_ready_s.get(g, 0.0) for g in command.gpus)])
 
-    step(ArbiterGpusDeclared(t=0.0, gpus=tuple(str(g) for g in range(scenario.gpus))))
+    declared = tuple(str(g) for g in range(scenario.gpus))
+    step(ArbiterGpusDeclared(t=0.0, gpus=declared, planner=PlannerSettings()))
     lost = sorted(scenario.lost)
     busy_gpu_s = 0.0
     idle_gpu_s = 0.0

@@ -56,6 +56,7 @@ class AlertName(enum.StrEnum):
     NO_FREE_PORTS = "no_free_ports"  # pool: short of its target: every engine port is held
     ENGINE_CONTROL = "engine_control"  # worker: an engine's sleep or wake failed for good
     PLAN_REFUSED = "plan_refused"  # arbiter: a GPU plan broke a plan invariant and was not run
+    HOLDER_OVERSTAYING = "holder_overstaying"  # arbiter cluster: holds GPUs a request waits for
 
 
 class StopCause(enum.StrEnum):

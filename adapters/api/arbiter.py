@@ -51,6 +51,8 @@ from core.arbiter import (
     ProgressReported,
     RolloutClosed,
     RolloutOpened,
+    Share,
+    planner_for,
 )
 from core.arbiter.engines import rank_engines
 from core.arbiter.model import ArbiterState, Cluster
@@ -73,7 +75,6 @@ MAX_WAIT_S = 300.0
 RECHECK_S = 0.2
 
 _CLUSTER_FIELDS = ("name", "kind", "device_mapping", "tp_size", "max_dp_size", "engine_pool")
-_PLANNER = GapRatioPlanner()
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -422,7 +423,7 @@ def arbiter_status(state: State) -> dict[str, Any]:
     """Pipelines, their clusters and priorities, GPUs held, generation share against target and
     waiting requests (with how long they have waited, by the state's clock)."""
     arbiter = state.arbiter
-    shares = _PLANNER.shares(arbiter) if arbiter.gpus else {}
+    shares = _shares(arbiter) if arbiter.gpus else {}
     pipelines = {}
     for pipeline_id, pipeline in arbiter.pipelines.items():
         clusters = {}
@@ -531,7 +532,13 @@ def arbiter_metrics(state: State) -> Iterator[Metric]:
                 [pipeline_id, spec.name, cluster.request.priority.name],
                 max(state.now - cluster.request.t, 0.0),
             )
-    for (pipeline_id, name), share in sorted(_PLANNER.shares(arbiter).items()):
+    for (pipeline_id, name), share in sorted(_shares(arbiter).items()):
         target.add_metric([pipeline_id, name], share.target_gpus)
         remaining.add_metric([pipeline_id, name], share.remaining)
     yield from (gpus, cluster_gpus, target, remaining, waiting)
+
+
+def _shares(arbiter: ArbiterState) -> dict[tuple[str, str], Share]:
+    """Each generation cluster's share as the recorded planner sees it (deo's planner only)."""
+    planner = planner_for(arbiter.planner)
+    return planner.shares(arbiter) if isinstance(planner, GapRatioPlanner) else {}

@@ -36,6 +36,7 @@ from core import (
     decode,
     encode,
 )
+from core.arbiter import PlannerSettings
 from core.policies import POLICIES, build
 
 __all__ = [
@@ -126,9 +127,11 @@ class ApiSettings:
 @attrs.frozen(slots=True, kw_only=True)
 class ArbiterSettings:
     """The GPU arbiter ``deo run`` serves (``[arbiter]``; see docs/arbiter.md): the GPUs it
-    shares among RL pipelines, ids as in ``deo.gpus``."""
+    shares among RL pipelines, ids as in ``deo.gpus``, and its planner (``[arbiter.planner]``,
+    recorded in the log)."""
 
     gpus: tuple[str, ...] = attrs.field(converter=tuple)
+    planner: PlannerSettings = attrs.field(factory=PlannerSettings)
 
     def __attrs_post_init__(self) -> None:
         if not self.gpus:
@@ -310,11 +313,42 @@ def load(path: Path) -> RunSettings:
         sources=tuple(sources),
         nvml=nvml,
         executor=executor,
-        arbiter=(
-            _build(ArbiterSettings, "arbiter", data["arbiter"]) if "arbiter" in data else None
-        ),
+        arbiter=_arbiter_settings(data["arbiter"]) if "arbiter" in data else None,
         **settings,
     )
+
+
+def _arbiter_settings(raw: Any) -> ArbiterSettings:
+    table = dict(_typed("arbiter", raw, dict))
+    planner = _planner_settings(table.pop("planner", {}))
+    settings: ArbiterSettings = _build(ArbiterSettings, "arbiter", table)
+    return attrs.evolve(settings, planner=planner)
+
+
+#: ``[arbiter.planner]`` keys that take ``"never"`` (no limit).
+_NEVER = frozenset({"stale_after_s", "reserve_s", "reserve_factor"})
+
+
+def _planner_settings(raw: Any) -> PlannerSettings:
+    """``[arbiter.planner]``: the planner's parameters (docs/arbiter.md), ``"never"`` for no
+    limit where one may be switched off."""
+    table = _typed("arbiter.planner", raw, dict)
+    _known(table, "arbiter.planner", {f.name for f in attrs.fields(PlannerSettings)})
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        where = f"arbiter.planner.{key}"
+        if key == "name":
+            values[key] = _typed(where, value, str)
+        elif key == "rate_over_awake_gpu_s":
+            values[key] = _typed(where, value, bool)
+        elif key in _NEVER and value == "never":
+            values[key] = None
+        else:
+            values[key] = _typed(where, value, float)
+    try:
+        return PlannerSettings(**values)
+    except DeoError as exc:
+        raise ConfigError(f"arbiter.planner: {exc}") from None
 
 
 def check_loggable(config: Config) -> None:

@@ -23,19 +23,22 @@ from core.arbiter.events import (
 )
 from core.arbiter.invariants import plan_violations, state_violations
 from core.arbiter.model import (
+    PLANNER_SETTINGS_UNRECORDED,
     ArbiterState,
     Cluster,
     ClusterSpec,
     Pipeline,
+    PlannerSettings,
     Priority,
     Progress,
     Request,
 )
 from core.arbiter.plan import GpuOp, Plan, RankOp, apply_plan
-from core.arbiter.planner import GapRatioPlanner, Planner, RlixPlanner, Share
+from core.arbiter.planner import GapRatioPlanner, Planner, RlixPlanner, Share, planner_for
 from core.arbiter.reducer import ArbiterReducer, reduce_arbiter
 
 __all__ = [
+    "PLANNER_SETTINGS_UNRECORDED",
     "ArbiterGpusDeclared",
     "ArbiterReducer",
     "ArbiterState",
@@ -54,6 +57,7 @@ __all__ = [
     "PipelineUnregistered",
     "Plan",
     "Planner",
+    "PlannerSettings",
     "Priority",
     "Progress",
     "ProgressCleared",
@@ -68,6 +72,7 @@ __all__ = [
     "ShrinkGeneration",
     "apply_plan",
     "plan_violations",
+    "planner_for",
     "reduce_arbiter",
     "state_violations",
 ]

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from core.arbiter.model import ClusterSpec, Priority, as_priority
+from core.arbiter.model import ClusterSpec, PlannerSettings, Priority, as_priority
 from core.convert import Name, str_tuple
 from core.errors import InvalidEvent
 from core.events import Event
@@ -36,9 +36,14 @@ def _spec_tuple(value: Iterable[ClusterSpec]) -> tuple[ClusterSpec, ...]:
 
 @attrs.frozen(slots=True, kw_only=True)
 class ArbiterGpusDeclared(Event):
-    """The GPUs the arbiter shares among pipelines (declared once, before any pipeline)."""
+    """The GPUs the arbiter shares among pipelines (declared once, before any pipeline), and
+    the planner that shares them."""
 
     gpus: tuple[str, ...] = attrs.field(converter=str_tuple)
+    #: The planner and its parameters; declared again with the same GPUs, they replace the
+    #: recorded ones. None: not recorded (a log written before deo recorded them replays with
+    #: :data:`~core.arbiter.model.PLANNER_SETTINGS_UNRECORDED`).
+    planner: PlannerSettings | None = None
 
     def _check(self) -> None:
         if not self.gpus or len(set(self.gpus)) != len(self.gpus) or "" in self.gpus:

@@ -18,20 +18,24 @@ together make up every usable GPU.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
 import attrs
 
-from core.convert import CheckedRecord, Name, member_of, str_set, str_tuple
+from core.convert import CheckedRecord, Name, Seconds, member_of, str_set, str_tuple
 from core.errors import InvalidEvent
 
 __all__ = [
     "ArbiterState",
     "Cluster",
     "ClusterSpec",
+    "HOLDS_KEPT",
+    "PLANNER_SETTINGS_UNRECORDED",
     "Pipeline",
+    "PlannerSettings",
     "Priority",
     "Progress",
     "Request",
@@ -64,6 +68,10 @@ def as_priority(value: Any) -> Priority:
 
 def _int_set(value: Iterable[int]) -> frozenset[int]:
     return value if type(value) is frozenset else frozenset(value)
+
+
+def _float_tuple(value: Iterable[float]) -> tuple[float, ...]:
+    return value if type(value) is tuple else tuple(value)
 
 
 def _read_only(value: Mapping[Any, Any]) -> MappingProxyType[Any, Any]:
@@ -170,6 +178,9 @@ class Cluster:
     request: Request | None = None
     #: When it was granted what it holds (None: it holds nothing).
     held_t: float | None = None
+    #: How long its last holds lasted, from grant to release, oldest first (at most
+    #: :data:`HOLDS_KEPT`): how long it usually keeps its GPUs.
+    holds_s: tuple[float, ...] = attrs.field(default=(), converter=_float_tuple)
 
     def active_gpus(self) -> tuple[str, ...]:
         return tuple(g for r in sorted(self.active_ranks) for g in self.spec.bundle(r))
@@ -191,9 +202,14 @@ class Pipeline:
     woken_t: float | None = None
     #: Measured trajectories per awake generation GPU-second, smoothed (None: not yet), and the
     #: progress report it was last measured from: its time and its completed trajectories.
-    generation_rate: float | None = None
+    trajectories_per_gpu_s: float | None = None
     rate_mark_t: float | None = None
     rate_mark_completed: int = 0
+    #: Awake generation GPU-seconds since the mark, counted up to ``rate_counted_t`` (brought up
+    #: to date before its generation wakes or sleeps ranks, so a span with a change is divided
+    #: by the GPU-seconds it really had).
+    rate_gpu_s: float = 0.0
+    rate_counted_t: float | None = None
 
     def generation(self) -> Cluster | None:
         """Its generation cluster (at most one), if registered."""
@@ -201,6 +217,75 @@ class Pipeline:
             if cluster.spec.is_generation:
                 return cluster
         return None
+
+    def gpu_time_counted(self, now: float) -> Pipeline:
+        """This pipeline with its awake generation GPU-seconds counted up to ``now`` (its awake
+        ranks unchanged since ``rate_counted_t``)."""
+        if self.rate_counted_t is None or now <= self.rate_counted_t:
+            return self
+        cluster = self.generation()
+        gpus = 0 if cluster is None else len(cluster.active_gpus())
+        return attrs.evolve(
+            self,
+            rate_gpu_s=self.rate_gpu_s + gpus * (now - self.rate_counted_t),
+            rate_counted_t=now,
+        )
+
+
+#: Holds remembered per cluster (:attr:`Cluster.holds_s`).
+HOLDS_KEPT = 8
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class PlannerSettings(CheckedRecord):
+    """The planner and the parameters of its decisions, recorded in the log with the arbiter's
+    GPUs (:class:`~core.arbiter.events.ArbiterGpusDeclared`) so that a log replays to the same
+    decisions whatever later code defaults are. The defaults are deo's; docs/arbiter.md says
+    what each does."""
+
+    #: ``"deo"`` (:class:`~core.arbiter.planner.GapRatioPlanner`) or ``"rlix"``.
+    name: str = "deo"
+    #: Seconds without a sign of life after which a pipeline is silent (None: never).
+    stale_after_s: Seconds | None = 60.0
+    #: A generating rank moves only when that shortens the longer time to finish by this
+    #: fraction of it and by more than ``move_cost_s``.
+    hysteresis: float = 0.1
+    move_cost_s: Seconds = 30.0
+    #: A holder that has held its GPUs past its limit is *overstaying*: a request it blocks
+    #: stops reserving against lower priorities. The limit: ``reserve_factor`` times the
+    #: longest of its last holds (at least ``reserve_min_s``); while none is measured (or
+    #: ``reserve_factor`` is None), ``reserve_s``. ``reserve_s`` None: never.
+    reserve_s: float | None = 3600.0
+    reserve_factor: float | None = 3.0
+    reserve_min_s: Seconds = 60.0
+    #: A rate sample divides by the awake generation GPU-seconds of its span (False: by the GPUs
+    #: awake at the report times the span, as deo's first time-to-finish planner did).
+    rate_over_awake_gpu_s: bool = True
+
+    def _check(self) -> None:
+        where = "PlannerSettings"
+        if self.name not in ("deo", "rlix"):
+            raise InvalidEvent(f"{where}.name must be 'deo' or 'rlix', got {self.name!r}")
+        if self.stale_after_s is not None and self.stale_after_s <= 0:
+            raise InvalidEvent(
+                f"{where}.stale_after_s must be > 0 or null, got {self.stale_after_s}"
+            )
+        if self.hysteresis < 0:
+            raise InvalidEvent(f"{where}.hysteresis must be >= 0, got {self.hysteresis}")
+        if self.reserve_s is not None and not 0 < self.reserve_s < math.inf:
+            raise InvalidEvent(f"{where}.reserve_s must be > 0 or null, got {self.reserve_s}")
+        if self.reserve_factor is not None and not 1 <= self.reserve_factor < math.inf:
+            raise InvalidEvent(
+                f"{where}.reserve_factor must be >= 1 or null, got {self.reserve_factor}"
+            )
+
+
+#: The settings a log that recorded none replays with: those of deo's first time-to-finish
+#: planner (a holder overstays after 600 s whatever its own holds; rates divide by the GPUs
+#: awake at the report).
+PLANNER_SETTINGS_UNRECORDED = PlannerSettings(
+    reserve_s=600.0, reserve_factor=None, rate_over_awake_gpu_s=False
+)
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -218,6 +303,11 @@ class ArbiterState:
     pipelines: Mapping[str, Pipeline] = attrs.field(factory=dict, converter=_read_only)
     next_seq: int = 0
     now: float = 0.0
+    #: The planner's settings as recorded when the GPUs were declared (None: a log written
+    #: before deo recorded them; it replays with :data:`PLANNER_SETTINGS_UNRECORDED`).
+    planner: PlannerSettings | None = None
+    #: Holders treated as overstaying (``pipeline/cluster``): their alert is raised.
+    overstaying: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
 
     def clusters(self) -> Iterator[tuple[str, Cluster]]:
         """Every (pipeline id, cluster), in registration order."""

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from core.arbiter.model import ArbiterState, Cluster, Pipeline
+from core.arbiter.model import HOLDS_KEPT, ArbiterState, Cluster, Pipeline
 
 __all__ = ["ClusterKey", "GpuOp", "Plan", "RankOp", "apply_plan", "merge_rank_ops"]
 
@@ -102,6 +102,18 @@ def _cluster(state: ArbiterState, key: ClusterKey) -> Cluster | None:
     return None if pipeline is None else pipeline.clusters.get(key[1])
 
 
+def _gpu_time_counted(state: ArbiterState, key: ClusterKey) -> ArbiterState:
+    """``state`` with the awake GPU-seconds of ``key``'s pipeline counted up to now, before its
+    generation's ranks change."""
+    pipeline = state.pipelines.get(key[0])
+    if pipeline is None:
+        return state
+    counted = pipeline.gpu_time_counted(state.now)
+    if counted is pipeline:
+        return state
+    return attrs.evolve(state, pipelines={**state.pipelines, key[0]: counted})
+
+
 def apply_plan(state: ArbiterState, plan: Plan) -> ArbiterState:
     """``state`` with ``plan`` carried out. Operations naming a cluster that does not exist are
     skipped (the plan checks report them); ``idle`` is updated operation by operation, so the
@@ -111,9 +123,14 @@ def apply_plan(state: ArbiterState, plan: Plan) -> ArbiterState:
     for op in plan.frees:
         cluster = _cluster(state, op.key)
         if cluster is not None:
-            state = _with_cluster(state, op.key, attrs.evolve(cluster, held=(), held_t=None))
+            holds_s = cluster.holds_s
+            if cluster.held_t is not None:
+                holds_s = (*holds_s, state.now - cluster.held_t)[-HOLDS_KEPT:]
+            freed = attrs.evolve(cluster, held=(), held_t=None, holds_s=holds_s)
+            state = _with_cluster(state, op.key, freed)
             idle |= set(op.gpus) & usable
     for rank_op in plan.shrinks:
+        state = _gpu_time_counted(state, rank_op.key)
         cluster = _cluster(state, rank_op.key)
         if cluster is not None:
             state = _with_cluster(
@@ -134,6 +151,7 @@ def apply_plan(state: ArbiterState, plan: Plan) -> ArbiterState:
             )
             idle -= set(op.gpus)
     for rank_op in plan.expands:
+        state = _gpu_time_counted(state, rank_op.key)
         cluster = _cluster(state, rank_op.key)
         if cluster is not None:
             state = _with_cluster(

@@ -13,9 +13,12 @@ mapping is put to sleep (a whole bundle of ``tp`` GPUs at a time). Memory-exclus
 never preempted; a request they block waits. deo shrinks generation for a request only when the
 request is granted in the same plan, and a waiting request reserves its mapping against requests
 of lower priority (no priority inversion, no shrink that serves nobody), except when it is
-blocked only by its own pipeline, or by another pipeline's holder that has held its GPUs for
-``reserve_s`` (a holder that may never let go must not hold up the requests behind it that can
-be served from other GPUs; the reservation comes back once that holder lets go).
+blocked only by its own pipeline, or by another pipeline's holder that is *overstaying*: it has
+held its GPUs past its limit, ``reserve_factor`` times the longest of its last holds (at least
+``reserve_min_s``), or ``reserve_s`` while none of its holds is measured (a holder that may
+never let go must not hold up the requests behind it that can be served from other GPUs; one
+whose ordinary step is long is not overstaying; the reservation comes back once that holder lets
+go). A grant that passes such a request says so in its reason.
 
 **Gap ratio (rlix).** Generation GPUs are shared among pipelines by their remaining work. Per
 pipeline with a generation cluster, from the latest progress report of each stream ``i``
@@ -35,7 +38,8 @@ bundles).
 a pipeline whose GPUs turn out trajectories faster gets fewer of them, and moves a generating
 rank only when the move pays for its wake, sleep and lost in-flight work::
 
-    r    = trajectories per awake generation GPU-second, measured and smoothed (observe_rate);
+    r    = trajectories per awake generation GPU-second, measured over the awake GPU-seconds
+           of each span between reports and smoothed (observe_rate);
            not measured yet: the mean of the measured ones, or 1/tp (then W = R * tp, as rlix)
     W    = R / r                         (remaining work, GPU-seconds)
     t(g) = W / g                         (time to finish on g awake GPUs)
@@ -63,10 +67,26 @@ from typing import Protocol
 
 import attrs
 
-from core.arbiter.model import ArbiterState, ClusterSpec, Pipeline
+from core.arbiter.model import (
+    PLANNER_SETTINGS_UNRECORDED,
+    ArbiterState,
+    Cluster,
+    ClusterSpec,
+    Pipeline,
+    PlannerSettings,
+)
 from core.arbiter.plan import ClusterKey, GpuOp, Plan, RankOp, merge_rank_ops
 
-__all__ = ["Demand", "GapRatioPlanner", "Planner", "RlixPlanner", "Share", "observe_rate"]
+__all__ = [
+    "Demand",
+    "GapRatioPlanner",
+    "Planner",
+    "RlixPlanner",
+    "Share",
+    "observe_rate",
+    "overstaying",
+    "planner_for",
+]
 
 
 class Planner(Protocol):
@@ -79,6 +99,11 @@ class Planner(Protocol):
 
     def plan(self, state: ArbiterState) -> Plan:
         """The grants, shrinks and expansions to make now (frees are the reducer's)."""
+        ...
+
+    def overstay_limit(self, cluster: Cluster) -> tuple[float, str]:
+        """Seconds ``cluster`` may hold its GPUs before it is overstaying (inf: never), and the
+        rule that gave them, in words."""
         ...
 
 
@@ -203,15 +228,17 @@ def _acceptors(
     ]
 
 
-def _priorities(board: _Board, shrink_when_blocked: bool, reserve_s: float | None = None) -> None:
+def _priorities(board: _Board, shrink_when_blocked: bool, planner: Planner) -> None:
     """Serve waiting non-generation requests in priority order (see the module's docstring).
 
     A blocked request reserves its mapping against requests of lower priority, except when it
-    is blocked only by its own pipeline, or (``reserve_s`` set) by another pipeline's holder
-    that has held its GPUs for ``reserve_s`` seconds or more: such a holder may never let go,
-    and requests behind it that can be served from the GPUs it does not hold are served. Once
-    that holder lets go, the request reserves again."""
+    is blocked only by its own pipeline, or by another pipeline's holder that is overstaying
+    (``planner.overstay_limit``): such a holder may never let go, and requests behind it that
+    can be served from the GPUs it does not hold are served, their grants saying whom they
+    pass. Once that holder lets go, the request reserves again."""
     now = board.state.now
+    #: GPUs a request would have reserved but for an overstaying holder: who waits, and why.
+    passed: dict[str, str] = {}
     waiting = sorted(
         (cluster.request.priority, cluster.request.seq, (pipeline_id, cluster.spec.name))
         for pipeline_id, cluster in board.state.clusters()
@@ -228,13 +255,13 @@ def _priorities(board: _Board, shrink_when_blocked: bool, reserve_s: float | Non
         reserves = blocked and not (
             {p for p, _ in held_by} == {key[0]} and not any(g in reserved for g in mapping)
         )
-        overstaying = [
-            holder
-            for holder in held_by
-            if holder[0] != key[0] and _held_for_s(board, holder, now) >= (reserve_s or math.inf)
-        ]
-        if overstaying:
+        others = {holder for holder in held_by if holder[0] != key[0]}
+        overstaying = _overstaying_holders(board, planner, others, now)
+        if overstaying and reserves:
             reserves = False
+            waits = f"{_name(key)} ({priority.name}), which waits for {'; '.join(overstaying)}"
+            for gpu in mapping:
+                passed.setdefault(gpu, waits)
         if blocked and not shrink_when_blocked:
             if reserves:
                 for gpu in mapping:
@@ -250,7 +277,48 @@ def _priorities(board: _Board, shrink_when_blocked: bool, reserve_s: float | Non
                 for gpu in mapping:
                     reserved.setdefault(gpu, key)
             continue
-        board.grant(key, f"{why}: granted")
+        ahead = sorted({passed[g] for g in mapping if g in passed})
+        board.grant(key, f"{why}: granted" + "".join(f", ahead of {w}" for w in ahead))
+
+
+def _overstaying_holders(
+    board: _Board, planner: Planner, holders: Iterable[ClusterKey], now: float
+) -> list[str]:
+    """The holders among ``holders`` that are overstaying, each described with how long it has
+    held its GPUs and its limit."""
+    found = []
+    for holder in sorted(holders):
+        held_s = _held_for_s(board, holder, now)
+        limit_s, rule = planner.overstay_limit(board.state.pipelines[holder[0]].clusters[holder[1]])
+        if held_s >= limit_s:
+            found.append(f"{_name(holder)} holding GPUs for {held_s:.0f}s ({rule})")
+    return found
+
+
+def overstaying(state: ArbiterState, planner: Planner) -> dict[str, str]:
+    """The holders that block a waiting request of another pipeline and are overstaying
+    (``pipeline/cluster`` -> what they hold up, in words): each of them has an alert."""
+    found: dict[str, str] = {}
+    for pipeline_id, cluster in state.clusters():
+        request = cluster.request
+        if request is None or cluster.spec.is_generation:
+            continue
+        for holder_id, holder in state.clusters():
+            if holder_id == pipeline_id or not set(holder.held) & set(cluster.spec.device_mapping):
+                continue
+            if holder.held_t is None:
+                continue
+            held_s = state.now - holder.held_t
+            limit_s, rule = planner.overstay_limit(holder)
+            if held_s >= limit_s:
+                name = f"{holder_id}/{holder.spec.name}"
+                found.setdefault(
+                    name,
+                    f"{name} has held GPUs {list(holder.held)} for {held_s:.0f}s ({rule}) while"
+                    f" {pipeline_id}/{cluster.spec.name} ({request.priority.name}) waits for"
+                    f" them",
+                )
+    return found
 
 
 def _held_for_s(board: _Board, key: ClusterKey, now: float) -> float:
@@ -276,29 +344,36 @@ RATE_SMOOTHING = 0.2
 RATE_WINDOW_S = 5.0
 
 
-def observe_rate(pipeline: Pipeline, now: float) -> Pipeline:
+def observe_rate(pipeline: Pipeline, now: float, *, over_awake_gpu_s: bool = True) -> Pipeline:
     """``pipeline`` after a progress report at ``now``, with its generation rate measured: the
-    trajectories completed since the last mark, over the seconds since then times the GPUs its
-    generation has awake. A sample is taken once it spans :data:`RATE_WINDOW_S` and shows
-    progress (a stall lowers the next sample instead of making the rate zero); it is smoothed
-    exponentially. Fewer completed trajectories than at the mark (a new rollout) or no awake
-    GPU start a new mark."""
+    trajectories completed since the last mark, over the awake generation GPU-seconds since
+    then (counted across every wake and sleep in the span; ``over_awake_gpu_s`` False: the
+    seconds since the mark times the GPUs awake now, as deo's first planner measured). A
+    sample is taken once it spans :data:`RATE_WINDOW_S` and shows progress (a stall lowers the
+    next sample instead of making the rate zero); it is smoothed exponentially. Fewer completed
+    trajectories than at the mark (a new rollout) or no awake GPU-second start a new mark."""
     completed = sum(max(p.completed_trajectories, 0) for p in pipeline.progress.values())
+    pipeline = pipeline.gpu_time_counted(now)
     cluster = pipeline.generation()
     gpus = 0 if cluster is None else len(cluster.active_gpus())
     mark_t = pipeline.rate_mark_t
-    if mark_t is None or gpus == 0 or completed < pipeline.rate_mark_completed:
-        return attrs.evolve(pipeline, rate_mark_t=now, rate_mark_completed=completed)
-    done = completed - pipeline.rate_mark_completed
+    new_mark = attrs.evolve(
+        pipeline, rate_mark_t=now, rate_mark_completed=completed, rate_gpu_s=0.0, rate_counted_t=now
+    )
+    if mark_t is None or completed < pipeline.rate_mark_completed:
+        return new_mark
     span_s = now - mark_t
+    gpu_s = pipeline.rate_gpu_s if over_awake_gpu_s else gpus * span_s
+    idle = gpu_s <= 0 < span_s if over_awake_gpu_s else gpus == 0
+    if idle:  # nothing awake over the span: what it completed says nothing of a rate
+        return new_mark
+    done = completed - pipeline.rate_mark_completed
     if span_s < RATE_WINDOW_S or done == 0:
         return pipeline
-    sample = done / (span_s * gpus)
-    old = pipeline.generation_rate
+    sample = done / gpu_s
+    old = pipeline.trajectories_per_gpu_s
     rate = sample if old is None else old + RATE_SMOOTHING * (sample - old)
-    return attrs.evolve(
-        pipeline, generation_rate=rate, rate_mark_t=now, rate_mark_completed=completed
-    )
+    return attrs.evolve(new_mark, trajectories_per_gpu_s=rate)
 
 
 def _rates(state: ArbiterState, keys: Iterable[ClusterKey]) -> dict[ClusterKey, float]:
@@ -308,7 +383,7 @@ def _rates(state: ArbiterState, keys: Iterable[ClusterKey]) -> dict[ClusterKey, 
     measured = {
         k: rate
         for k in keys
-        if (rate := state.pipelines[k[0]].generation_rate) is not None and rate > 0
+        if (rate := state.pipelines[k[0]].trajectories_per_gpu_s) is not None and rate > 0
     }
     mean = sum(measured.values()) / len(measured) if measured else None
     return {
@@ -368,8 +443,40 @@ class GapRatioPlanner:
     hysteresis: float = 0.1
     move_cost_s: float = 30.0
     #: A request blocked by another pipeline's holder stops reserving its other GPUs against
-    #: lower priorities once that holder has held its GPUs this long (None: never).
-    reserve_s: float | None = 600.0
+    #: lower priorities once that holder is overstaying: it has held its GPUs for
+    #: ``reserve_factor`` times the longest of its last holds (at least ``reserve_min_s``), or,
+    #: none measured (or ``reserve_factor`` None), for ``reserve_s``. ``reserve_s`` None: never.
+    reserve_s: float | None = 3600.0
+    reserve_factor: float | None = 3.0
+    reserve_min_s: float = 60.0
+
+    def __attrs_post_init__(self) -> None:
+        self.settings()  # the same checks as the recorded settings, naming the field
+
+    def settings(self, *, rate_over_awake_gpu_s: bool = True) -> PlannerSettings:
+        """These parameters as the settings the log records."""
+        return PlannerSettings(
+            name="deo",
+            stale_after_s=self.stale_after_s,
+            hysteresis=self.hysteresis,
+            move_cost_s=self.move_cost_s,
+            reserve_s=self.reserve_s,
+            reserve_factor=self.reserve_factor,
+            reserve_min_s=self.reserve_min_s,
+            rate_over_awake_gpu_s=rate_over_awake_gpu_s,
+        )
+
+    def overstay_limit(self, cluster: Cluster) -> tuple[float, str]:
+        if self.reserve_s is None:
+            return math.inf, "never overstaying"
+        if self.reserve_factor is None or not cluster.holds_s:
+            return self.reserve_s, f"past reserve_s {self.reserve_s:.0f}s"
+        longest_s = max(cluster.holds_s)
+        limit_s = max(self.reserve_factor * longest_s, self.reserve_min_s)
+        return limit_s, (
+            f"past {limit_s:.0f}s, {self.reserve_factor:g} x its longest recent hold"
+            f" {longest_s:.0f}s, at least reserve_min_s {self.reserve_min_s:.0f}s"
+        )
 
     def demand(self, state: ArbiterState) -> dict[ClusterKey, Demand]:
         found: dict[ClusterKey, Demand] = {}
@@ -410,7 +517,7 @@ class GapRatioPlanner:
         """Each generation cluster's demand, target and awake GPUs as this planner sees ``state``
         (for ``deo status`` and metrics; targets are those of the next plan)."""
         board = _Board(state)
-        _priorities(board, shrink_when_blocked=False, reserve_s=self.reserve_s)
+        _priorities(board, shrink_when_blocked=False, planner=self)
         demand = self.demand(state)
         eligible = sorted(k for k, d in demand.items() if d.eligible)
         work = self.work(state, demand)
@@ -429,7 +536,7 @@ class GapRatioPlanner:
 
     def plan(self, state: ArbiterState) -> Plan:
         board = _Board(state)
-        _priorities(board, shrink_when_blocked=False, reserve_s=self.reserve_s)
+        _priorities(board, shrink_when_blocked=False, planner=self)
         demand = self.demand(state)
         eligible = sorted(k for k, d in demand.items() if d.eligible)
         if not eligible:
@@ -493,8 +600,8 @@ class GapRatioPlanner:
                 board.expand(
                     key,
                     rank,
-                    f"gap ratio: {_name(key)} {why} ({remaining[key]} trajectories,"
-                    f" {work[key]:.0f} GPU-s remaining); woken on idle GPUs",
+                    f"gap ratio: {_name(key)} {why} ({_left(board, key, remaining, work)});"
+                    " woken on idle GPUs",
                 )
                 woken = True
                 break
@@ -593,7 +700,7 @@ class GapRatioPlanner:
             key,
             rank,
             f"gap ratio: {_name(key)} is below its target of {targets[key]} GPUs"
-            f" ({remaining[key]} trajectories, {work[key]:.0f} GPU-s remaining); woken {source}",
+            f" ({_left(board, key, remaining, work)}); woken {source}",
         )
         return True
 
@@ -643,7 +750,24 @@ def _claim_risk(
 
 def _measured(board: _Board, *keys: ClusterKey) -> bool:
     """Whether every one of ``keys`` has a measured generation rate."""
-    return all(board.state.pipelines[k[0]].generation_rate is not None for k in keys)
+    return all(board.state.pipelines[k[0]].trajectories_per_gpu_s is not None for k in keys)
+
+
+def _left(
+    board: _Board, key: ClusterKey, remaining: dict[ClusterKey, int], work: dict[ClusterKey, float]
+) -> str:
+    """What ``key`` has left, in words: GPU-seconds only once its rate is measured."""
+    if _measured(board, key):
+        return f"{remaining[key]} trajectories, {work[key]:.0f} GPU-s remaining"
+    if any(p.trajectories_per_gpu_s is not None for p in board.state.pipelines.values()):
+        return (
+            f"{remaining[key]} trajectories, about {work[key]:.0f} GPU-s remaining at the mean"
+            " measured rate (its own not measured yet)"
+        )
+    return (
+        f"{remaining[key]} trajectories remaining, weight {work[key]:.0f}"
+        " (rate not measured yet: R x tp)"
+    )
 
 
 def _finish_s(
@@ -673,6 +797,9 @@ class RlixPlanner:
 
     name: str = "rlix"
 
+    def overstay_limit(self, cluster: Cluster) -> tuple[float, str]:
+        return math.inf, "rlix: never overstaying"
+
     def demand(self, state: ArbiterState) -> dict[ClusterKey, tuple[int, int]]:
         """(R, T) per eligible generation cluster."""
         found: dict[ClusterKey, tuple[int, int]] = {}
@@ -698,7 +825,7 @@ class RlixPlanner:
 
     def plan(self, state: ArbiterState) -> Plan:
         board = _Board(state)
-        _priorities(board, shrink_when_blocked=True)
+        _priorities(board, shrink_when_blocked=True, planner=self)
         demand = self.demand(state)
         eligible = sorted(demand)
         if not eligible:
@@ -776,3 +903,19 @@ class RlixPlanner:
             )
         board.expand(key, rank, f"rlix gap ratio: {_name(key)} below target {targets[key]}")
         return True
+
+
+def planner_for(settings: PlannerSettings | None) -> Planner:
+    """The planner the recorded ``settings`` describe (None: a log that recorded none, which
+    replays with :data:`~core.arbiter.model.PLANNER_SETTINGS_UNRECORDED`)."""
+    chosen = PLANNER_SETTINGS_UNRECORDED if settings is None else settings
+    if chosen.name == "rlix":
+        return RlixPlanner()
+    return GapRatioPlanner(
+        stale_after_s=chosen.stale_after_s,
+        hysteresis=chosen.hysteresis,
+        move_cost_s=chosen.move_cost_s,
+        reserve_s=chosen.reserve_s,
+        reserve_factor=chosen.reserve_factor,
+        reserve_min_s=chosen.reserve_min_s,
+    )

@@ -28,9 +28,17 @@ from core import events as e
 from core.arbiter import events as ae
 from core.arbiter.commands import ExpandGeneration, GrantGpus, RequestFailed, ShrinkGeneration
 from core.arbiter.invariants import plan_violations
-from core.arbiter.model import ArbiterState, Cluster, Pipeline, Priority, Progress, Request
+from core.arbiter.model import (
+    PLANNER_SETTINGS_UNRECORDED,
+    ArbiterState,
+    Cluster,
+    Pipeline,
+    Priority,
+    Progress,
+    Request,
+)
 from core.arbiter.plan import ClusterKey, GpuOp, Plan, RankOp, apply_plan
-from core.arbiter.planner import GapRatioPlanner, Planner, observe_rate
+from core.arbiter.planner import Planner, observe_rate, overstaying, planner_for
 from core.errors import InvalidEvent, Refused, UnknownSubject
 from core.vocabulary import AlertName
 
@@ -109,10 +117,10 @@ def _servable(state: ArbiterState, cluster: Cluster) -> bool:
 def _declared(state: ArbiterState, event: ae.ArbiterGpusDeclared) -> Any:
     if state.gpus:
         if state.gpus == event.gpus:
-            return state, Plan(), []
+            return attrs.evolve(state, planner=event.planner), Plan(), []
         raise Refused(f"ArbiterGpusDeclared: GPUs already declared as {list(state.gpus)}")
     usable = frozenset(event.gpus) - state.lost
-    return attrs.evolve(state, gpus=event.gpus, idle=usable), Plan(), []
+    return attrs.evolve(state, gpus=event.gpus, idle=usable, planner=event.planner), Plan(), []
 
 
 def _pipeline_registered(state: ArbiterState, event: ae.PipelineRegistered) -> Any:
@@ -237,7 +245,12 @@ def _progress(state: ArbiterState, event: ae.ProgressReported) -> Any:
         completed_trajectories=event.completed_trajectories,
     )
     progress = {**pipeline.progress, event.stream: report}
-    changed = observe_rate(attrs.evolve(pipeline, progress=progress, activity_t=event.t), event.t)
+    settings = state.planner or PLANNER_SETTINGS_UNRECORDED
+    changed = observe_rate(
+        attrs.evolve(pipeline, progress=progress, activity_t=event.t),
+        event.t,
+        over_awake_gpu_s=settings.rate_over_awake_gpu_s,
+    )
     return _put_pipeline(state, changed), Plan(), []
 
 
@@ -384,7 +397,8 @@ def reduce_arbiter(
 ) -> tuple[ArbiterState, list[c.Command]]:
     """One step: the state after ``event`` and the commands to carry out, in order.
 
-    ``planner``: deo's :class:`~core.arbiter.planner.GapRatioPlanner` unless given. Raises a
+    ``planner``: the one the state's recorded settings describe unless given
+    (:func:`~core.arbiter.planner.planner_for`). Raises a
     :class:`~core.errors.DeoError` on bad input, leaving ``state`` as it was; a plan that breaks
     an invariant is refused with a ``plan_refused`` alert and ``state`` is kept.
     """
@@ -392,7 +406,7 @@ def reduce_arbiter(
     if handler is None:
         raise InvalidEvent(f"{type(event).__name__} is not an event the arbiter knows")
     pre, own, commands = handler(attrs.evolve(state, now=max(state.now, event.t)), event)
-    chosen: Planner = planner if planner is not None else _DEFAULT_PLANNER
+    chosen: Planner = planner if planner is not None else planner_for(pre.planner)
     planned = chosen.plan(apply_plan(pre, own))
     plan = own.then(planned)
     violations = plan_violations(pre, plan)
@@ -407,10 +421,35 @@ def reduce_arbiter(
     after = _woken(pre, apply_plan(pre, plan))
     planned_commands = _commands(pre, plan, after)
     after = _answered(after, planned_commands)
-    return after, planned_commands + commands
+    after, alerts = _overstaying_alerts(after, chosen)
+    return after, planned_commands + commands + alerts
 
 
-_DEFAULT_PLANNER = GapRatioPlanner()
+def _overstaying_alerts(
+    after: ArbiterState, planner: Planner
+) -> tuple[ArbiterState, list[c.Command]]:
+    """``after`` with its overstaying holders (:func:`~core.arbiter.planner.overstaying`)
+    brought up to date, and an alert raised for each new one and resolved for each gone."""
+    found = overstaying(after, planner)
+    if set(found) == after.overstaying:
+        return after, []
+    alerts: list[c.Command] = [
+        c.RaiseAlert(
+            reason=f"{found[name]}: requests of lower priority are served ahead of it",
+            alert=AlertName.HOLDER_OVERSTAYING,
+            subject=name,
+        )
+        for name in sorted(set(found) - after.overstaying)
+    ]
+    alerts += [
+        c.ResolveAlert(
+            reason=f"{name} no longer holds up a waiting request",
+            alert=AlertName.HOLDER_OVERSTAYING,
+            subject=name,
+        )
+        for name in sorted(after.overstaying - set(found))
+    ]
+    return attrs.evolve(after, overstaying=frozenset(found)), alerts
 
 
 class ArbiterReducer:
@@ -418,7 +457,8 @@ class ArbiterReducer:
 
     def __init__(self, state: ArbiterState | None = None, *, planner: Planner | None = None):
         self.state = state if state is not None else ArbiterState()
-        self.planner: Planner = planner if planner is not None else _DEFAULT_PLANNER
+        #: None: the planner the state's recorded settings describe.
+        self.planner: Planner | None = planner
 
     def step(self, event: e.Event) -> list[c.Command]:
         self.state, commands = reduce_arbiter(self.state, event, self.planner)

@@ -67,6 +67,11 @@ def arbiter_step(state: State, event: e.Event) -> tuple[State, list[c.Command]]:
         isinstance(command, c.RaiseAlert) and command.alert == AlertName.PLAN_REFUSED
         for command in commands
     )
+    for command in commands:  # the arbiter's own alerts on its holders
+        if isinstance(command, c.RaiseAlert) and command.alert == AlertName.HOLDER_OVERSTAYING:
+            alerts = alerts | {(command.alert, command.subject)}
+        elif isinstance(command, c.ResolveAlert) and command.alert == AlertName.HOLDER_OVERSTAYING:
+            alerts = alerts - {(command.alert, command.subject)}
     if refused:
         alerts = alerts | {_REFUSED}
     elif _REFUSED in alerts and (commands or _ownership(arbiter) != _ownership(state.arbiter)):

@@ -11,6 +11,7 @@ from core.arbiter import (
     ClusterSpec,
     PipelineRegistered,
     Planner,
+    PlannerSettings,
     Priority,
 )
 from core.commands import Command
@@ -22,7 +23,7 @@ def gpus(n: int) -> tuple[str, ...]:
 
 def make_arbiter(n_gpus: int, planner: Planner | None = None) -> ArbiterReducer:
     arbiter = ArbiterReducer(planner=planner)
-    arbiter.step(ArbiterGpusDeclared(t=0.0, gpus=gpus(n_gpus)))
+    arbiter.step(ArbiterGpusDeclared(t=0.0, gpus=gpus(n_gpus), planner=PlannerSettings()))
     return arbiter
 
 

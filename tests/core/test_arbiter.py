@@ -296,15 +296,17 @@ def test_the_generation_rate_is_measured_from_progress_over_awake_gpu_seconds() 
     arbiter.step(RolloutOpened(t=0.0, pipeline="p1"))
     report(arbiter, "p1", 0.0, 1000, 0)
     report(arbiter, "p1", 2.0, 1000, 8)  # too short a span for a sample
-    assert arbiter.state.pipelines["p1"].generation_rate is None
+    assert arbiter.state.pipelines["p1"].trajectories_per_gpu_s is None
     report(arbiter, "p1", 10.0, 1000, 40)  # 40 trajectories on 2 GPUs in 10 s
-    assert arbiter.state.pipelines["p1"].generation_rate == pytest.approx(2.0)
+    assert arbiter.state.pipelines["p1"].trajectories_per_gpu_s == pytest.approx(2.0)
     report(arbiter, "p1", 20.0, 1000, 40)  # no progress: no sample, the span grows
     report(arbiter, "p1", 30.0, 1000, 80)  # 40 in 20 s on 2 GPUs: 1.0, smoothed
-    assert arbiter.state.pipelines["p1"].generation_rate == pytest.approx(2.0 + 0.2 * (1.0 - 2.0))
+    assert arbiter.state.pipelines["p1"].trajectories_per_gpu_s == pytest.approx(
+        2.0 + 0.2 * (1.0 - 2.0)
+    )
     arbiter.step(ProgressCleared(t=31.0, pipeline="p1"))
     report(arbiter, "p1", 40.0, 1000, 10)  # fewer than at the mark: a new rollout, a new mark
-    assert arbiter.state.pipelines["p1"].generation_rate == pytest.approx(1.8)
+    assert arbiter.state.pipelines["p1"].trajectories_per_gpu_s == pytest.approx(1.8)
 
 
 def test_generation_follows_remaining_gpu_seconds_not_trajectories() -> None:

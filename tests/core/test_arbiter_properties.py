@@ -42,6 +42,7 @@ from core.arbiter import (
     PipelineRegistered,
     PipelineUnregistered,
     Planner,
+    PlannerSettings,
     Priority,
     ProgressCleared,
     ProgressReported,
@@ -54,6 +55,7 @@ from core.arbiter import (
 from core.commands import Command
 from core.errors import DeoError
 from core.events import Event
+from core.vocabulary import AlertName
 
 STUBBORN = "stubborn"
 #: The state machine's planner stops a blocked request's reservation after this many seconds
@@ -67,7 +69,7 @@ class ArbiterMachine(RuleBasedStateMachine):
     """Drives :class:`ArbiterReducer` with deo's planner; ``stubborn`` never releases training."""
 
     #: The planner under test.
-    planner: Planner = GapRatioPlanner(reserve_s=RESERVE_S)
+    planner: Planner = GapRatioPlanner(reserve_s=RESERVE_S, reserve_min_s=RESERVE_S)
 
     def __init__(self) -> None:
         super().__init__()
@@ -82,7 +84,9 @@ class ArbiterMachine(RuleBasedStateMachine):
         before = self.arbiter.state
         commands = self.arbiter.step(event)
         self.accepted.append((event, commands))
-        refused = [c for c in commands if isinstance(c, RaiseAlert)]
+        refused = [
+            c for c in commands if isinstance(c, RaiseAlert) and c.alert is AlertName.PLAN_REFUSED
+        ]
         assert not refused, refused[0].reason
         for command in commands:
             assert decode(encode(command)) == command
@@ -157,7 +161,7 @@ class ArbiterMachine(RuleBasedStateMachine):
     @initialize(n=st.integers(2, 8))
     def declare(self, n: int) -> None:
         self.gpus = tuple(str(i) for i in range(n))
-        self.step(ArbiterGpusDeclared(t=0.0, gpus=self.gpus))
+        self.step(ArbiterGpusDeclared(t=0.0, gpus=self.gpus, planner=PlannerSettings()))
 
     @rule(name=NAMES, data=st.data(), tp=st.sampled_from([1, 1, 2]))
     def register(self, name: str, data: st.DataObject, tp: int) -> None:
@@ -324,7 +328,16 @@ class ArbiterMachine(RuleBasedStateMachine):
 
     @invariant()
     def state_is_sound(self) -> None:
-        assert state_violations(self.arbiter.state) == []
+        state = self.arbiter.state
+        assert state_violations(state) == []
+        for name in state.overstaying:  # alerted holders hold GPUs another request waits for
+            pipeline_id, cluster = name.split("/")
+            holder = state.pipelines[pipeline_id].clusters[cluster]
+            assert holder.held, f"{name} is alerted as overstaying and holds nothing"
+        for pipeline_id, other in state.clusters():
+            assert all(hold_s >= 0 for hold_s in other.holds_s), (pipeline_id, other.holds_s)
+        for pipeline in state.pipelines.values():
+            assert pipeline.rate_gpu_s >= 0
 
     @invariant()
     def awake_generation_requests_are_answered(self) -> None:
@@ -418,12 +431,12 @@ class ArbiterMachine(RuleBasedStateMachine):
 
 def _overstayed(state: ArbiterState, pipeline_id: str, name: str) -> bool:
     """Whether the cluster's waiting request is blocked by another pipeline's holder that has
-    held its GPUs for RESERVE_S seconds or more."""
+    held its GPUs past its limit (RESERVE_S while none of its holds is measured)."""
     mapping = set(state.pipelines[pipeline_id].clusters[name].spec.device_mapping)
     return any(
         other_id != pipeline_id
         and other.held_t is not None
-        and state.now - other.held_t >= RESERVE_S
+        and state.now - other.held_t >= ArbiterMachine.planner.overstay_limit(other)[0]
         and mapping & set(other.held)
         for other_id, other in state.clusters()
     )

@@ -102,7 +102,7 @@ def test_a_refused_plan_raises_plan_refused_once_it_runs_again_it_is_resolved(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     reducer = serving()
-    monkeypatch.setattr(arbiter_reducer, "_DEFAULT_PLANNER", _Broken())
+    monkeypatch.setattr(arbiter_reducer, "planner_for", lambda settings: _Broken())
     before = reducer.state.arbiter
     commands = reducer.step(GpusRequested(t=1.0, pipeline="p", cluster="gen", priority=6))
     assert [type(c) for c in commands] == [RaiseAlert]

@@ -26,7 +26,7 @@ from core import (
 )
 from core import commands as c
 from core import events as e
-from core.arbiter import ClusterSpec, Priority
+from core.arbiter import ClusterSpec, PlannerSettings, Priority
 from core.arbiter import commands as arbiter_commands
 from core.arbiter import events as arbiter_events
 
@@ -76,6 +76,18 @@ cluster_specs = st.builds(
     ),
 )
 
+planner_settings = st.builds(
+    PlannerSettings,
+    name=st.sampled_from(["deo", "rlix"]),
+    stale_after_s=st.none() | st.floats(1, 1e4),
+    hysteresis=st.floats(0, 2),
+    move_cost_s=st.floats(0, 600),
+    reserve_s=st.none() | st.floats(1, 1e5),
+    reserve_factor=st.none() | st.floats(1, 10),
+    reserve_min_s=st.floats(0, 600),
+    rate_over_awake_gpu_s=st.booleans(),
+)
+
 
 def strategy_for(name: str, hint: Any) -> st.SearchStrategy[Any]:
     if name in ("t", "deadline_t"):
@@ -88,6 +100,8 @@ def strategy_for(name: str, hint: Any) -> st.SearchStrategy[Any]:
         return configs
     if hint is ClusterSpec:
         return cluster_specs
+    if hint is PlannerSettings:
+        return planner_settings
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, type(int | None)):
         inner = [a for a in args if a is not type(None)]

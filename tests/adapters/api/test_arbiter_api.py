@@ -404,7 +404,7 @@ async def test_a_refused_plan_executes_nothing_and_raises_the_alert(
     async with running(tmp_path) as h:
         await h.post("/v1/arbiter/pipelines", pipeline_body("p", ["0", "1"], GPUS))
         await h.post("/v1/arbiter/pipelines/p/clusters/train/request", {"priority": 1})
-        monkeypatch.setattr(arbiter_reducer, "_DEFAULT_PLANNER", _BrokenPlanner())
+        monkeypatch.setattr(arbiter_reducer, "planner_for", lambda settings: _BrokenPlanner())
         before = list(h.executor.commands)
         answer = await h.post(
             "/v1/arbiter/pipelines/p/clusters/gen/request",

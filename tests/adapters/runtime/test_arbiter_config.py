@@ -8,6 +8,7 @@ import pytest
 
 from adapters.runtime.config_file import ArbiterSettings, load
 from core import ConfigError
+from core.arbiter import PlannerSettings
 
 
 def write(tmp_path: Path, arbiter: str) -> Path:
@@ -47,3 +48,35 @@ def test_the_example_loads() -> None:
     settings = load(example)
     assert settings.arbiter == ArbiterSettings(gpus=("0", "1", "2", "3"))
     assert settings.config.pool("gen") is not None
+
+
+def test_the_planner_table_sets_the_recorded_planner_settings(tmp_path: Path) -> None:
+    table = (
+        '[arbiter]\ngpus = ["0", "1"]\n[arbiter.planner]\n'
+        'reserve_s = "never"\nreserve_factor = 4\nmove_cost_s = 45\nhysteresis = 0.2\n'
+    )
+    arbiter = load(write(tmp_path, table)).arbiter
+    assert arbiter is not None
+    assert arbiter.planner == PlannerSettings(
+        reserve_s=None, reserve_factor=4.0, move_cost_s=45.0, hysteresis=0.2
+    )
+    # Without the table: deo's defaults, recorded as they are now.
+    assert ArbiterSettings(gpus=("0",)).planner == PlannerSettings()
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ("hysteresis = -1\n", "arbiter.planner: PlannerSettings.hysteresis must be >= 0"),
+        ("reserve_s = 0\n", "arbiter.planner: PlannerSettings.reserve_s must be > 0 or null"),
+        ('move_cost_s = "never"\n', "arbiter.planner.move_cost_s: expected"),
+        ("reserve = 5\n", "arbiter.planner.reserve: unknown key"),
+        ('name = "other"\n', "PlannerSettings.name must be 'deo' or 'rlix'"),
+    ],
+)
+def test_bad_planner_settings_are_refused_naming_the_key(
+    tmp_path: Path, table: str, message: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        load(write(tmp_path, f'[arbiter]\ngpus = ["0"]\n[arbiter.planner]\n{table}'))
+    assert message in str(refused.value)

@@ -207,3 +207,28 @@ def test_a_restart_with_other_arbiter_gpus_is_refused(deo: Deo) -> None:
     assert deo.process is not None
     assert deo.process.wait(timeout=60) == 2
     assert "arbiter.gpus was refused" in deo.output.read_text()
+
+
+def declarations(log: Path) -> list[dict[str, Any]]:
+    """The ArbiterGpusDeclared events of ``log``, as recorded."""
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    return [
+        r["event"]
+        for r in records
+        if r.get("kind") == "event" and r["event"].get("@") == "ArbiterGpusDeclared"
+    ]
+
+
+def test_the_planner_settings_are_recorded_and_a_change_is_declared_again(deo: Deo) -> None:
+    deo.start()
+    assert deo.stop() == 0
+    (first,) = declarations(deo.log)
+    assert first["planner"]["reserve_s"] == 3600.0 and first["planner"]["name"] == "deo"
+    deo.start()  # the same settings: nothing declared again
+    assert deo.stop() == 0
+    assert len(declarations(deo.log)) == 1
+    deo.config.write_text(deo.config.read_text() + "[arbiter.planner]\nreserve_s = 120\n")
+    deo.start()
+    assert deo.stop() == 0
+    assert [d["planner"]["reserve_s"] for d in declarations(deo.log)] == [3600.0, 120.0]
+    deo.replays()
