@@ -56,6 +56,8 @@ NODE_ARGS: dict[str, Any] = {
     # Workers' ports from the kernel, not Ray's fixed range another suite's cluster shares.
     "min_worker_port": 0,
     "max_worker_port": 0,
+    # The head's agent would take Ray's fixed port, which another suite's head wants too.
+    "dashboard_agent_listen_port": 0,
 }
 
 
