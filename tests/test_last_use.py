@@ -13,7 +13,8 @@ TESTS = Path(__file__).resolve().parent
 CONFTEST = """
 import os
 import pytest
-from last_use import LastUse, pytest_collection_finish, pytest_runtest_teardown, pytest_sessionfinish
+from last_use import LastUse
+from last_use import pytest_collection_finish, pytest_runtest_teardown, pytest_sessionfinish
 
 def note(text):
     with open(os.environ["LAST_USE_LOG"], "a") as log:
