@@ -41,8 +41,10 @@ ARGV_PLACEHOLDERS = frozenset({"worker_id", "pool", "index", "gpus"})
 ENGINE_ARGV_PLACEHOLDERS = ARGV_PLACEHOLDERS | {"port", "host"}
 #: ``{host}`` in an engine's argv is left as this text in the spawn command (the log records
 #: it): the executor fills it in with the address deo reaches the engine at on the machine that
-#: runs it (127.0.0.1 on deo's own machine, the node's address on a Ray node).
-ENGINE_HOST = "{host}"
+#: runs it (127.0.0.1 on deo's own machine, the node's address on a Ray node). No argument a
+#: process receives can hold a NUL, so no text of the config (a literal ``{{host}}`` included)
+#: is ever taken for it.
+ENGINE_HOST = "\x00deo-host\x00"
 
 
 def fill_engine_host(argv: Sequence[str], host: str) -> list[str]:

@@ -13,6 +13,12 @@ from typing import Any
 import httpx
 import pytest
 from hypothesis import settings
+from last_use import (  # the hooks end the Ray cluster after its last test
+    LastUse,
+    pytest_collection_finish,
+    pytest_runtest_teardown,
+    pytest_sessionfinish,
+)
 from waiting import wait_for
 
 from adapters.sim.driver import simulate
@@ -112,15 +118,23 @@ def atropos_api(tmp_path: Path) -> Iterator[AtroposApi]:
         api.stop()
 
 
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[Any]:
-    """A Ray cluster of several nodes on this machine (``test_ray.RayCluster``), started once per
-    session for every Ray test module (Ray's start-up is slow). Only the modules that ask for it
-    import Ray."""
+def _start_ray_cluster() -> Any:
     from test_ray import RayCluster
 
-    started = RayCluster()
-    try:
-        yield started
-    finally:
-        started.shutdown()
+    return RayCluster()
+
+
+#: The Ray cluster of the run, shared by every test that asks for ``ray_cluster``.
+RAY_CLUSTER: LastUse[Any] = LastUse("ray_cluster", _start_ray_cluster, lambda c: c.shutdown())
+
+
+@pytest.fixture
+def ray_cluster() -> Any:
+    """A Ray cluster of several nodes on this machine (``test_ray.RayCluster``), started once for
+    every Ray test of the run (Ray's start-up is slow) and shut down after the last of them, so
+    that it does not stay up through the rest of the suite. Only the tests that ask for it import
+    Ray."""
+    return RAY_CLUSTER.get()
+
+
+__all__ = ["pytest_collection_finish", "pytest_runtest_teardown", "pytest_sessionfinish"]

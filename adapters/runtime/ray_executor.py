@@ -409,6 +409,7 @@ class RayExecutor:
         its code) or the worker is recorded lost."""
         names = set(await anyio.to_thread.run_sync(_named_actors))
         events: list[Event] = []
+        node_hosts: dict[str, str] | None = None  # read once, if an engine's actor does not say
         for worker in state.workers.values():
             name = actor_name(worker.worker_id)
             if name not in names:
@@ -439,13 +440,40 @@ class RayExecutor:
                 why = f"its Ray actor holds pid {pid}, not the recorded pid {worker.pid}"
                 events.append(WorkerLost(t=self._clock(), worker_id=worker.worker_id, reason=why))
                 continue
-            adopted = _Worker(
-                worker.worker_id, worker.pool, tuple(worker.gpus), actor, host=info.get("host")
-            )
+            host = info.get("host")
+            if host is None and worker.port is not None:
+                # An engine's actor started by a deo that did not report hosts: its node's
+                # address is in Ray's node table.
+                if node_hosts is None:
+                    node_hosts = await self._node_hosts()
+                host = node_hosts.get(str(info.get("node_id")))
+                if host is None:
+                    log.warning(
+                        "%s: the address of its Ray node %s is unknown, so deo cannot reach the "
+                        "engine (no routing, health checks, sleep or wake)",
+                        worker.worker_id,
+                        info.get("node_id"),
+                    )
+            adopted = _Worker(worker.worker_id, worker.pool, tuple(worker.gpus), actor, host=host)
             self._workers[worker.worker_id] = adopted
             self._watch(adopted)
             events.append(WorkerAdopted(t=self._clock(), worker_id=worker.worker_id))
         return events
+
+    async def _node_hosts(self) -> dict[str, str]:
+        """Ray node id -> the address Ray knows the node by, for the live nodes ({} when the
+        head does not answer)."""
+        nodes: list[dict[str, Any]] = []
+        with anyio.move_on_after(self._call_timeout_s):
+            try:
+                nodes = await anyio.to_thread.run_sync(ray.nodes, abandon_on_cancel=True)
+            except (RayError, ConnectionError) as exc:
+                log.warning("cannot read Ray's node table: %s", _first_line(exc))
+        return {
+            str(node["NodeID"]): str(node["NodeManagerAddress"])
+            for node in nodes
+            if node.get("Alive") and node.get("NodeManagerAddress")
+        }
 
     async def stop_strays(self) -> int:
         """Remove every worker actor of this namespace that no known worker accounts for (its

@@ -83,18 +83,15 @@ class WorkerHost:
         """Start the worker (once: a repeated call answers what the first did); an ``engine``
         gets the node's address for ``{host}`` in its argv.
 
-        Returns ``pid``, ``start_time``, ``node_id``, ``host`` (the node's address),
-        ``ray_gpu_ids`` (the GPUs Ray reserved for this actor), or ``error`` saying why it could
-        not be started."""
+        Returns ``pid``, ``start_time``, ``node_id``, ``host`` (the node's address, for an
+        engine; None otherwise), ``ray_gpu_ids`` (the GPUs Ray reserved for this actor), or
+        ``error`` saying why it could not be started."""
         if self._popen is None and self._error is None:
-            argv = fill_engine_host(argv, self._node_host()) if engine else list(argv)
-            self._launch(argv, dict(env), log_path)
+            if engine:
+                self._host = _node_address()
+                argv = fill_engine_host(argv, self._host)
+            self._launch(list(argv), dict(env), log_path)
         return await self.info()
-
-    def _node_host(self) -> str:
-        if self._host is None:
-            self._host = _node_address()
-        return self._host
 
     def _launch(self, argv: list[str], env: dict[str, str], log_path: str) -> None:
         if not argv:
@@ -133,7 +130,7 @@ class WorkerHost:
             "pid": None if popen is None else popen.pid,
             "start_time": self._start_time,
             "node_id": _node_id(),
-            "host": self._node_host(),
+            "host": self._host,
             "ray_gpu_ids": [str(gpu) for gpu in _ray_gpu_ids()],
             "error": self._error,
             "exit": self._exit,
@@ -190,14 +187,10 @@ def _node_id() -> str:
 
 
 def _node_address() -> str:
-    """The address Ray knows this node by (``ray start --node-ip-address``)."""
+    """The address Ray knows this node by (``ray start --node-ip-address``), as the node's Raylet
+    gave it to this worker process: no call to the head."""
     import ray
 
-    node_id = _node_id()
-    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
-    for node in nodes:
-        if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
-            return str(node["NodeManagerAddress"])
     return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from core.codec import decode, encode
-from core.config import Config, PolicySpec, PoolSpec
+from core.config import Config, PolicySpec, PoolSpec, fill_engine_host
 from core.errors import ConfigError
 
 ENGINE_ARGV = ("vllm", "serve", "m", "--port", "{port}")
@@ -86,6 +86,21 @@ def test_an_engine_pool_renders_its_port_and_round_trips_the_log() -> None:
     assert spec.awaits_ready and spec.is_engine
     config = Config(pools=[spec])
     assert decode(encode(config)) == config
+
+
+def test_only_the_host_placeholder_is_filled_with_the_engines_address() -> None:
+    # A literal {{host}} renders as the text "{host}": the engine gets that text, not an address.
+    spec = engine(argv=("serve", "--host", "{host}", "--note", "{{host}}", "--port", "{port}"))
+    rendered = spec.render_argv(worker_id="gen-0", index=0, gpus=(), port=18000)
+    assert fill_engine_host(rendered, "10.0.0.5") == [
+        "serve",
+        "--host",
+        "10.0.0.5",
+        "--note",
+        "{host}",
+        "--port",
+        "18000",
+    ]
 
 
 def test_the_threshold_policy_takes_the_engine_capacity_unless_given_its_own() -> None:

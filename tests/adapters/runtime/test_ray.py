@@ -1,9 +1,9 @@
 """``deo run`` with the Ray executor against a real Ray cluster of several nodes on this machine.
 
-One cluster serves every Ray test module of the session (``ray_cluster`` in tests/conftest.py:
-Ray's start-up is slow): a head without GPUs and nodes ``a`` and ``b`` declaring two GPUs each
-(``num_gpus`` they need not have: Ray only counts them). Each test runs its own ``deo run`` on
-its own log, so in its own Ray namespace. The cluster
+One cluster serves every Ray test of the run (``ray_cluster`` in tests/conftest.py: Ray's
+start-up is slow; it is shut down after the last of them): a head without GPUs and nodes ``a``
+and ``b`` declaring two GPUs each (``num_gpus`` they need not have: Ray only counts them). Each
+test runs its own ``deo run`` on its own log, so in its own Ray namespace. The cluster
 listens on 127.0.0.1 only (Ray has no authentication) and on ports the kernel picks, so two
 suites can run on one machine at once.
 """
@@ -56,6 +56,8 @@ NODE_ARGS: dict[str, Any] = {
     # Workers' ports from the kernel, not Ray's fixed range another suite's cluster shares.
     "min_worker_port": 0,
     "max_worker_port": 0,
+    # The head's agent would take Ray's fixed port, which another suite's head wants too.
+    "dashboard_agent_listen_port": 0,
 }
 
 
@@ -143,9 +145,9 @@ class RayCluster:
         self.cluster.shutdown()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cluster(ray_cluster: RayCluster) -> RayCluster:
-    """The session's cluster (tests/conftest.py), shared with the other Ray test modules."""
+    """The run's cluster (tests/conftest.py), shared with the other Ray test modules."""
     return ray_cluster
 
 

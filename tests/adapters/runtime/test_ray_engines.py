@@ -19,15 +19,25 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from test_ray import NODE_ARGS, RayCluster, cluster, node_resources, ray, ray_deo
 from test_run import Deo, alive, pool, verified
 from waiting import wait_for
 
-from adapters.runtime.ray_executor import ACTOR_PREFIX, default_namespace
+from adapters.runtime.ray_executor import (
+    ACTOR_PREFIX,
+    NODE_RESOURCE_PREFIX,
+    RayExecutor,
+    actor_name,
+    default_namespace,
+)
 from adapters.runtime.ray_host import WorkerHost
 from bench.ports import reserve_port, reserve_port_range
+from core.config import ENGINE_HOST
+from core.events import WorkerAdopted
+from core.state import State, Worker
 
 __all__ = ["cluster", "ray_deo"]  # the fixtures, used by name
 
@@ -245,6 +255,7 @@ def test_the_engines_actor_tells_its_port_from_another_programs(
     port = reserve_port()
     argv = standin()
     argv[argv.index("{port}")] = str(port)
+    argv[argv.index("{host}")] = ENGINE_HOST  # as deo renders it, for the actor to fill
     log = str(tmp_path / "engine.log")
     info = ray.get(host_actor.start.remote(argv, {}, log, True), timeout=60)
     assert info["error"] is None and info["host"] == "127.0.0.1", info
@@ -260,6 +271,66 @@ def test_the_engines_actor_tells_its_port_from_another_programs(
         other.listen()
         assert ray.get(host_actor.port_held.remote(other.getsockname()[1]), timeout=60) is False
     assert alive(info["pid"])
+
+
+def test_a_worker_that_is_no_engine_is_given_no_host(host_actor: Any, tmp_path: Path) -> None:
+    # Only an engine is reached at its node's address: nothing else asks for it.
+    argv = [sys.executable, "-c", "import time; time.sleep(600)"]
+    info = ray.get(host_actor.start.remote(argv, {}, str(tmp_path / "w.log"), False), timeout=60)
+    assert info["error"] is None and info["host"] is None, info
+    assert ray.get(host_actor.info.remote(), timeout=60)["host"] is None
+
+
+def test_an_engine_adopted_from_an_actor_that_reports_no_host_is_reached_at_its_node(
+    cluster: RayCluster, tmp_path: Path
+) -> None:
+    # The actor of a deo that did not report hosts: its ``info`` has no ``host``.
+    class HostReportingNoAddress(WorkerHost):
+        async def info(self) -> dict[str, Any]:
+            answer = await super().info()
+            answer.pop("host")
+            return answer
+
+    namespace = ray.get_runtime_context().namespace
+    actor = (
+        ray.remote(HostReportingNoAddress)
+        .options(
+            name=actor_name("gen-0"),
+            namespace=namespace,
+            num_cpus=0,
+            resources={NODE_RESOURCE_PREFIX + "b": 0.01},
+        )
+        .remote()
+    )
+    try:
+        idle = [sys.executable, "-c", "import time; time.sleep(600)"]
+        info = ray.get(actor.start.remote(idle, {}, str(tmp_path / "e.log"), True), timeout=60)
+        assert info["error"] is None and "host" not in info, info
+        engine = Worker(
+            worker_id="gen-0",
+            pool="gen",
+            index=0,
+            state="active",
+            gpus=[],
+            requested_t=0.0,
+            pid=info["pid"],
+            start_time=info["start_time"],
+            port=reserve_port(),
+        )
+        executor = RayExecutor(
+            lambda event: None,
+            clock=lambda: 1.0,
+            state=State,
+            log_dir=tmp_path,
+            address=cluster.address,
+            namespace=namespace,
+        )
+        events = anyio.run(executor.reconcile, State(workers={"gen-0": engine}))
+        assert [type(e) for e in events] == [WorkerAdopted]
+        nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        assert executor.engine_host("gen-0") == nodes[cluster.node_ids()["b"]] == "127.0.0.1"
+    finally:
+        ray.kill(actor, no_restart=True)
 
 
 class _Healthy(BaseHTTPRequestHandler):

@@ -54,6 +54,7 @@ def test_engine_pools_load_with_the_ray_executor_and_host_is_an_engines_placehol
 ) -> None:
     from adapters.runtime.config_file import load
     from core import ConfigError
+    from core.config import ENGINE_HOST
 
     config = tmp_path / "deo.toml"
     engine = (
@@ -67,7 +68,7 @@ def test_engine_pools_load_with_the_ray_executor_and_host_is_an_engines_placehol
     assert spec.render_argv(worker_id="gen-0", index=0, gpus=(), port=18000) == (
         "serve",
         "--host",
-        "{host}",
+        ENGINE_HOST,
         "--port",
         "18000",
     )
