@@ -975,14 +975,22 @@ class BufferPolicy:
         )
         throughout = min(context.active, memory.last_active)
         # Workers that just started make less than they will (their first groups are all still
-        # in generation): p is measured once the pool has settled (the first time, at once).
-        # A few steps: p reads a little low for a group latency after workers come, but it must
-        # keep up with a pool that grows and shrinks.
+        # in generation): p is measured once the pool has settled. A few steps: p reads a
+        # little low for a group latency after workers come, but it must keep up with a pool
+        # that grows and shrinks.
         settle = max(4 * (step_s or 0.0), 10.0)
         near_limit = max(queued, memory.last_queued_seqs) >= self._offpolicy_seqs(batch)
         if near_limit:
             changes["limit_t"] = t
-        settled = not memory.per_worker_seqs_s or (
+        # Until p has been measured for a settle time it is provisional, and every interval
+        # whose workers were the same at both ends counts, even soon after the queue was near
+        # the limit. One interval is no measurement: the one in which a cold pool's workers
+        # came counts them as one while all of them post their first groups (40-90x high), the
+        # next may hold no group yet; and where the queue reaches the limit every few steps (a
+        # trainer that fetches every full batch at once) a first reading would never be
+        # replaced.
+        provisional = memory.production_seen_s < min(settle, self.production_window_s)
+        settled = (provisional and context.active == memory.last_active) or (
             t - memory.active_changed_t >= settle
             and (memory.limit_t is None or t - memory.limit_t >= settle)
         )
