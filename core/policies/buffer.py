@@ -21,8 +21,12 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
   trainer took) over the workers active throughout the interval, over ``production_window_s``,
   only below 0.8 x ``max_batches_offpolicy`` batches and a few steps after the queue was last
   there (envs hold back near atroposlib's limit and take a group latency to produce at full rate
-  again), and a few steps after workers came (their first groups are all in generation). At the
-  limit a queue that stays full proves p >= D / active, which is used when higher;
+  again), and a few steps after workers came (their first groups are all in generation). The
+  first few steps of it (a settle time) are provisional: every interval with the same workers at
+  both ends counts, however near the limit the queue was before (one interval reads a cold
+  pool's first groups landing together, and a queue that nears the limit every few steps would
+  keep it). At the limit a queue that stays full proves p >= D / active, which is used when
+  higher;
 * the start-up time T: from the sample at which a worker was first counted to the one at which it
   was first active (``startup_prior_s`` until one has been seen, or the age of the oldest worker
   still starting when longer);
