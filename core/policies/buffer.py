@@ -1011,7 +1011,7 @@ class BufferPolicy:
             )
             if context.active == memory.last_active:
                 changes["fresh_s"] = memory.fresh_s + dt
-            if memory.production_seen_s >= settle:  # not the first noisy intervals
+            if not provisional:
                 p = changes["per_worker_seqs_s"]
                 assert isinstance(p, float)
                 changes["best_per_worker_seqs_s"] = max(memory.best_per_worker_seqs_s, p)
