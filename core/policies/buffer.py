@@ -21,8 +21,11 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
   trainer took) over the workers active throughout the interval, over ``production_window_s``,
   only below 0.8 x ``max_batches_offpolicy`` batches and a few steps after the queue was last
   there (envs hold back near atroposlib's limit and take a group latency to produce at full rate
-  again), and a few steps after workers came (their first groups are all in generation). At the
-  limit a queue that stays full proves p >= D / active, which is used when higher;
+  again), and a few steps after workers came (their first groups are all in generation; a cold
+  pool's first reading too: the interval its workers came in reads their first groups landing
+  together). For its first settle time of measurement p counts intervals soon after the queue
+  was near the limit too (a queue that nears it every few steps would leave p unmeasured). At
+  the limit a queue that stays full proves p >= D / active, which is used when higher;
 * the start-up time T: from the sample at which a worker was first counted to the one at which it
   was first active (``startup_prior_s`` until one has been seen, or the age of the oldest worker
   still starting when longer);
@@ -975,16 +978,22 @@ class BufferPolicy:
         )
         throughout = min(context.active, memory.last_active)
         # Workers that just started make less than they will (their first groups are all still
-        # in generation): p is measured once the pool has settled (the first time, at once).
-        # A few steps: p reads a little low for a group latency after workers come, but it must
-        # keep up with a pool that grows and shrinks.
+        # in generation): p is measured once the pool has settled. A few steps: p reads a
+        # little low for a group latency after workers come, but it must keep up with a pool
+        # that grows and shrinks.
         settle = max(4 * (step_s or 0.0), 10.0)
         near_limit = max(queued, memory.last_queued_seqs) >= self._offpolicy_seqs(batch)
         if near_limit:
             changes["limit_t"] = t
-        settled = not memory.per_worker_seqs_s or (
-            t - memory.active_changed_t >= settle
-            and (memory.limit_t is None or t - memory.limit_t >= settle)
+        # Until p has been measured for a settle time it is provisional: once the pool has
+        # settled, intervals soon after the queue was near the limit count too. Where the queue
+        # reaches the limit every few steps (a trainer that fetches every full batch at once),
+        # p would otherwise never be measured, or rest on the first interval (the one in which a
+        # cold pool's workers came reads them as one while all of them post their first groups,
+        # 40-90x high; the next may hold no group yet).
+        provisional = memory.production_seen_s < min(settle, self.production_window_s)
+        settled = t - memory.active_changed_t >= settle and (
+            provisional or memory.limit_t is None or t - memory.limit_t >= settle
         )
         if throughout > 0 and settled and not near_limit:
             changes["per_worker_seqs_s"] = _average(
@@ -999,7 +1008,7 @@ class BufferPolicy:
             )
             if context.active == memory.last_active:
                 changes["fresh_s"] = memory.fresh_s + dt
-            if memory.production_seen_s >= settle:  # not the first noisy intervals
+            if not provisional:
                 p = changes["per_worker_seqs_s"]
                 assert isinstance(p, float)
                 changes["best_per_worker_seqs_s"] = max(memory.best_per_worker_seqs_s, p)

@@ -241,6 +241,38 @@ def test_production_is_not_measured_near_the_limit_nor_just_after_workers_came()
     assert memory.active_changed_t == 130.0
 
 
+@pytest.mark.parametrize("landed", [40, 0])
+def test_a_cold_pool_is_measured_over_a_settle_time_not_on_the_interval_its_workers_came(
+    landed: int,
+) -> None:
+    # batch 32, the off-policy limit at 0.8 x 3 x 32 = 76.8 seq: 8 workers making 6 seq/s each
+    # (24 seq per 0.5 s sample) for a trainer that takes every full batch queued each 2 s, so
+    # the queue comes near the limit every cycle (the envs hold back at 3 batches). The
+    # interval in which 7 workers came reads 80 seq/s per worker (40 sequences: their first
+    # groups landed at once, counted as the one worker active throughout) or 0 (none yet).
+    policy = BufferPolicy()
+
+    def sample(memory: BufferMemory | None, t: float, queued: int, step: int, current: int) -> Any:
+        context = ctx(t, queued, step, current=current, batch=32, max_workers=8)
+        return policy.decide(context, memory).memory
+
+    memory = sample(None, 0.0, 0, 0, 1)
+    queued, step = landed, 0
+    memory = sample(memory, 0.5, queued, step, 8)
+    assert memory.per_worker_seqs_s is None
+    readings = []
+    for k in range(2, 80):
+        queued = min(queued + 24, 96)
+        if k % 4 == 0:
+            step, queued = step + queued // 32, queued % 32
+        memory = sample(memory, 0.5 * k, queued, step, 8)
+        readings.append(memory.per_worker_seqs_s)
+    # Measured from the intervals with the same 8 workers, not left at a single interval's.
+    assert all(p is None or p < 12.0 for p in readings), readings
+    assert memory.per_worker_seqs_s is not None
+    assert memory.per_worker_seqs_s == pytest.approx(6.0, rel=0.25)
+
+
 # --- decisions -----------------------------------------------------------------------------------
 
 

@@ -3,7 +3,9 @@ the what-if's reading of a log, and on a recorded real ``deo demo`` log.
 
 ``data/demo_60s.jsonl`` is the event log of a real 60 s ``deo demo`` (atroposlib 0.4.0 API server,
 the demo trainer at 1.0 s, 0.4 s and 2.5 s per step, stand-in env workers, the buffer policy); its
-trainer reported waiting 1.0 s for data in the 58 s after its first batch.
+trainer reported waiting 0.5 s for data in the 60 s after its first batch. It replays exactly: the
+log of a run whose policy decided otherwise than the present one does not (the fit would read a
+diverged replay).
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ def test_a_real_demo_log_is_fitted_with_its_fit_error_reported_and_bounded(
     first, fast, slow = map(float, trainer.groups())
     assert first == pytest.approx(1.0, rel=0.1)
     assert fast < first < slow
-    # The trainer reported waiting 1.7% of the time; counting fetches as steps read 28%.
+    # The trainer reported waiting 1% of the time; counting fetches as steps would read
+    # starvation in every span a fetch's batches were held.
     recorded = re.search(r"trainer starvation, log read +([\d.]+)%", out)
     assert recorded is not None and float(recorded.group(1)) <= 5.0
     error = re.search(
