@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from core import commands as c
 from core import events as e
+from core.arbiter.engines import stop_engines
 from core.arbiter.served import ARBITER_EVENTS, SHARED_EVENTS, arbiter_step, check_engine_pools
 from core.errors import InvalidEvent
 from core.handlers import HANDLERS, heartbeat_only, seen_only
@@ -39,28 +40,45 @@ def reduce(
     if type(event) in ARBITER_EVENTS:
         check_engine_pools(state, event)
         after, commands = arbiter_step(state, event)
-        return _follow_arbiter(after, event, commands, policies)
+        return _follow_arbiter(state, after, event, commands, policies)
     handler = HANDLERS.get(type(event))
     if handler is None:
         raise InvalidEvent(f"{type(event).__name__} is not an event the reducer knows")
     step = Step(state, event.t, policies)
     handler(step, event)
+    shared = type(event) in SHARED_EVENTS and bool(state.arbiter.gpus)
+    if shared:
+        # The arbiter has not seen the event yet (a lost GPU): its engine pools follow its
+        # ranks once it has, below, never its state from before the event.
+        step.dirty_pools.difference_update(state.arbiter.engine_pools())
     after, commands = step.finish()
-    if type(event) in SHARED_EVENTS and after.arbiter.gpus:
+    if shared:
         after, more = arbiter_step(after, event)
-        return _follow_arbiter(after, event, commands + more, policies)
+        return _follow_arbiter(state, after, event, commands + more, policies)
     return after, commands
 
 
 def _follow_arbiter(
-    state: State, event: e.Event, commands: list[c.Command], policies: PolicyCatalog
+    before: State,
+    state: State,
+    event: e.Event,
+    commands: list[c.Command],
+    policies: PolicyCatalog,
 ) -> tuple[State, list[c.Command]]:
     """The engine pools that run generation clusters brought in line with the arbiter's ranks
-    (:mod:`core.arbiter.engines`)."""
+    (:mod:`core.arbiter.engines`); a pool whose cluster left with this event has its engines
+    stopped (the arbiter counts their GPUs idle from now on)."""
     bound = state.arbiter.engine_pools()
-    if not bound:
+    unbound = {
+        name: who for name, who in before.arbiter.engine_pools().items() if name not in bound
+    }
+    if not bound and not unbound:
         return state, commands
     step = Step(state, event.t, policies)
+    for name, (pipeline, cluster) in sorted(unbound.items()):
+        if name in step.pools:
+            why = f"{pipeline}/{cluster.spec.name} left the arbiter ({type(event).__name__})"
+            stop_engines(step, name, why)
     step.dirty_pools.update(bound)
     after, more = step.finish()
     return after, commands + more

@@ -15,10 +15,14 @@ from core import (
     EngineAwake,
     EngineLoadSampled,
     EngineSleepFailed,
+    GpuCordonRequested,
+    GpuLost,
+    GpuUncordonRequested,
     PolicySpec,
     PoolSpec,
     Reducer,
     Refused,
+    Tick,
     UnknownSubject,
     WorkerExited,
     WorkerReady,
@@ -33,8 +37,10 @@ from core.arbiter import (
     GpusReleased,
     GpusRequested,
     PipelineRegistered,
+    PipelineUnregistered,
     RolloutOpened,
 )
+from core.vocabulary import AlertName
 
 S = WorkerState
 GPUS = ("0", "1")
@@ -192,3 +198,113 @@ def test_two_engine_run_clusters_on_the_same_gpus_are_refused() -> None:
     spec = ClusterSpec(name="gen", kind=6, device_mapping=["1"], engine_pool="gen2")
     with pytest.raises(Refused, match="need GPUs of their own"):
         run.feed(PipelineRegistered(t=run.at(), pipeline="q", clusters=[spec]))
+
+
+def live_on(run: Run) -> dict[str, list[str]]:
+    """GPU -> the live workers on it (any state but exited)."""
+    found: dict[str, list[str]] = {}
+    for worker in run.reducer.state.workers.values():
+        for gpu in worker.gpus:
+            found.setdefault(gpu, []).append(worker.worker_id)
+    return found
+
+
+def test_a_rank_woken_while_its_stopped_engine_still_runs_waits_for_it_to_exit() -> None:
+    run = Run()
+    run.register()
+    run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="gen", priority=6))
+    run.pid += 1
+    run.feed(WorkerStarted(t=run.at(), worker_id="gen-0", pid=run.pid, start_time=1))
+    run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="train", priority=1))
+    assert run.state("gen-0") is S.STOPPING  # its rank went to sleep while it started
+    run.feed(GpusReleased(t=run.at(), pipeline="p", cluster="train"))
+    woken = run.feed(RolloutOpened(t=run.at(), pipeline="p"))
+    assert of(woken, c.SpawnWorker) == []  # gen-0 still holds GPU 0
+    assert live_on(run)["0"] == ["gen-0"]
+    exited = run.feed(WorkerExited(t=run.at(), worker_id="gen-0", exit_code=0))
+    assert [(s.worker_id, s.gpus) for s in of(exited, c.SpawnWorker)] == [("gen-2", ("0",))]
+
+
+def test_a_lost_gpu_gets_no_engine_started_on_it() -> None:
+    run = Run()
+    run.register()
+    run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="gen", priority=6))
+    run.up("gen-0", "gen-1")
+    commands = run.feed(GpuLost(t=run.at(), gpu_id="1", error="xid 79"))
+    assert of(commands, c.SpawnWorker) == []
+    assert [t.worker_id for t in of(commands, c.TerminateWorker)] == ["gen-1"]
+    exited = run.feed(WorkerExited(t=run.at(), worker_id="gen-1", exit_code=None, signal=9))
+    assert of(exited, c.SpawnWorker) == []
+
+
+def test_a_cordoned_gpu_gets_no_engine_until_it_is_uncordoned() -> None:
+    run = Run()
+    run.register()
+    run.feed(GpuCordonRequested(t=run.at(), gpu_id="1"))
+    commands = run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="gen", priority=6))
+    assert [(s.worker_id, s.gpus) for s in of(commands, c.SpawnWorker)] == [("gen-0", ("0",))]
+    uncordoned = run.feed(GpuUncordonRequested(t=run.at(), gpu_id="1"))
+    assert [(s.worker_id, s.gpus) for s in of(uncordoned, c.SpawnWorker)] == [("gen-1", ("1",))]
+
+
+def test_unregistering_stops_the_pipelines_engines_before_others_get_their_gpus() -> None:
+    run = Run()
+    run.register()
+    run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="gen", priority=6))
+    run.up("gen-0", "gen-1")
+    commands = run.feed(PipelineUnregistered(t=run.at(), pipeline="p"))
+    assert sorted(t.worker_id for t in of(commands, c.TerminateWorker)) == ["gen-0", "gen-1"]
+    assert all("p/gen left the arbiter" in t.reason for t in of(commands, c.TerminateWorker))
+    train = ClusterSpec(name="train", kind="ACTOR_TRAINING", device_mapping=GPUS)
+    run.feed(PipelineRegistered(t=run.at(), pipeline="q", clusters=[train]))
+    run.feed(GpusRequested(t=run.at(), pipeline="q", cluster="train", priority=1))
+    # The arbiter grants them (the API answers once gen-0 and gen-1 exited); nothing restarts.
+    for worker_id in ("gen-0", "gen-1"):
+        exited = run.feed(WorkerExited(t=run.at(), worker_id=worker_id, exit_code=0))
+        assert of(exited, c.SpawnWorker) == []
+    assert run.reducer.state.workers == {}
+
+
+def test_a_pool_the_arbiter_does_not_run_never_takes_its_gpus() -> None:
+    run = Run()
+    workers = PoolSpec(
+        name="w",
+        argv=["w"],
+        gpus_per_worker=1,
+        max_workers=2,
+        policy=PolicySpec(name="static", params={"count": 2}),
+    )
+    config = Config(pools=[engine_pool(), workers], gpus=(*GPUS, "2"))
+    commands = run.feed(Configured(t=run.at(), config=config))
+    assert [(s.worker_id, s.gpus) for s in of(commands, c.SpawnWorker)] == [("w-0", ("2",))]
+    assert "w" not in {w.pool for w in run.reducer.state.workers.values() if "0" in w.gpus}
+
+
+def crash(run: Run, worker_id: str) -> list[Command]:
+    run.pid += 1
+    run.feed(WorkerStarted(t=run.at(), worker_id=worker_id, pid=run.pid, start_time=1))
+    return run.feed(WorkerExited(t=run.t + 0.01, worker_id=worker_id, exit_code=1))
+
+
+def test_a_crashing_rank_engine_is_restarted_under_the_pools_backoff_and_alerts() -> None:
+    run = Run()
+    run.register()
+    run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="gen", priority=6))
+    run.up("gen-1")
+    spawned: list[str] = []
+    engine = "gen-0"
+    alerts: set[Any] = set()
+    for _ in range(4):
+        commands = crash(run, engine)
+        alerts |= run.reducer.state.alerts
+        assert of(commands, c.SpawnWorker) == []  # its slot waits for the backoff
+        # Ticks until the backoff has passed; the replacement carries the failures on.
+        while not (started := of(run.feed(Tick(t=run.at(), interval_s=1.0)), c.SpawnWorker)):
+            assert run.t < 10_000
+        (replacement,) = started
+        assert replacement.gpus == ("0",)
+        engine = replacement.worker_id
+        spawned.append(engine)
+    assert spawned == ["gen-2", "gen-3", "gen-4", "gen-5"]
+    assert run.reducer.state.workers[engine].attempt == 4
+    assert (AlertName.CRASH_LOOP, "gen") in alerts
