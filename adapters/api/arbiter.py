@@ -37,7 +37,7 @@ from starlette.routing import Route
 
 from adapters.runtime.arbiter import ArbiterBoard
 from adapters.runtime.runner import Runner
-from core import DeoError, Event, RaiseAlert, Refused, State, WorkerState
+from core import Command, DeoError, Event, RaiseAlert, Refused, State, WorkerState
 from core.arbiter import (
     ClusterSpec,
     GapRatioPlanner,
@@ -159,8 +159,19 @@ def arbiter_routes(
         assert isinstance(value, str)
         return value
 
-    async def submit(event: Event) -> Response:
+    async def submit_checked(event: Event, who: str) -> list[Command]:
+        """Submit ``event``; refused (409) when the arbiter refused its plan (nothing ran)."""
         commands = await runner.submit(event)
+        for command in commands:
+            if isinstance(command, RaiseAlert) and command.alert == AlertName.PLAN_REFUSED:
+                raise Refused(f"{who}: nothing was done: {command.reason}")
+        return commands
+
+    async def submit(event: Event) -> Response:
+        who = "/".join(
+            getattr(event, key) for key in ("pipeline", "cluster") if hasattr(event, key)
+        )
+        commands = await submit_checked(event, who or type(event).__name__)
         return reply(
             {"commands": [{"type": type(c).__name__, "reason": c.reason} for c in commands]}, 200
         )
@@ -260,9 +271,7 @@ def arbiter_routes(
             pass  # granted while the caller was away (its long poll had ended): the same answer
         else:
             board.failed.pop((pipeline, cluster), None)
-            for command in await runner.submit(event):
-                if isinstance(command, RaiseAlert) and command.alert == AlertName.PLAN_REFUSED:
-                    raise Refused(f"{pipeline}/{cluster}: nothing was done: {command.reason}")
+            await submit_checked(event, f"{pipeline}/{cluster}")
         deadline = anyio_now() + wait
         while True:
             answer = _answer(runner.state, board, pipeline, cluster)
@@ -273,10 +282,11 @@ def arbiter_routes(
                 state = runner.state.arbiter
                 waiting = _cluster(state, pipeline, cluster)
                 since = waiting.request.t if waiting and waiting.request else state.now
+                trouble = _engine_trouble(runner.state, waiting)
                 raise StillWaiting(
                     f"{pipeline}/{cluster} is still waiting for GPUs after {wait:g} s "
                     f"(queued {max(runner.clock() - since, 0.0):.1f} s); the request stays "
-                    f"queued: ask again to keep waiting in its place"
+                    f"queued: ask again to keep waiting in its place{trouble}"
                 )
             # Engine confirmations change the state without an arbiter command: look again
             # at least every RECHECK_S.
@@ -371,8 +381,10 @@ def _granted(pipeline: str, cluster: Cluster, why: str) -> dict[str, Any]:
 def _answer(state: State, board: ArbiterBoard, pipeline: str, name: str) -> dict[str, Any] | None:
     """The answer to ``pipeline/name``'s request once there is one (None: still waiting).
 
-    Raises :class:`Refused` when the request can no longer be answered: it failed (its GPUs
-    are lost), was withdrawn (released) or its pipeline left."""
+    A grant is answered only once no other deo worker may still hold memory on its GPUs (an
+    engine there confirmed asleep, or gone). Raises :class:`Refused` when the request can no
+    longer be answered: it failed (its GPUs are lost), was withdrawn (released) or its
+    pipeline left."""
     cluster = _cluster(state.arbiter, pipeline, name)
     if cluster is None:
         raise Refused(f"{pipeline}/{name} is gone (its pipeline unregistered) before an answer")
@@ -382,27 +394,49 @@ def _answer(state: State, board: ArbiterBoard, pipeline: str, name: str) -> dict
     if failed is not None:
         raise Refused(f"{pipeline}/{name}: the request failed: {failed}")
     if cluster.held:
-        busy = _engines_holding(state, cluster.held)
-        if busy:
+        if _engines_holding(state, cluster.held):
             return None  # the engines there have not confirmed their memory is released
         return _granted(pipeline, cluster, "granted")
     if cluster.active_ranks:
         if not _engine_awake(state, cluster):
             return None  # its engines are starting or waking
+        if _engines_holding(state, cluster.active_gpus(), but=cluster.spec.engine_pool):
+            return None  # another pipeline's engine there has not confirmed its sleep
         return _granted(pipeline, cluster, "granted")
+    if cluster.spec.is_generation and state.arbiter.pipelines[pipeline].rollout_open:
+        # Preempted before an answer (training took every rank back): the rollout still wants
+        # generation, so the caller waits (408 at its deadline; asking again queues anew).
+        return None
     raise Refused(f"{pipeline}/{name}: the request was withdrawn (released) before an answer")
 
 
-def _engines_holding(state: State, gpus: tuple[str, ...]) -> list[str]:
-    """Engines of the arbiter's engine pools on ``gpus`` that may still hold memory there (any
-    not confirmed asleep)."""
-    pools = state.arbiter.engine_pools()
+def _engines_holding(state: State, gpus: tuple[str, ...], *, but: str | None = None) -> list[str]:
+    """deo's workers on ``gpus`` (of any pool but ``but``) that may still hold memory there:
+    every one not confirmed asleep."""
     wanted = set(gpus)
     return [
         w.worker_id
         for w in state.workers.values()
-        if w.pool in pools and w.state is not WorkerState.SLEEPING and wanted & set(w.gpus)
+        if w.pool != but and w.state is not WorkerState.SLEEPING and wanted & set(w.gpus)
     ]
+
+
+def _engine_trouble(state: State, cluster: Cluster | None) -> str:
+    """Why an engine-run cluster's engines may not come up (its pool's alerts), for a 408."""
+    if cluster is None or cluster.spec.engine_pool is None:
+        return ""
+    name = cluster.spec.engine_pool
+    pool = state.pools.get(name)
+    notes = []
+    if pool is not None and (AlertName.CRASH_LOOP, name) in state.alerts:
+        wait_s = max(pool.backoff_until_t - state.now, 0.0)
+        notes.append(
+            f"engine pool {name!r} is in a crash loop ({pool.failures} failures in a row; next "
+            f"start in {wait_s:.0f} s): see its engines' output"
+        )
+    if (AlertName.NO_FREE_PORTS, name) in state.alerts:
+        notes.append(f"every port of engine pool {name!r} is held")
+    return "".join(f"; {note}" for note in notes)
 
 
 def _engine_awake(state: State, cluster: Cluster) -> bool:

@@ -33,6 +33,9 @@ from core import (
     PolicySpec,
     PoolSpec,
     Reducer,
+    SpawnWorker,
+    Tick,
+    WorkerExited,
     WorkerReady,
     WorkerStarted,
 )
@@ -507,3 +510,171 @@ async def test_writes_before_the_gpus_are_declared_are_answered_503(tmp_path: Pa
         assert early.status_code == 503 and "starting" in early.json()["error"]
         await h.runner.submit(ArbiterGpusDeclared(t=0.0, gpus=GPUS))
         assert (await h.post("/v1/arbiter/pipelines", pipeline_body("p", ["0"], GPUS))).is_success
+
+
+class _WakeAllPlanner(GapRatioPlanner):
+    """Wakes every rank of every generation cluster, whatever holds its GPUs."""
+
+    def plan(self, state: Any) -> Plan:
+        plan = super().plan(state)
+        wakes = [
+            RankOp(pipeline=p, cluster=c.spec.name, ranks=tuple(range(c.spec.ranks)), reason="x")
+            for p, c in state.clusters()
+            if c.spec.is_generation
+        ]
+        return attrs.evolve(plan, expands=tuple(wakes))
+
+
+@pytest.mark.anyio
+async def test_a_release_whose_plan_is_refused_is_answered_409_and_keeps_the_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with running(tmp_path) as h:
+        url = "/v1/arbiter/pipelines"
+        await h.post(url, pipeline_body("p", ["0", "1"], GPUS))
+        train = {"name": "train", "kind": "ACTOR_TRAINING", "device_mapping": ["2", "3"]}
+        await h.post(url, {"pipeline": "q", "clusters": [train]})
+        for pipeline in ("p", "q"):
+            held = await h.post(f"{url}/{pipeline}/clusters/train/request", {"priority": 1})
+            assert held.status_code == 200
+        monkeypatch.setattr(arbiter_reducer, "_DEFAULT_PLANNER", _WakeAllPlanner())
+        release = await h.post(f"{url}/q/clusters/train/release")
+        assert release.status_code == 409, release.text
+        assert "q/train: nothing was done" in release.json()["error"]
+        client = ArbiterClient(h.url, TOKEN, pipeline="q")
+        with pytest.raises(ArbiterError) as refused:
+            await anyio.to_thread.run_sync(lambda: client.release("train"))
+        assert refused.value.status == 409
+        client.close()
+        status = await h.status()
+        assert status["arbiter"]["pipelines"]["q"]["clusters"]["train"]["held"] == ["2", "3"]
+
+
+async def engines_up(h: Harness, *worker_ids: str) -> None:
+    for worker_id in worker_ids:
+        index = int(worker_id.rsplit("-", 1)[1])
+        await h.runner.submit(
+            WorkerStarted(t=h.clock(), worker_id=worker_id, pid=1000 + index, start_time=1)
+        )
+        await h.runner.submit(WorkerReady(t=h.clock(), worker_id=worker_id))
+
+
+@pytest.mark.anyio
+async def test_gpus_of_an_unregistered_pipeline_are_answered_once_its_engines_are_gone(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path, pools=(ENGINES,)) as h:
+        url = "/v1/arbiter/pipelines"
+        gen = {"name": "gen", "kind": "GENERATION", "device_mapping": ["0", "1"]}
+        await h.post(url, {"pipeline": "p", "clusters": [{**gen, "engine_pool": "gen"}]})
+        await h.post(f"{url}/p/clusters/gen/request", {"priority": 6, "timeout_s": 0})
+        await engines_up(h, "gen-0", "gen-1")
+        assert (await h.post(f"{url}/p/unregister")).status_code == 200
+        train = {"name": "train", "kind": "ACTOR_TRAINING", "device_mapping": ["0", "1"]}
+        await h.post(url, {"pipeline": "q", "clusters": [train]})
+        early = await h.post(f"{url}/q/clusters/train/request", {"priority": 1, "timeout_s": 0.3})
+        assert early.status_code == 408  # gen-0 and gen-1 are stopping, still on 0 and 1
+        for worker_id in ("gen-0", "gen-1"):
+            await h.runner.submit(WorkerExited(t=h.clock(), worker_id=worker_id, exit_code=0))
+        granted = await h.post(f"{url}/q/clusters/train/request", {"priority": 1})
+        assert granted.status_code == 200 and granted.json()["gpus"] == ["0", "1"]
+
+
+@pytest.mark.anyio
+async def test_a_generation_grant_waits_for_another_pipelines_engine_to_sleep(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path, pools=(ENGINES,)) as h:
+        url = "/v1/arbiter/pipelines"
+        gen = {"name": "gen", "kind": "GENERATION", "device_mapping": ["0", "1"]}
+        await h.post(url, {"pipeline": "a", "clusters": [{**gen, "engine_pool": "gen"}]})
+        await h.post(url, {"pipeline": "b", "clusters": [gen]})
+        progress = {"stream": "s", "target_trajectories": 100, "completed_trajectories": 0}
+        await h.post(f"{url}/a/rollout/open")
+        await h.post(f"{url}/a/progress", progress)
+        await h.post(f"{url}/a/clusters/gen/request", {"priority": 6, "timeout_s": 0})
+        await engines_up(h, "gen-0", "gen-1")
+        await h.post(f"{url}/b/progress", progress)
+        answers: list[httpx.Response] = []
+
+        async def ask_for_generation() -> None:
+            await h.post(f"{url}/b/rollout/open")
+            answers.append(await h.post(f"{url}/b/clusters/gen/request", {"priority": 6}))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask_for_generation)
+            with anyio.fail_after(30):
+                while not (moved := await active_gpus(h, "b")):
+                    await anyio.sleep(0.05)
+            # The planner gave b a GPU of a's: the engine there goes to sleep first.
+            (engine,) = [f"gen-{gpu}" for gpu in moved]
+            await h.runner.submit(
+                EngineLoadSampled(t=h.clock(), pool="gen", worker_id=engine, in_flight_requests=0)
+            )
+            assert await active_gpus(h, "b") == moved
+            assert answers == []  # the sleep call is sent, not confirmed
+            await h.runner.submit(EngineAsleep(t=h.clock(), worker_id=engine))
+        assert answers[0].status_code == 200 and answers[0].json()["gpus"] == moved
+
+
+async def active_gpus(h: Harness, pipeline: str) -> list[str]:
+    gpus: list[str] = (await h.status())["arbiter"]["pipelines"][pipeline]["clusters"]["gen"][
+        "active_gpus"
+    ]
+    return gpus
+
+
+@pytest.mark.anyio
+async def test_generation_preempted_before_its_engines_woke_keeps_waiting(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path, pools=(ENGINES,)) as h:
+        url = "/v1/arbiter/pipelines"
+        gen = {"name": "gen", "kind": "GENERATION", "device_mapping": GPUS, "engine_pool": "gen"}
+        await h.post(url, {"pipeline": "p", "clusters": [gen]})
+        train = {"name": "train", "kind": "ACTOR_TRAINING", "device_mapping": GPUS}
+        await h.post(url, {"pipeline": "q", "clusters": [train]})
+        await h.post(f"{url}/p/rollout/open")
+        answers: dict[str, httpx.Response] = {}
+
+        async def ask_for_generation() -> None:
+            answers["gen"] = await h.post(
+                f"{url}/p/clusters/gen/request", {"priority": 6, "timeout_s": 2}
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask_for_generation)
+            with anyio.fail_after(30):
+                while not (await h.status())["arbiter"]["pipelines"]["p"]["clusters"]["gen"][
+                    "active_ranks"
+                ]:
+                    await anyio.sleep(0.05)
+            answers["train"] = await h.post(
+                f"{url}/q/clusters/train/request", {"priority": 1, "timeout_s": 0}
+            )
+        assert answers["gen"].status_code == 408, answers["gen"].text  # not 409: still wanted
+        assert "still waiting" in answers["gen"].json()["error"]
+        closed = await h.post(f"{url}/p/rollout/close")
+        assert closed.status_code == 200
+
+
+@pytest.mark.anyio
+async def test_a_crash_looping_engine_is_named_in_the_408(tmp_path: Path) -> None:
+    async with running(tmp_path, pools=(ENGINES,)) as h:
+        url = "/v1/arbiter/pipelines"
+        gen = {"name": "gen", "kind": "GENERATION", "device_mapping": ["0"], "engine_pool": "gen"}
+        await h.post(url, {"pipeline": "p", "clusters": [gen]})
+        await h.post(f"{url}/p/clusters/gen/request", {"priority": 6, "timeout_s": 0})
+        engine = "gen-0"
+        for failures in range(3):
+            await h.runner.submit(
+                WorkerStarted(t=h.clock(), worker_id=engine, pid=2000 + failures, start_time=1)
+            )
+            await h.runner.submit(WorkerExited(t=h.clock(), worker_id=engine, exit_code=1))
+            h.clock.t_s += 600.0  # past any backoff: the next tick starts its replacement
+            commands = await h.runner.submit(Tick(t=h.clock(), interval_s=600.0))
+            (spawn,) = [c for c in commands if isinstance(c, SpawnWorker)]
+            engine = spawn.worker_id
+        waiting = await h.post(f"{url}/p/clusters/gen/request", {"priority": 6, "timeout_s": 0})
+        assert waiting.status_code == 408
+        assert "engine pool 'gen' is in a crash loop (3 failures" in waiting.json()["error"]
