@@ -18,6 +18,7 @@ from core.arbiter.reducer import reduce_arbiter
 from core.errors import Refused, UnknownSubject
 from core.records import replace
 from core.state import State
+from core.step import node_of
 from core.vocabulary import AlertName
 
 __all__ = [
@@ -84,8 +85,10 @@ def arbiter_step(state: State, event: e.Event) -> tuple[State, list[c.Command]]:
 
 def check_engine_pools(state: State, event: e.Event) -> None:
     """Refuse a registration whose generation cluster names an engine pool deo cannot run it
-    with: no such pool, not an engine pool, one engine's GPUs not the cluster's ``tp_size``, a
-    pool another cluster already runs on, or GPUs another engine-run cluster has."""
+    with: no such pool, not an engine pool, one engine's GPUs not the cluster's ``tp_size``,
+    fewer ``max_workers``, ``max_asleep`` or ports than the cluster has ranks, a rank's bundle
+    on two nodes, a pool another cluster already runs on, or GPUs another engine-run cluster
+    has."""
     if isinstance(event, ae.PipelineRegistered):
         specs = event.clusters
     elif isinstance(event, ae.ClusterRegistered):
@@ -110,6 +113,29 @@ def check_engine_pools(state: State, event: e.Event) -> None:
             raise Refused(
                 f"{where} gives each engine {pool.spec.gpus_per_worker} GPU(s); the cluster's "
                 f"ranks need tp_size={spec.tp_size}"
+            )
+        limits = [
+            f"{field} = {value}"
+            for field, value in (
+                ("max_workers", pool.spec.max_workers),
+                ("max_asleep", pool.spec.max_asleep),
+                ("ports", len(pool.spec.port_range())),
+            )
+            if value < spec.ranks
+        ]
+        if limits:
+            # Every rank keeps an engine (awake or asleep), each with a port of its own.
+            raise Refused(
+                f"{where} has {', '.join(limits)}: fewer than the cluster's {spec.ranks} ranks "
+                f"(max_workers, max_asleep and the ports must each allow one engine per rank)"
+            )
+        split = [
+            spec.bundle(r) for r in range(spec.ranks) if len(set(map(node_of, spec.bundle(r)))) > 1
+        ]
+        if split:
+            raise Refused(
+                f"{where}: rank bundles {[list(b) for b in split]} span nodes; one engine's "
+                f"GPUs must share a node"
             )
         if name in bound:
             pipeline, cluster = bound[name]

@@ -171,6 +171,8 @@ def test_a_starting_engine_of_a_rank_put_to_sleep_is_stopped() -> None:
     [
         ({}, {"engine_pool": "nope"}, UnknownSubject, "not a pool of deo's"),
         ({}, {"tp_size": 2}, Refused, "tp_size=2"),
+        ({"max_workers": 1}, {}, Refused, "max_workers = 1: fewer than the cluster's 2 ranks"),
+        ({"max_asleep": 1}, {}, Refused, "max_asleep = 1: fewer than the cluster's 2 ranks"),
         (
             {"kind": "worker", "engine": None, "ports": None, "argv": ["w"]},
             {},
@@ -308,3 +310,18 @@ def test_a_crashing_rank_engine_is_restarted_under_the_pools_backoff_and_alerts(
     assert spawned == ["gen-2", "gen-3", "gen-4", "gen-5"]
     assert run.reducer.state.workers[engine].attempt == 4
     assert (AlertName.CRASH_LOOP, "gen") in alerts
+
+
+def test_a_rank_bundle_on_two_nodes_is_refused() -> None:
+    gpus = ("a:0", "b:0")
+    reducer = Reducer(check_invariants=True)
+    pool = engine_pool(gpus_per_worker=2)
+    reducer.step(Configured(t=0.0, config=Config(pools=[pool], gpus=gpus)))
+    reducer.step(ArbiterGpusDeclared(t=0.0, gpus=gpus))
+    spec = ClusterSpec(
+        name="gen", kind="GENERATION", device_mapping=gpus, tp_size=2, engine_pool="gen"
+    )
+    before = reducer.state
+    with pytest.raises(Refused, match=r"rank bundles \[\['a:0', 'b:0'\]\] span nodes"):
+        reducer.step(PipelineRegistered(t=1.0, pipeline="p", clusters=[spec]))
+    assert reducer.state is before
