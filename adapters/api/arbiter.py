@@ -37,7 +37,16 @@ from starlette.routing import Route
 
 from adapters.runtime.arbiter import ArbiterBoard
 from adapters.runtime.runner import Runner
-from core import Command, DeoError, Event, RaiseAlert, Refused, State, WorkerState
+from core import (
+    Command,
+    DeoError,
+    Event,
+    InvalidEvent,
+    RaiseAlert,
+    Refused,
+    State,
+    WorkerState,
+)
 from core.arbiter import (
     ClusterSpec,
     GapRatioPlanner,
@@ -133,14 +142,16 @@ def arbiter_routes(
             raise api_error(422, f"field {name!r} must be {wanted}, got {value!r}")
         return value
 
-    def priority(body: dict[str, Any]) -> Priority:
-        value = body.get("priority")
+    def priority(body: dict[str, Any], field: str = "priority", where: str = "") -> Priority:
+        value = body.get(field)
         names = ", ".join(p.name for p in Priority)
         if isinstance(value, str) and value.upper() in Priority.__members__:
             return Priority[value.upper()]
         if isinstance(value, int) and not isinstance(value, bool) and value in set(Priority):
             return Priority(value)
-        raise api_error(422, f"field 'priority' must be one of {names} (or 0-6), got {value!r}")
+        raise api_error(
+            422, f"{where}field {field!r} must be one of {names} (or 0-6), got {value!r}"
+        )
 
     def wait_s(body: dict[str, Any]) -> float:
         value = body.get("timeout_s", DEFAULT_WAIT_S)
@@ -202,9 +213,9 @@ def arbiter_routes(
             mapping = cluster["device_mapping"]
             if not isinstance(mapping, list) or not all(isinstance(g, str) for g in mapping):
                 raise api_error(422, f"{where}'device_mapping' must be a list of GPU ids")
-            kind = priority({"priority": cluster["kind"]})
-            specs.append(
-                ClusterSpec(
+            kind = priority(cluster, "kind", where)
+            try:
+                spec = ClusterSpec(
                     name=text(cluster, "name"),
                     kind=kind,
                     device_mapping=mapping,
@@ -212,7 +223,9 @@ def arbiter_routes(
                     max_dp_size=cluster.get("max_dp_size"),
                     engine_pool=cluster.get("engine_pool"),
                 )
-            )
+            except InvalidEvent as exc:
+                raise api_error(422, f"{where}{exc}") from None
+            specs.append(spec)
         return PipelineRegistered(t=t, pipeline=pipeline, clusters=specs)
 
     def build_unregister(request: Request, body: dict[str, Any], t: float) -> Event:

@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from core.convert import CheckedRecord, Name, member_of, str_set, str_tuple
+from core.convert import CheckedRecord, UrlName, member_of, str_set, str_tuple
 from core.errors import InvalidEvent
 
 __all__ = [
@@ -77,7 +77,7 @@ class ClusterSpec(CheckedRecord):
     ``max_dp_size`` caps a generation cluster's active ranks (None: every rank of its mapping).
     """
 
-    name: Name
+    name: UrlName
     kind: Priority = attrs.field(converter=as_priority)
     device_mapping: tuple[str, ...] = attrs.field(converter=str_tuple)
     tp_size: int = 1

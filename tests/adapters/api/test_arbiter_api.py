@@ -678,3 +678,25 @@ async def test_a_crash_looping_engine_is_named_in_the_408(tmp_path: Path) -> Non
         waiting = await h.post(f"{url}/p/clusters/gen/request", {"priority": 6, "timeout_s": 0})
         assert waiting.status_code == 408
         assert "engine pool 'gen' is in a crash loop (3 failures" in waiting.json()["error"]
+
+
+@pytest.mark.anyio
+async def test_names_that_no_path_could_address_and_bad_kinds_are_refused_by_field(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path) as h:
+        url = "/v1/arbiter/pipelines"
+        for pipeline in ("p/x", "p" * 65, "a b"):
+            answer = await h.post(url, {"pipeline": pipeline, "clusters": []})
+            assert answer.status_code == 422, pipeline
+            assert "PipelineRegistered.pipeline must be 1-64 of" in answer.json()["error"]
+        cluster = {"name": "g/1", "kind": "GENERATION", "device_mapping": ["0"]}
+        bad_name = await h.post(url, {"pipeline": "p", "clusters": [cluster]})
+        assert bad_name.status_code == 422
+        assert bad_name.json()["error"].startswith("clusters[0]: ClusterSpec.name must be")
+        bad_kind = await h.post(
+            url, {"pipeline": "p", "clusters": [{**cluster, "name": "g", "kind": "NOPE"}]}
+        )
+        assert bad_kind.status_code == 422
+        assert bad_kind.json()["error"].startswith("clusters[0]: field 'kind' must be one of")
+        assert (await h.status())["arbiter"]["pipelines"] == {}
