@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from core import commands as c
 from core import events as e
-from core.arbiter.engines import stop_engines
+from core.arbiter.engines import stop_engines, stop_outsiders
+from core.arbiter.events import ArbiterGpusDeclared
 from core.arbiter.served import ARBITER_EVENTS, SHARED_EVENTS, arbiter_step, check_engine_pools
 from core.errors import InvalidEvent
 from core.handlers import HANDLERS, heartbeat_only, seen_only
@@ -67,14 +68,17 @@ def _follow_arbiter(
 ) -> tuple[State, list[c.Command]]:
     """The engine pools that run generation clusters brought in line with the arbiter's ranks
     (:mod:`core.arbiter.engines`); a pool whose cluster left with this event has its engines
-    stopped (the arbiter counts their GPUs idle from now on)."""
+    stopped (the arbiter counts their GPUs idle from now on), and once the arbiter has its GPUs,
+    the workers of other pools there are stopped (they are the arbiter's clusters' alone)."""
     bound = state.arbiter.engine_pools()
     unbound = {
         name: who for name, who in before.arbiter.engine_pools().items() if name not in bound
     }
-    if not bound and not unbound:
+    if not bound and not unbound and not isinstance(event, ArbiterGpusDeclared):
         return state, commands
     step = Step(state, event.t, policies)
+    if isinstance(event, ArbiterGpusDeclared):
+        stop_outsiders(step, bound)
     for name, (pipeline, cluster) in sorted(unbound.items()):
         if name in step.pools:
             why = f"{pipeline}/{cluster.spec.name} left the arbiter ({type(event).__name__})"

@@ -21,6 +21,7 @@ generation held waits for the engines there to be asleep or gone (``deo run``'s 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from core import engines
@@ -33,7 +34,7 @@ from core.vocabulary import AlertName, StopCause
 if TYPE_CHECKING:
     from core.step import Step
 
-__all__ = ["AWAKE_OR_WAKING", "follow_ranks", "rank_engines", "stop_engines"]
+__all__ = ["AWAKE_OR_WAKING", "follow_ranks", "rank_engines", "stop_engines", "stop_outsiders"]
 
 S = WorkerState
 #: Engines that hold (or are taking) their GPUs' memory.
@@ -67,6 +68,19 @@ def stop_engines(step: Step, pool: str, why: str) -> None:
     for worker in sorted(step.workers.values(), key=lambda w: w.index):
         if worker.pool == pool and worker.state not in _LEAVING:
             step.terminate(worker, StopCause.SCALE_DOWN, f"{why}: stopping {worker.worker_id}")
+
+
+def stop_outsiders(step: Step, bound: Mapping[str, object]) -> None:
+    """Stop every worker on the arbiter's GPUs of a pool no cluster of the arbiter runs
+    (``bound``: the pools that do): those GPUs are its clusters' alone, and a training
+    cluster's hold is no deo worker that would keep them free."""
+    arbiter_gpus = set(step.base.arbiter.gpus)
+    for worker in sorted(step.workers.values(), key=lambda w: w.worker_id):
+        on = sorted(arbiter_gpus & set(worker.gpus))
+        if worker.pool in bound or worker.state in _LEAVING or not on:
+            continue
+        why = f"GPU {','.join(on)} is the arbiter's: stopping {worker.worker_id}"
+        step.terminate(worker, StopCause.SCALE_DOWN, why)
 
 
 def follow_ranks(

@@ -325,3 +325,21 @@ def test_a_rank_bundle_on_two_nodes_is_refused() -> None:
     with pytest.raises(Refused, match=r"rank bundles \[\['a:0', 'b:0'\]\] span nodes"):
         reducer.step(PipelineRegistered(t=1.0, pipeline="p", clusters=[spec]))
     assert reducer.state is before
+
+
+def test_declaring_the_arbiters_gpus_stops_other_pools_workers_there() -> None:
+    reducer = Reducer(check_invariants=True)
+    workers = PoolSpec(
+        name="w",
+        argv=["w"],
+        gpus_per_worker=1,
+        max_workers=1,
+        policy=PolicySpec(name="static", params={"count": 1}),
+    )
+    started = reducer.step(Configured(t=0.0, config=Config(pools=[workers], gpus=(*GPUS, "2"))))
+    assert [(s.worker_id, s.gpus) for s in of(started, c.SpawnWorker)] == [("w-0", ("0",))]
+    declared = reducer.step(ArbiterGpusDeclared(t=1.0, gpus=GPUS))
+    (stop,) = of(declared, c.TerminateWorker)
+    assert stop.worker_id == "w-0" and "GPU 0 is the arbiter's" in stop.reason
+    # Its replacement starts on the GPU outside the arbiter's.
+    assert [(s.worker_id, s.gpus) for s in of(declared, c.SpawnWorker)] == [("w-1", ("2",))]
