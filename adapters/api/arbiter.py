@@ -60,9 +60,11 @@ from core.arbiter import (
     ProgressReported,
     RolloutClosed,
     RolloutOpened,
+    default_planner,
 )
 from core.arbiter.engines import rank_engines
 from core.arbiter.model import ArbiterState, Cluster
+from core.arbiter.planner import Share
 from core.vocabulary import AlertName
 
 __all__ = [
@@ -82,7 +84,6 @@ MAX_WAIT_S = 300.0
 RECHECK_S = 0.2
 
 _CLUSTER_FIELDS = ("name", "kind", "device_mapping", "tp_size", "max_dp_size", "engine_pool")
-_PLANNER = GapRatioPlanner()
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -465,11 +466,18 @@ def _engine_awake(state: State, cluster: Cluster) -> bool:
 # --- the operator's view -------------------------------------------------------------------------
 
 
+def _shares(arbiter: ArbiterState) -> dict[tuple[str, str], Share]:
+    """Each generation cluster's share, as the planner that runs computes it (none for a
+    planner without shares)."""
+    planner = default_planner()
+    return planner.shares(arbiter) if isinstance(planner, GapRatioPlanner) else {}
+
+
 def arbiter_status(state: State) -> dict[str, Any]:
     """Pipelines, their clusters and priorities, GPUs held, generation share against target and
     waiting requests (with how long they have waited, by the state's clock)."""
     arbiter = state.arbiter
-    shares = _PLANNER.shares(arbiter) if arbiter.gpus else {}
+    shares = _shares(arbiter) if arbiter.gpus else {}
     pipelines = {}
     for pipeline_id, pipeline in arbiter.pipelines.items():
         clusters = {}
@@ -578,7 +586,7 @@ def arbiter_metrics(state: State) -> Iterator[Metric]:
                 [pipeline_id, spec.name, cluster.request.priority.name],
                 max(state.now - cluster.request.t, 0.0),
             )
-    for (pipeline_id, name), share in sorted(_PLANNER.shares(arbiter).items()):
+    for (pipeline_id, name), share in sorted(_shares(arbiter).items()):
         target.add_metric([pipeline_id, name], share.target_gpus)
         remaining.add_metric([pipeline_id, name], share.remaining)
     yield from (gpus, cluster_gpus, target, remaining, waiting)

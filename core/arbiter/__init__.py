@@ -33,7 +33,7 @@ from core.arbiter.model import (
 )
 from core.arbiter.plan import GpuOp, Plan, RankOp, apply_plan
 from core.arbiter.planner import GapRatioPlanner, Planner, RlixPlanner, Share
-from core.arbiter.reducer import ArbiterReducer, reduce_arbiter
+from core.arbiter.reducer import ArbiterReducer, default_planner, reduce_arbiter
 
 __all__ = [
     "ArbiterGpusDeclared",
@@ -68,6 +68,7 @@ __all__ = [
     "ShrinkGeneration",
     "apply_plan",
     "plan_violations",
+    "default_planner",
     "reduce_arbiter",
     "state_violations",
 ]

@@ -34,7 +34,7 @@ from core.arbiter.planner import GapRatioPlanner, Planner, observe_rate
 from core.errors import InvalidEvent, Refused, UnknownSubject
 from core.vocabulary import AlertName
 
-__all__ = ["ArbiterReducer", "reduce_arbiter"]
+__all__ = ["ArbiterReducer", "default_planner", "reduce_arbiter"]
 
 _Handler = Callable[[ArbiterState, Any], tuple[ArbiterState, Plan, list[c.Command]]]
 
@@ -411,6 +411,12 @@ def reduce_arbiter(
 
 
 _DEFAULT_PLANNER = GapRatioPlanner()
+
+
+def default_planner() -> Planner:
+    """The planner :func:`reduce_arbiter` runs when given none: status views compute their
+    shares and targets with it, so they show the plans that run."""
+    return _DEFAULT_PLANNER
 
 
 class ArbiterReducer:

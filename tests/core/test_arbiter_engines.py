@@ -343,3 +343,17 @@ def test_declaring_the_arbiters_gpus_stops_other_pools_workers_there() -> None:
     assert stop.worker_id == "w-0" and "GPU 0 is the arbiter's" in stop.reason
     # Its replacement starts on the GPU outside the arbiter's.
     assert [(s.worker_id, s.gpus) for s in of(declared, c.SpawnWorker)] == [("w-1", ("2",))]
+
+
+def test_a_rank_woken_before_its_sleep_call_cancels_the_sleep() -> None:
+    run = Run()
+    run.register()
+    run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="gen", priority=6))
+    run.up("gen-0", "gen-1")
+    run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="train", priority=1))
+    assert run.state("gen-0") is S.GOING_TO_SLEEP  # out of routing, its sleep call not sent
+    run.feed(GpusReleased(t=run.at(), pipeline="p", cluster="train"))
+    woken = run.feed(RolloutOpened(t=run.at(), pipeline="p"))
+    assert [x.worker_id for x in of(woken, c.CancelSleep)] == ["gen-0"]
+    assert of(woken, c.WakeEngine) == [] and of(woken, c.SpawnWorker) == []
+    assert run.state("gen-0") is S.ACTIVE

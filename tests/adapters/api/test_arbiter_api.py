@@ -700,3 +700,27 @@ async def test_names_that_no_path_could_address_and_bad_kinds_are_refused_by_fie
         assert bad_kind.status_code == 422
         assert bad_kind.json()["error"].startswith("clusters[0]: field 'kind' must be one of")
         assert (await h.status())["arbiter"]["pipelines"] == {}
+
+
+class _HalfPlanner(GapRatioPlanner):
+    """Targets half of what deo's planner would: status must show its targets, not deo's."""
+
+    def shares(self, state: Any) -> Any:
+        return {
+            key: attrs.evolve(share, target_gpus=share.target_gpus // 2)
+            for key, share in super().shares(state).items()
+        }
+
+
+@pytest.mark.anyio
+async def test_status_shows_the_targets_of_the_planner_that_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with running(tmp_path) as h:
+        await h.post("/v1/arbiter/pipelines", pipeline_body("p", ["0", "1"], GPUS))
+        await h.post("/v1/arbiter/pipelines/p/rollout/open")
+        row = (await h.status())["arbiter"]["pipelines"]["p"]["clusters"]["gen"]
+        assert row["share"]["target_gpus"] == 4
+        monkeypatch.setattr(arbiter_reducer, "_DEFAULT_PLANNER", _HalfPlanner())
+        row = (await h.status())["arbiter"]["pipelines"]["p"]["clusters"]["gen"]
+        assert row["share"]["target_gpus"] == 2
