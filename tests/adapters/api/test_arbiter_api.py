@@ -724,3 +724,77 @@ async def test_status_shows_the_targets_of_the_planner_that_runs(
         monkeypatch.setattr(arbiter_reducer, "_DEFAULT_PLANNER", _HalfPlanner())
         row = (await h.status())["arbiter"]["pipelines"]["p"]["clusters"]["gen"]
         assert row["share"]["target_gpus"] == 2
+
+
+async def _read_message(stream: Any, buffer: bytearray) -> bytes | None:
+    """One HTTP/1.1 message (head and a Content-Length body) from ``stream``; None at EOF."""
+    while b"\r\n\r\n" not in buffer:
+        try:
+            chunk = await stream.receive()
+        except (anyio.EndOfStream, anyio.BrokenResourceError):
+            return None
+        buffer.extend(chunk)
+    head_end = buffer.index(b"\r\n\r\n") + 4
+    length = 0
+    for line in bytes(buffer[:head_end]).split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    while len(buffer) < head_end + length:
+        buffer.extend(await stream.receive())
+    message = bytes(buffer[: head_end + length])
+    del buffer[: head_end + length]
+    return message
+
+
+@asynccontextmanager
+async def answer_lost_once(upstream_port: int, path: bytes) -> AsyncIterator[str]:
+    """A TCP proxy in front of deo's API: the first request for ``path`` reaches deo, which
+    carries it out, and its answer is lost (the connection closes, as when deo is killed
+    after logging); everything else passes through."""
+    dropped: list[bytes] = []
+
+    async def relay(client: Any) -> None:
+        buffer = bytearray()
+        async with client:
+            while (request := await _read_message(client, buffer)) is not None:
+                async with await anyio.connect_tcp("127.0.0.1", upstream_port) as upstream:
+                    await upstream.send(request)
+                    answer = await _read_message(upstream, bytearray())
+                if not dropped and request.split(b" ", 2)[1] == path:
+                    dropped.append(request)
+                    return  # deo answered; the caller never hears it
+                assert answer is not None
+                await client.send(answer)
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, relay)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        yield f"http://127.0.0.1:{port}"
+        assert dropped, "the proxy dropped no answer"
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_register_and_unregister_whose_answers_were_lost_succeed(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        deo_port = int(h.url.rsplit(":", 1)[1])
+        clusters = [Cluster("train", "ACTOR_TRAINING", ["0"]), Cluster("gen", "GENERATION", GPUS)]
+        async with answer_lost_once(deo_port, b"/v1/arbiter/pipelines") as url:
+            client = ArbiterClient(url, TOKEN, pipeline="p", call_timeout_s=5.0)
+            await anyio.to_thread.run_sync(lambda: client.register(clusters))
+            client.close()
+        assert set((await h.status())["arbiter"]["pipelines"]["p"]["clusters"]) == {"train", "gen"}
+        # Another pipeline's clusters under the same name are still refused.
+        async with answer_lost_once(deo_port, b"/v1/arbiter/pipelines") as url:
+            client = ArbiterClient(url, TOKEN, pipeline="p", call_timeout_s=5.0)
+            with pytest.raises(ArbiterError) as refused:
+                await anyio.to_thread.run_sync(lambda: client.register(clusters[:1]))
+            assert refused.value.status == 409
+            client.close()
+        async with answer_lost_once(deo_port, b"/v1/arbiter/pipelines/p/unregister") as url:
+            client = ArbiterClient(url, TOKEN, pipeline="p", call_timeout_s=5.0)
+            await anyio.to_thread.run_sync(client.unregister)
+            client.close()
+        assert (await h.status())["arbiter"]["pipelines"] == {}
