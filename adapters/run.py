@@ -522,10 +522,11 @@ async def run(
 async def _declare_arbiter(
     settings: RunSettings, runner: Runner, out: Callable[[str], None]
 ) -> bool:
-    """Declare the ``[arbiter]`` GPUs to the arbiter unless the log already did; False (said
-    why) when it refuses them (the log's arbiter shares other GPUs)."""
+    """Declare the ``[arbiter]`` GPUs to the arbiter unless the log already did (the same GPUs
+    in any order: the log's order stays); False (said why) when it refuses them (the log's
+    arbiter shares other GPUs)."""
     wanted = settings.arbiter
-    if wanted is None or runner.state.arbiter.gpus == wanted.gpus:
+    if wanted is None or set(runner.state.arbiter.gpus) == set(wanted.gpus):
         return True
     try:
         await runner.submit(ArbiterGpusDeclared(t=runner.clock(), gpus=wanted.gpus))

@@ -108,9 +108,12 @@ def _servable(state: ArbiterState, cluster: Cluster) -> bool:
 
 def _declared(state: ArbiterState, event: ae.ArbiterGpusDeclared) -> Any:
     if state.gpus:
-        if state.gpus == event.gpus:
-            return state, Plan(), []
-        raise Refused(f"ArbiterGpusDeclared: GPUs already declared as {list(state.gpus)}")
+        if set(state.gpus) == set(event.gpus):
+            return state, Plan(), []  # the same GPUs: the first declaration's order stays
+        raise Refused(
+            f"ArbiterGpusDeclared: GPUs already declared as {list(state.gpus)}; a second "
+            f"declaration must name the same GPUs (in any order)"
+        )
     usable = frozenset(event.gpus) - state.lost
     return attrs.evolve(state, gpus=event.gpus, idle=usable), Plan(), []
 
