@@ -423,6 +423,7 @@ async def run(
         FanOut(executor, engines, arbiter),
         clock=clock,
         tick_interval_s=settings.tick_interval_s,
+        on_handled=arbiter.handled,
     )
     app = build_app(
         runner,

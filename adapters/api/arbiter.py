@@ -80,8 +80,9 @@ DEFAULT_WAIT_S = 30.0
 #: The longest one long poll may wait: the caller asks again after it.
 MAX_WAIT_S = 300.0
 
-#: How often a waiting long poll looks at the state between the arbiter's commands.
-RECHECK_S = 0.2
+#: How often a waiting long poll looks at the state anyway: the board wakes it at each arbiter
+#: command and engine confirmation; this is a fallback.
+RECHECK_S = 3.0
 
 _CLUSTER_FIELDS = ("name", "kind", "device_mapping", "tp_size", "max_dp_size", "engine_pool")
 
@@ -302,8 +303,6 @@ def arbiter_routes(
                     f"(queued {max(runner.clock() - since, 0.0):.1f} s); the request stays "
                     f"queued: ask again to keep waiting in its place{trouble}"
                 )
-            # Engine confirmations change the state without an arbiter command: look again
-            # at least every RECHECK_S.
             await board.wait(min(left, RECHECK_S))
 
     async def request_gpus(request: Request) -> Response:

@@ -3,20 +3,39 @@
 The arbiter's decisions live in the core (``State.arbiter``): a grant is the cluster holding its
 GPUs (or having ranks awake), so a caller waiting for one reads the state rather than a message
 that a restart would lose. :class:`ArbiterBoard` is the executor of the arbiter's commands: it
-wakes every waiting caller when one of them is carried out, and keeps why a request failed
-(``RequestFailed``) until the cluster asks again.
+wakes every waiting caller when one of them is carried out, or when the runner handled an
+engine's confirmation or a worker's exit (:meth:`ArbiterBoard.handled`), and keeps why a request
+failed (``RequestFailed``) until the cluster asks again.
 """
 
 from __future__ import annotations
 
 import anyio
 
-from core import Command
+from core import (
+    Command,
+    EngineAsleep,
+    EngineAwake,
+    EngineSleepFailed,
+    EngineWakeFailed,
+    Event,
+    WorkerExited,
+    WorkerReady,
+)
 from core.arbiter import ExpandGeneration, GrantGpus, RequestFailed, ShrinkGeneration
 
 __all__ = ["ArbiterBoard"]
 
 _ARBITER_COMMANDS = (GrantGpus, RequestFailed, ShrinkGeneration, ExpandGeneration)
+#: Events after which a grant may be answered with no arbiter command.
+_CONFIRMATIONS = (
+    EngineAsleep,
+    EngineAwake,
+    EngineSleepFailed,
+    EngineWakeFailed,
+    WorkerReady,
+    WorkerExited,
+)
 
 
 class ArbiterBoard:
@@ -28,6 +47,12 @@ class ArbiterBoard:
         self._changed = anyio.Event()
         #: (pipeline, cluster) -> why its last request failed, until it asks again.
         self.failed: dict[tuple[str, str], str] = {}
+
+    def handled(self, event: Event) -> None:
+        """The runner handled ``event``: wake the waiting callers if it may answer one without
+        an arbiter command (an engine confirmed a sleep or a wake, came up, or exited)."""
+        if isinstance(event, _CONFIRMATIONS):
+            self.notify()
 
     async def execute(self, command: Command) -> None:
         if isinstance(command, RequestFailed):

@@ -16,6 +16,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from adapters.api import arbiter as arbiter_api
 from adapters.api.app import build_app, serve
 from adapters.api.client import arbiter_lines
 from adapters.log import EventLog, LogProblem
@@ -98,7 +99,14 @@ async def running(
     executor = RecordingExecutor()
     board = ArbiterBoard(configured=True)
     reducer = Reducer(check_invariants=True)
-    runner = Runner(log, reducer, FanOut(executor, board), clock=clock, tick_interval_s=3600.0)
+    runner = Runner(
+        log,
+        reducer,
+        FanOut(executor, board),
+        clock=clock,
+        tick_interval_s=3600.0,
+        on_handled=board.handled,
+    )
     app = build_app(runner, token=TOKEN, worker_secret="worker-secret", arbiter=board)
     ports: list[int] = []
     listening = anyio.Event()
@@ -798,3 +806,26 @@ async def test_register_and_unregister_whose_answers_were_lost_succeed(tmp_path:
             await anyio.to_thread.run_sync(client.unregister)
             client.close()
         assert (await h.status())["arbiter"]["pipelines"] == {}
+
+
+@pytest.mark.anyio
+async def test_an_engines_confirmation_wakes_the_waiting_long_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(arbiter_api, "RECHECK_S", 3600.0)  # only the board can wake the poll
+    async with running(tmp_path, pools=(ENGINES,)) as h:
+        url = "/v1/arbiter/pipelines"
+        gen = {"name": "gen", "kind": "GENERATION", "device_mapping": ["0"], "engine_pool": "gen"}
+        await h.post(url, {"pipeline": "p", "clusters": [gen]})
+        answers: list[httpx.Response] = []
+
+        async def ask_for_generation() -> None:
+            answers.append(await h.post(f"{url}/p/clusters/gen/request", {"priority": 6}))
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask_for_generation)
+                while "gen-0" not in h.runner.state.workers:
+                    await anyio.sleep(0.05)
+                await engines_up(h, "gen-0")  # WorkerReady: no arbiter command comes of it
+        assert answers[0].status_code == 200 and answers[0].json()["gpus"] == ["0"]
