@@ -16,7 +16,13 @@ from core import commands as c
 from core import events as e
 from core.arbiter.engines import stop_engines, stop_outsiders
 from core.arbiter.events import ArbiterGpusDeclared
-from core.arbiter.served import ARBITER_EVENTS, SHARED_EVENTS, arbiter_step, check_engine_pools
+from core.arbiter.served import (
+    ARBITER_EVENTS,
+    SHARED_EVENTS,
+    arbiter_step,
+    check_bound_pools,
+    check_engine_pools,
+)
 from core.errors import InvalidEvent
 from core.handlers import HANDLERS, heartbeat_only, seen_only
 from core.invariants import raise_on_violation
@@ -42,6 +48,8 @@ def reduce(
         check_engine_pools(state, event)
         after, commands = arbiter_step(state, event)
         return _follow_arbiter(state, after, event, commands, policies)
+    if type(event) is e.Configured:
+        check_bound_pools(state, event)
     handler = HANDLERS.get(type(event))
     if handler is None:
         raise InvalidEvent(f"{type(event).__name__} is not an event the reducer knows")

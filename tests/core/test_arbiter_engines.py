@@ -357,3 +357,23 @@ def test_a_rank_woken_before_its_sleep_call_cancels_the_sleep() -> None:
     assert [x.worker_id for x in of(woken, c.CancelSleep)] == ["gen-0"]
     assert of(woken, c.WakeEngine) == [] and of(woken, c.SpawnWorker) == []
     assert run.state("gen-0") is S.ACTIVE
+
+
+@pytest.mark.parametrize(
+    ("pools", "message"),
+    [
+        ([], "engine pool 'gen' \\(it runs p/gen\\) is removed"),
+        ([engine_pool(gpus_per_worker=2)], "gives each engine 2 GPU\\(s\\)"),
+        ([engine_pool(max_workers=1)], "max_workers = 1: fewer than the cluster's 2 ranks"),
+    ],
+)
+def test_a_configuration_that_could_no_longer_run_a_cluster_is_refused(
+    pools: list[PoolSpec], message: str
+) -> None:
+    run = Run()
+    run.register()
+    before = run.reducer.state
+    with pytest.raises(Refused, match=message):
+        run.feed(Configured(t=run.at(), config=Config(pools=pools, gpus=GPUS)))
+    assert run.reducer.state is before
+    run.feed(Configured(t=run.at(), config=Config(pools=[engine_pool(min_workers=0)], gpus=GPUS)))
