@@ -286,6 +286,7 @@ def arbiter_routes(
             pass  # granted while the caller was away (its long poll had ended): the same answer
         else:
             board.failed.pop((pipeline, cluster), None)
+            board.withdrawn.pop((pipeline, cluster), None)
             await submit_checked(event, f"{pipeline}/{cluster}")
         deadline = anyio_now() + wait
         while True:
@@ -416,9 +417,9 @@ def _answer(state: State, board: ArbiterBoard, pipeline: str, name: str) -> dict
         if _engines_holding(state, cluster.active_gpus(), but=cluster.spec.engine_pool):
             return None  # another pipeline's engine there has not confirmed its sleep
         return _granted(pipeline, cluster, "granted")
-    if cluster.spec.is_generation and state.arbiter.pipelines[pipeline].rollout_open:
-        # Preempted before an answer (training took every rank back): the rollout still wants
-        # generation, so the caller waits (408 at its deadline; asking again queues anew).
+    if cluster.spec.is_generation and (pipeline, name) not in board.withdrawn:
+        # Preempted before an answer (training took every rank back), not released: the caller
+        # waits (408 at its deadline; asking again queues anew).
         return None
     raise Refused(f"{pipeline}/{name}: the request was withdrawn (released) before an answer")
 

@@ -5,7 +5,7 @@ GPUs (or having ranks awake), so a caller waiting for one reads the state rather
 that a restart would lose. :class:`ArbiterBoard` is the executor of the arbiter's commands: it
 wakes every waiting caller when one of them is carried out, or when the runner handled an
 engine's confirmation or a worker's exit (:meth:`ArbiterBoard.handled`), and keeps why a request
-failed (``RequestFailed``) until the cluster asks again.
+failed (``RequestFailed``) or was withdrawn (a release) until the cluster asks again.
 """
 
 from __future__ import annotations
@@ -22,7 +22,15 @@ from core import (
     WorkerExited,
     WorkerReady,
 )
-from core.arbiter import ExpandGeneration, GrantGpus, RequestFailed, ShrinkGeneration
+from core.arbiter import (
+    ExpandGeneration,
+    GpusReleased,
+    GpusReleasedAndRequested,
+    GrantGpus,
+    PipelineUnregistered,
+    RequestFailed,
+    ShrinkGeneration,
+)
 
 __all__ = ["ArbiterBoard"]
 
@@ -47,12 +55,22 @@ class ArbiterBoard:
         self._changed = anyio.Event()
         #: (pipeline, cluster) -> why its last request failed, until it asks again.
         self.failed: dict[tuple[str, str], str] = {}
+        #: (pipeline, cluster) -> the event that withdrew what it asked for (a release, its
+        #: pipeline leaving), until it asks again.
+        self.withdrawn: dict[tuple[str, str], str] = {}
 
     def handled(self, event: Event) -> None:
         """The runner handled ``event``: wake the waiting callers if it may answer one without
         an arbiter command (an engine confirmed a sleep or a wake, came up, or exited)."""
         if isinstance(event, _CONFIRMATIONS):
             self.notify()
+        elif isinstance(event, GpusReleased):
+            self.withdrawn[(event.pipeline, event.cluster)] = "released"
+        elif isinstance(event, GpusReleasedAndRequested):
+            self.withdrawn[(event.pipeline, event.release_cluster)] = "released"
+        elif isinstance(event, PipelineUnregistered):
+            for key in [k for k in self.withdrawn if k[0] == event.pipeline]:
+                del self.withdrawn[key]
 
     async def execute(self, command: Command) -> None:
         if isinstance(command, RequestFailed):

@@ -163,14 +163,15 @@ def _check_runs(where: str, pool: PoolSpec, spec: ClusterSpec) -> None:
 
 
 def check_bound_pools(state: State, event: e.Event) -> None:
-    """Refuse a configuration that removes or changes an engine pool a generation cluster runs
-    so that it could no longer run it (the checks of :func:`check_engine_pools`)."""
+    """Refuse a configuration that changes an engine pool a generation cluster runs so that it
+    could no longer run it (the checks of :func:`check_engine_pools`). Removing the pool is
+    allowed: its engines are drained like any removed pool's (``deo run``'s drain on stop
+    removes every pool)."""
     if not isinstance(event, e.Configured):
         return
     pools = {pool.name: pool for pool in event.config.pools}
     for name, (pipeline, cluster) in sorted(state.arbiter.engine_pools().items()):
         where = f"Configured: engine pool {name!r} (it runs {pipeline}/{cluster.spec.name})"
         pool = pools.get(name)
-        if pool is None:
-            raise Refused(f"{where} is removed: it stays while that pipeline is registered")
-        _check_runs(where, pool, cluster.spec)
+        if pool is not None:
+            _check_runs(where, pool, cluster.spec)

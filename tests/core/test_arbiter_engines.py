@@ -362,8 +362,7 @@ def test_a_rank_woken_before_its_sleep_call_cancels_the_sleep() -> None:
 @pytest.mark.parametrize(
     ("pools", "message"),
     [
-        ([], "engine pool 'gen' \\(it runs p/gen\\) is removed"),
-        ([engine_pool(gpus_per_worker=2)], "gives each engine 2 GPU\\(s\\)"),
+        ([engine_pool(gpus_per_worker=2)], "engine pool 'gen' \\(it runs p/gen\\) gives each"),
         ([engine_pool(max_workers=1)], "max_workers = 1: fewer than the cluster's 2 ranks"),
     ],
 )
@@ -377,3 +376,13 @@ def test_a_configuration_that_could_no_longer_run_a_cluster_is_refused(
         run.feed(Configured(t=run.at(), config=Config(pools=pools, gpus=GPUS)))
     assert run.reducer.state is before
     run.feed(Configured(t=run.at(), config=Config(pools=[engine_pool(min_workers=0)], gpus=GPUS)))
+
+
+def test_removing_the_pool_a_cluster_runs_drains_its_engines() -> None:
+    run = Run()
+    run.register()
+    run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="gen", priority=6))
+    run.up("gen-0", "gen-1")
+    commands = run.feed(Configured(t=run.at(), config=Config(pools=[], gpus=GPUS)))
+    assert sorted(d.worker_id for d in of(commands, c.DrainEngine)) == ["gen-0", "gen-1"]
+    assert of(commands, c.SpawnWorker) == []

@@ -829,3 +829,33 @@ async def test_an_engines_confirmation_wakes_the_waiting_long_poll(
                     await anyio.sleep(0.05)
                 await engines_up(h, "gen-0")  # WorkerReady: no arbiter command comes of it
         assert answers[0].status_code == 200 and answers[0].json()["gpus"] == ["0"]
+
+
+@pytest.mark.anyio
+async def test_a_generation_request_released_before_its_answer_is_refused(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path) as h:
+        url = "/v1/arbiter/pipelines"
+        train = {"name": "train", "kind": "ACTOR_TRAINING", "device_mapping": GPUS}
+        await h.post(url, {"pipeline": "q", "clusters": [train]})
+        assert (await h.post(f"{url}/q/clusters/train/request", {"priority": 1})).is_success
+        await h.post(url, pipeline_body("p", ["0"], GPUS))
+        answers: list[httpx.Response] = []
+
+        async def ask_for_generation() -> None:
+            answers.append(
+                await h.post(f"{url}/p/clusters/gen/request", {"priority": 6, "timeout_s": 60})
+            )
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask_for_generation)
+                while (
+                    "waiting"
+                    not in (await h.status())["arbiter"]["pipelines"]["p"]["clusters"]["gen"]
+                ):
+                    await anyio.sleep(0.05)
+                assert (await h.post(f"{url}/p/clusters/gen/release")).is_success
+        assert answers[0].status_code == 409
+        assert "withdrawn (released)" in answers[0].json()["error"]
