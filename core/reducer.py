@@ -12,6 +12,8 @@ affected (spawn up to each pool's target, drain the excess). The GPU arbiter's e
 
 from __future__ import annotations
 
+import attrs
+
 from core import commands as c
 from core import events as e
 from core.arbiter.engines import stop_engines, stop_outsiders
@@ -27,6 +29,7 @@ from core.errors import InvalidEvent
 from core.handlers import HANDLERS, heartbeat_only, seen_only
 from core.invariants import raise_on_violation
 from core.policies import BUILT_INS, PolicyCatalog
+from core.records import replace
 from core.state import State
 from core.step import Step
 
@@ -61,10 +64,27 @@ def reduce(
         # ranks once it has, below, never its state from before the event.
         step.dirty_pools.difference_update(state.arbiter.engine_pools())
     after, commands = step.finish()
+    after = _with_cordons(after)
     if shared:
         after, more = arbiter_step(after, event)
         return _follow_arbiter(state, after, event, commands + more, policies)
     return after, commands
+
+
+def _with_cordons(state: State) -> State:
+    """``state`` with its arbiter told which of its GPUs deo has cordoned (it plans nothing new
+    there; the next plan, at the latest the next tick, sees an uncordoned GPU again)."""
+    arbiter = state.arbiter
+    if not arbiter.gpus:
+        return state
+    cordoned = frozenset(
+        g
+        for g in arbiter.gpus
+        if g not in arbiter.lost and g in state.gpus and state.gpus[g].causes
+    )
+    if cordoned == arbiter.cordoned:
+        return state
+    return replace(state, arbiter=attrs.evolve(arbiter, cordoned=cordoned))
 
 
 def _follow_arbiter(

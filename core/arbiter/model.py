@@ -208,12 +208,15 @@ class ArbiterState:
     """Everything the arbiter knows; rebuilt, never mutated, by each step.
 
     ``gpus``: the inventory, in order (declared once). ``lost``: GPUs gone from the driver.
-    ``idle``: usable GPUs that no holder and no active rank uses. ``now``: the time of the latest
-    event (the arbiter's only clock).
+    ``cordoned``: GPUs deo's health rules or an operator cordoned: whoever has one keeps it, but
+    plans grant and wake nothing new there until it is uncordoned. ``idle``: usable GPUs that no
+    holder and no active rank uses. ``now``: the time of the latest event (the arbiter's only
+    clock).
     """
 
     gpus: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
     lost: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
+    cordoned: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
     idle: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
     pipelines: Mapping[str, Pipeline] = attrs.field(factory=dict, converter=_read_only)
     next_seq: int = 0

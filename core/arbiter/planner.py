@@ -108,8 +108,9 @@ class _Board:
 
     def __init__(self, state: ArbiterState) -> None:
         self.state = state
-        self.usable = state.usable()
-        self.idle = set(state.idle)
+        # A cordoned GPU is no place for anything new: to this plan it is as if lost.
+        self.usable = state.usable() - state.cordoned
+        self.idle = set(state.idle) - state.cordoned
         self.specs: dict[ClusterKey, ClusterSpec] = {}
         self.holder: dict[str, ClusterKey] = {}
         self.awake: dict[str, tuple[ClusterKey, int]] = {}

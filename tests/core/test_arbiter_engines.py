@@ -245,8 +245,11 @@ def test_a_cordoned_gpu_gets_no_engine_until_it_is_uncordoned() -> None:
     run.feed(GpuCordonRequested(t=run.at(), gpu_id="1"))
     commands = run.feed(GpusRequested(t=run.at(), pipeline="p", cluster="gen", priority=6))
     assert [(s.worker_id, s.gpus) for s in of(commands, c.SpawnWorker)] == [("gen-0", ("0",))]
-    uncordoned = run.feed(GpuUncordonRequested(t=run.at(), gpu_id="1"))
-    assert [(s.worker_id, s.gpus) for s in of(uncordoned, c.SpawnWorker)] == [("gen-1", ("1",))]
+    assert run.reducer.state.arbiter.pipelines["p"].clusters["gen"].active_ranks == {0}
+    run.feed(RolloutOpened(t=run.at(), pipeline="p"))
+    run.feed(GpuUncordonRequested(t=run.at(), gpu_id="1"))
+    woken = run.feed(Tick(t=run.at(), interval_s=1.0))  # the next plan sees GPU 1 again
+    assert [(s.worker_id, s.gpus) for s in of(woken, c.SpawnWorker)] == [("gen-1", ("1",))]
 
 
 def test_unregistering_stops_the_pipelines_engines_before_others_get_their_gpus() -> None:
