@@ -221,6 +221,10 @@ def _priorities(board: _Board, shrink_when_blocked: bool, reserve_s: float | Non
     reserved: dict[str, ClusterKey] = {}
     for priority, _, key in waiting:
         mapping = board.specs[key].device_mapping
+        if not all(g in board.usable for g in mapping):
+            # A GPU of its mapping is cordoned: it waits, and reserves nothing meanwhile (the
+            # cordon may last).
+            continue
         held_by = {board.holder[g] for g in mapping if g in board.holder} - {key}
         blocked = bool(held_by) or any(g in reserved for g in mapping)
         # A request blocked only by its own pipeline's clusters waits for that pipeline to

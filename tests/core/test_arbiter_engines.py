@@ -36,6 +36,7 @@ from core.arbiter import (
     ExpandGeneration,
     GpusReleased,
     GpusRequested,
+    GrantGpus,
     PipelineRegistered,
     PipelineUnregistered,
     RolloutOpened,
@@ -389,3 +390,18 @@ def test_removing_the_pool_a_cluster_runs_drains_its_engines() -> None:
     commands = run.feed(Configured(t=run.at(), config=Config(pools=[], gpus=GPUS)))
     assert sorted(d.worker_id for d in of(commands, c.DrainEngine)) == ["gen-0", "gen-1"]
     assert of(commands, c.SpawnWorker) == []
+
+
+def test_the_arbiter_plans_nothing_new_on_a_gpu_deo_cordoned() -> None:
+    run = Run()
+    run.feed(GpuCordonRequested(t=run.at(), gpu_id="1"))
+    train = ClusterSpec(name="train", kind="ACTOR_TRAINING", device_mapping=["1"])
+    gen = ClusterSpec(name="gen", kind="GENERATION", device_mapping=GPUS)
+    run.feed(PipelineRegistered(t=run.at(), pipeline="q", clusters=[train, gen]))
+    woken = run.feed(GpusRequested(t=run.at(), pipeline="q", cluster="gen", priority=6))
+    assert [x.gpus for x in of(woken, ExpandGeneration)] == [("0",)]
+    waiting = run.feed(GpusRequested(t=run.at(), pipeline="q", cluster="train", priority=1))
+    assert of(waiting, GrantGpus) == []
+    run.feed(GpuUncordonRequested(t=run.at(), gpu_id="1"))
+    granted = run.feed(Tick(t=run.at(), interval_s=1.0))
+    assert [x.gpus for x in of(granted, GrantGpus)] == [("1",)]

@@ -6,7 +6,8 @@ sleep and wake calls; GPUs lost, cordoned and uncordoned; time passing.
 Every step runs through ``Reducer(check_invariants=True)``: no GPU ever has two live workers, no
 worker is started on a lost or cordoned GPU, no pool has more workers than its ``max_workers``.
 Beside them, after every step: a pool the arbiter does not run has no worker on the arbiter's
-GPUs unless on its way out, and an event the reducer refuses changes nothing.
+GPUs unless on its way out, nothing is granted or woken on a GPU deo has cordoned, and an event
+the reducer refuses changes nothing.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ from core import (
 from core.arbiter import (
     ArbiterGpusDeclared,
     ClusterSpec,
+    ExpandGeneration,
     GpusReleased,
     GpusRequested,
+    GrantGpus,
     PipelineRegistered,
     PipelineUnregistered,
     Priority,
@@ -107,11 +110,20 @@ class EngineClusterMachine(RuleBasedStateMachine):
     def feed(self, event: Event) -> None:
         before = self.reducer.state
         try:
-            self.reducer.step(event)
+            commands = self.reducer.step(event)
         except InvariantViolation:
             raise
         except DeoError:
             assert self.reducer.state is before  # refused: nothing half-applied
+            return
+        cordoned = self.reducer.state.arbiter.cordoned
+        for command in commands:
+            # (A generation grant answers with the ranks already awake: not something new.)
+            new = isinstance(command, ExpandGeneration) or (
+                isinstance(command, GrantGpus) and command.priority is not Priority.GENERATION
+            )
+            if new:
+                assert not set(command.gpus) & cordoned, f"{command!r} on cordoned {cordoned}"
 
     def workers(self, *states: WorkerState) -> list[str]:
         return sorted(w.worker_id for w in self.reducer.state.workers.values() if w.state in states)
