@@ -436,12 +436,18 @@ def _engines_holding(state: State, gpus: tuple[str, ...], *, but: str | None = N
 
 
 def _engine_trouble(state: State, cluster: Cluster | None) -> str:
-    """Why an engine-run cluster's engines may not come up (its pool's alerts), for a 408."""
-    if cluster is None or cluster.spec.engine_pool is None:
+    """Why a cluster may wait long (GPUs of its mapping cordoned; an engine-run cluster's pool
+    alerts), for a 408."""
+    if cluster is None:
         return ""
-    name = cluster.spec.engine_pool
-    pool = state.pools.get(name)
     notes = []
+    cordoned = sorted(set(cluster.spec.device_mapping) & state.arbiter.cordoned)
+    if cordoned:
+        notes.append(f"GPUs {cordoned} of its mapping are cordoned: nothing new goes there")
+    name = cluster.spec.engine_pool
+    if name is None:
+        return "".join(f"; {note}" for note in notes)
+    pool = state.pools.get(name)
     if pool is not None and (AlertName.CRASH_LOOP, name) in state.alerts:
         wait_s = max(pool.backoff_until_t - state.now, 0.0)
         notes.append(

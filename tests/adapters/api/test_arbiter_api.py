@@ -859,3 +859,15 @@ async def test_a_generation_request_released_before_its_answer_is_refused(
                 assert (await h.post(f"{url}/p/clusters/gen/release")).is_success
         assert answers[0].status_code == 409
         assert "withdrawn (released)" in answers[0].json()["error"]
+
+
+@pytest.mark.anyio
+async def test_a_request_waiting_on_a_cordoned_gpu_says_so(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        url = "/v1/arbiter/pipelines"
+        assert (await h.post("/v1/gpus/1/cordon")).status_code == 200
+        train = {"name": "train", "kind": "ACTOR_TRAINING", "device_mapping": ["0", "1"]}
+        await h.post(url, {"pipeline": "q", "clusters": [train]})
+        waiting = await h.post(f"{url}/q/clusters/train/request", {"priority": 1, "timeout_s": 0})
+        assert waiting.status_code == 408
+        assert "GPUs ['1'] of its mapping are cordoned" in waiting.json()["error"]
