@@ -424,6 +424,7 @@ async def run(
         FanOut(executor, engines, arbiter),
         clock=clock,
         tick_interval_s=settings.tick_interval_s,
+        on_handled=arbiter.handled,
     )
     app = build_app(
         runner,
@@ -524,10 +525,14 @@ async def _declare_arbiter(
     settings: RunSettings, runner: Runner, out: Callable[[str], None]
 ) -> bool:
     """Declare the ``[arbiter]`` GPUs and planner settings to the arbiter unless the log already
-    did; False (said why) when it refuses them (the log's arbiter shares other GPUs)."""
+    did (the same GPUs in any order: the log's order stays); False (said why) when it refuses
+    them (the log's arbiter shares other GPUs)."""
     wanted = settings.arbiter
     recorded = runner.state.arbiter
-    if wanted is None or (recorded.gpus, recorded.planner) == (wanted.gpus, wanted.planner):
+    if wanted is None or (set(recorded.gpus), recorded.planner) == (
+        set(wanted.gpus),
+        wanted.planner,
+    ):
         return True
     try:
         await runner.submit(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -26,6 +27,7 @@ __all__ = [
     "CheckedRecord",
     "FieldCheck",
     "Name",
+    "UrlName",
     "Seconds",
     "field_checker",
     "field_checks",
@@ -82,12 +84,17 @@ class _Range(enum.Enum):
 
     NON_NEGATIVE = "non-negative"
     NON_EMPTY = "non-empty"
+    URL_SAFE = "url-safe"
 
 
 #: A time in seconds: a finite number >= 0 (``t``, deadlines).
 Seconds = Annotated[float, _Range.NON_NEGATIVE]
 #: The name of a pool, worker or GPU: a non-empty string.
 Name = Annotated[str, _Range.NON_EMPTY]
+#: A name that is a segment of an API path (an arbiter pipeline's or cluster's): 1-64 of
+#: ``A-Z a-z 0-9 . _ -``.
+UrlName = Annotated[str, _Range.URL_SAFE]
+_URL_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 class FieldCheck(typing.NamedTuple):
@@ -195,6 +202,10 @@ def _is_name(value: Any) -> bool:
     return isinstance(value, str) and value != ""
 
 
+def _is_url_name(value: Any) -> bool:
+    return isinstance(value, str) and _URL_NAME.fullmatch(value) is not None
+
+
 def _is_bool(value: Any) -> bool:
     return type(value) is bool
 
@@ -230,6 +241,7 @@ _SIMPLE: Mapping[Any, _Check] = types.MappingProxyType(
             "type(v) is float and 0.0 <= v < _inf",
         ),
         (str, _Range.NON_EMPTY): (_is_name, "a non-empty string", "type(v) is str and v != ''"),
+        (str, _Range.URL_SAFE): (_is_url_name, "1-64 of A-Z a-z 0-9 . _ -", "False"),
         frozenset[str]: (_is_str_set, "a set of strings", "type(v) is frozenset and not v"),
         tuple[str, ...]: (_is_str_tuple, "a list of strings", "False"),
         tuple[int, ...]: (_is_int_tuple, "a list of integers in [0, 2**63)", "False"),

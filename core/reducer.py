@@ -12,13 +12,24 @@ affected (spawn up to each pool's target, drain the excess). The GPU arbiter's e
 
 from __future__ import annotations
 
+import attrs
+
 from core import commands as c
 from core import events as e
-from core.arbiter.served import ARBITER_EVENTS, SHARED_EVENTS, arbiter_step, check_engine_pools
+from core.arbiter.engines import stop_engines, stop_outsiders
+from core.arbiter.events import ArbiterGpusDeclared
+from core.arbiter.served import (
+    ARBITER_EVENTS,
+    SHARED_EVENTS,
+    arbiter_step,
+    check_bound_pools,
+    check_engine_pools,
+)
 from core.errors import InvalidEvent
 from core.handlers import HANDLERS, heartbeat_only, seen_only
 from core.invariants import raise_on_violation
 from core.policies import BUILT_INS, PolicyCatalog
+from core.records import replace
 from core.state import State
 from core.step import Step
 
@@ -39,28 +50,67 @@ def reduce(
     if type(event) in ARBITER_EVENTS:
         check_engine_pools(state, event)
         after, commands = arbiter_step(state, event)
-        return _follow_arbiter(after, event, commands, policies)
+        return _follow_arbiter(state, after, event, commands, policies)
+    if type(event) is e.Configured:
+        check_bound_pools(state, event)
     handler = HANDLERS.get(type(event))
     if handler is None:
         raise InvalidEvent(f"{type(event).__name__} is not an event the reducer knows")
     step = Step(state, event.t, policies)
     handler(step, event)
+    shared = type(event) in SHARED_EVENTS and bool(state.arbiter.gpus)
+    if shared:
+        # The arbiter has not seen the event yet (a lost GPU): its engine pools follow its
+        # ranks once it has, below, never its state from before the event.
+        step.dirty_pools.difference_update(state.arbiter.engine_pools())
     after, commands = step.finish()
-    if type(event) in SHARED_EVENTS and after.arbiter.gpus:
+    after = _with_cordons(after)
+    if shared:
         after, more = arbiter_step(after, event)
-        return _follow_arbiter(after, event, commands + more, policies)
+        return _follow_arbiter(state, after, event, commands + more, policies)
     return after, commands
 
 
+def _with_cordons(state: State) -> State:
+    """``state`` with its arbiter told which of its GPUs deo has cordoned (it plans nothing new
+    there; the next plan, at the latest the next tick, sees an uncordoned GPU again)."""
+    arbiter = state.arbiter
+    if not arbiter.gpus:
+        return state
+    cordoned = frozenset(
+        g
+        for g in arbiter.gpus
+        if g not in arbiter.lost and g in state.gpus and state.gpus[g].causes
+    )
+    if cordoned == arbiter.cordoned:
+        return state
+    return replace(state, arbiter=attrs.evolve(arbiter, cordoned=cordoned))
+
+
 def _follow_arbiter(
-    state: State, event: e.Event, commands: list[c.Command], policies: PolicyCatalog
+    before: State,
+    state: State,
+    event: e.Event,
+    commands: list[c.Command],
+    policies: PolicyCatalog,
 ) -> tuple[State, list[c.Command]]:
     """The engine pools that run generation clusters brought in line with the arbiter's ranks
-    (:mod:`core.arbiter.engines`)."""
+    (:mod:`core.arbiter.engines`); a pool whose cluster left with this event has its engines
+    stopped (the arbiter counts their GPUs idle from now on), and once the arbiter has its GPUs,
+    the workers of other pools there are stopped (they are the arbiter's clusters' alone)."""
     bound = state.arbiter.engine_pools()
-    if not bound:
+    unbound = {
+        name: who for name, who in before.arbiter.engine_pools().items() if name not in bound
+    }
+    if not bound and not unbound and not isinstance(event, ArbiterGpusDeclared):
         return state, commands
     step = Step(state, event.t, policies)
+    if isinstance(event, ArbiterGpusDeclared):
+        stop_outsiders(step, bound)
+    for name, (pipeline, cluster) in sorted(unbound.items()):
+        if name in step.pools:
+            why = f"{pipeline}/{cluster.spec.name} left the arbiter ({type(event).__name__})"
+            stop_engines(step, name, why)
     step.dirty_pools.update(bound)
     after, more = step.finish()
     return after, commands + more

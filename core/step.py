@@ -352,9 +352,7 @@ class Step:
             failures = worker.attempt + 1
             backoff = rules.backoff_s(failures)
             retries = retry_order([*pool.retries, (self.t, failures)], rules)
-            pool = self._with_retries(
-                replace(pool, last_failure_t=self.t, incident_t=None), retries
-            )
+            pool = self.with_retries(replace(pool, last_failure_t=self.t, incident_t=None), retries)
             if failures >= rules.alert_after:
                 self.raise_alert(
                     AlertName.CRASH_LOOP,
@@ -382,7 +380,7 @@ class Step:
         started = worker.started_t
         return started is not None and self.t - started >= pool.spec.crash_loop.early_exit_s
 
-    def _with_retries(self, pool: PoolState, retries: tuple[tuple[float, int], ...]) -> PoolState:
+    def with_retries(self, pool: PoolState, retries: tuple[tuple[float, int], ...]) -> PoolState:
         """``pool`` with these failed slots waiting, its deepest open slot and next retry time."""
         rules = pool.spec.crash_loop
         name = pool.spec.name
@@ -395,7 +393,7 @@ class Step:
         return replace(pool, retries=retries, failures=deepest, backoff_until_t=next_t)
 
     def _close_chains(self, pool: PoolState, why: str) -> PoolState:
-        pool = self._with_retries(pool, pool.retries)
+        pool = self.with_retries(pool, pool.retries)
         if pool.failures < pool.spec.crash_loop.alert_after:
             self.resolve_alert(AlertName.CRASH_LOOP, pool.spec.name, f"healthy run: {why}")
         if pool.failures == 0:
@@ -446,13 +444,17 @@ class Step:
             if gpu_id not in held and gpu_id in self.gpus and not self.gpus[gpu_id].causes
         ]
         bound = self.base.arbiter.engine_pools() if self.base.arbiter.pipelines else {}
+        # The arbiter's GPUs are its clusters' alone: a pool it does not run never takes one
+        # (a training cluster's hold is no deo worker, so nothing else would keep it free).
+        arbiter_gpus = set(self.base.arbiter.gpus)
+        own_free = [gpu_id for gpu_id in free if gpu_id not in arbiter_gpus]
         for name in names:
             pool = self.pools.get(name)
             if pool is None:
                 continue
             if name in bound and not pool.removed:
                 # The arbiter decides which of its engines run (core.arbiter.engines).
-                follow_ranks(self, pool, *bound[name])
+                follow_ranks(self, pool, *bound[name], free)
                 continue
             counted = by_pool.get(name, [])
             count, target = len(counted), pool.target
@@ -460,14 +462,14 @@ class Step:
             if len(pool.retries) > owed:
                 # Fewer workers wanted: the slots dropped are the least failed ones.
                 kept = sorted(pool.retries, key=lambda retry: -retry[1])[:owed]
-                pool = self._with_retries(pool, retry_order(kept, pool.spec.crash_loop))
+                pool = self.with_retries(pool, retry_order(kept, pool.spec.crash_loop))
                 self.put_pool(pool)
             starting = sum(1 for w in counted if w.state in STARTING_STATES)
             if count > target:
                 self._shrink(pool, counted, count - target)
                 count = target
             elif count < target:
-                count, starting = self._grow(pool, count, starting, free)
+                count, starting = self._grow(pool, count, starting, own_free)
             else:
                 self.resolve_alert(AlertName.NO_FREE_GPUS, name, f"{name} reached {target} workers")
                 self.resolve_alert(AlertName.NO_FREE_PORTS, name, f"{name} reached {target}")
@@ -555,7 +557,7 @@ class Step:
             )
             self.resolve_alert(AlertName.NO_FREE_PORTS, name, f"{name} reached {pool.target}")
         if len(retries) != len(pool.retries):
-            pool = self._with_retries(pool, tuple(retries))  # the replacements are in
+            pool = self.with_retries(pool, tuple(retries))  # the replacements are in
         if index != pool.next_index or pool is not self.pools[name]:
             self.put_pool(replace(pool, next_index=index))
         return count, starting

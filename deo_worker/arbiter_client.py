@@ -126,13 +126,25 @@ class ArbiterClient:
     # --- calls -----------------------------------------------------------------------------------
 
     def register(self, clusters: Sequence[Cluster]) -> None:
-        """Register this pipeline with its clusters (all or none)."""
+        """Register this pipeline with its clusters (all or none).
+
+        A call sent again after its answer was lost (deo stopped before answering) and then
+        refused as already registered succeeded the first time, if deo has these clusters."""
         body = {"pipeline": self.pipeline, "clusters": [c.as_json() for c in clusters]}
-        self._post(self._base, body)
+        response, resent = self._post_once_more(self._base, body)
+        if resent and response.status_code == 409 and self._registered_as(clusters):
+            return
+        self._checked(response)
 
     def unregister(self) -> None:
-        """Leave: everything the pipeline holds is freed."""
-        self._post(f"{self._base}/{self.pipeline}/unregister", {})
+        """Leave: everything the pipeline holds is freed.
+
+        A call sent again after its answer was lost and then refused as an unknown pipeline
+        succeeded the first time."""
+        response, resent = self._post_once_more(f"{self._base}/{self.pipeline}/unregister", {})
+        if resent and response.status_code == 404 and "unknown pipeline" in response.text:
+            return
+        self._checked(response)
 
     def request(
         self,
@@ -214,17 +226,49 @@ class ArbiterClient:
             )
 
     def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._checked(self._post_once_more(url, body)[0])
+
+    def _post_once_more(self, url: str, body: dict[str, Any]) -> tuple[httpx.Response, bool]:
+        """POST with retries; also whether a retry followed an attempt deo may have carried out
+        (sent, its answer lost), so that a refusal may be that attempt's own effect."""
         end = time.monotonic() + self._call_timeout_s * 3
-        return self._checked(self._send(url, body, self._call_timeout_s, end))
+        sent: list[bool] = []
+        response = self._send(url, body, self._call_timeout_s, end, sent)
+        return response, any(sent)
+
+    def _registered_as(self, clusters: Sequence[Cluster]) -> bool:
+        """Whether deo has this pipeline registered with exactly ``clusters``."""
+        try:
+            status = self._http.get(
+                self._base.removesuffix("/pipelines"), timeout=self._call_timeout_s
+            ).json()
+            found = status["pipelines"][self.pipeline]["clusters"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return False
+        wanted = {c.name: c.as_json() for c in clusters}
+        return set(found) == set(wanted) and all(
+            found[name]["device_mapping"] == list(spec["device_mapping"])
+            and found[name]["kind"] == str(spec["kind"]).upper()
+            for name, spec in wanted.items()
+        )
 
     def _send(
-        self, url: str, body: dict[str, Any], timeout_s: float, end: float | None
+        self,
+        url: str,
+        body: dict[str, Any],
+        timeout_s: float,
+        end: float | None,
+        sent: list[bool] | None = None,
     ) -> httpx.Response:
-        """POST, retrying while deo cannot be reached or is stopping, until ``end``."""
+        """POST, retrying while deo cannot be reached or is stopping, until ``end``. A failure
+        after the request may have reached deo (not a refused connection) is noted in
+        ``sent``."""
         while True:
             try:
                 response = self._http.post(url, json=body, timeout=timeout_s)
             except httpx.TransportError as exc:
+                if sent is not None and not isinstance(exc, httpx.ConnectError):
+                    sent.append(True)
                 if end is not None and time.monotonic() >= end:
                     raise ArbiterError(0, f"deo cannot be reached: {exc!r}") from None
             else:

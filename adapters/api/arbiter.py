@@ -37,7 +37,16 @@ from starlette.routing import Route
 
 from adapters.runtime.arbiter import ArbiterBoard
 from adapters.runtime.runner import Runner
-from core import DeoError, Event, RaiseAlert, Refused, State, WorkerState
+from core import (
+    Command,
+    DeoError,
+    Event,
+    InvalidEvent,
+    RaiseAlert,
+    Refused,
+    State,
+    WorkerState,
+)
 from core.arbiter import (
     ClusterSpec,
     GapRatioPlanner,
@@ -52,7 +61,7 @@ from core.arbiter import (
     RolloutClosed,
     RolloutOpened,
     Share,
-    planner_for,
+    planner_in_use,
 )
 from core.arbiter.engines import rank_engines
 from core.arbiter.model import ArbiterState, Cluster
@@ -71,8 +80,9 @@ DEFAULT_WAIT_S = 30.0
 #: The longest one long poll may wait: the caller asks again after it.
 MAX_WAIT_S = 300.0
 
-#: How often a waiting long poll looks at the state between the arbiter's commands.
-RECHECK_S = 0.2
+#: How often a waiting long poll looks at the state anyway: the board wakes it at each arbiter
+#: command and engine confirmation; this is a fallback.
+RECHECK_S = 3.0
 
 _CLUSTER_FIELDS = ("name", "kind", "device_mapping", "tp_size", "max_dp_size", "engine_pool")
 
@@ -134,14 +144,16 @@ def arbiter_routes(
             raise api_error(422, f"field {name!r} must be {wanted}, got {value!r}")
         return value
 
-    def priority(body: dict[str, Any]) -> Priority:
-        value = body.get("priority")
+    def priority(body: dict[str, Any], field: str = "priority", where: str = "") -> Priority:
+        value = body.get(field)
         names = ", ".join(p.name for p in Priority)
         if isinstance(value, str) and value.upper() in Priority.__members__:
             return Priority[value.upper()]
         if isinstance(value, int) and not isinstance(value, bool) and value in set(Priority):
             return Priority(value)
-        raise api_error(422, f"field 'priority' must be one of {names} (or 0-6), got {value!r}")
+        raise api_error(
+            422, f"{where}field {field!r} must be one of {names} (or 0-6), got {value!r}"
+        )
 
     def wait_s(body: dict[str, Any]) -> float:
         value = body.get("timeout_s", DEFAULT_WAIT_S)
@@ -160,8 +172,19 @@ def arbiter_routes(
         assert isinstance(value, str)
         return value
 
-    async def submit(event: Event) -> Response:
+    async def submit_checked(event: Event, who: str) -> list[Command]:
+        """Submit ``event``; refused (409) when the arbiter refused its plan (nothing ran)."""
         commands = await runner.submit(event)
+        for command in commands:
+            if isinstance(command, RaiseAlert) and command.alert == AlertName.PLAN_REFUSED:
+                raise Refused(f"{who}: nothing was done: {command.reason}")
+        return commands
+
+    async def submit(event: Event) -> Response:
+        who = "/".join(
+            getattr(event, key) for key in ("pipeline", "cluster") if hasattr(event, key)
+        )
+        commands = await submit_checked(event, who or type(event).__name__)
         return reply(
             {"commands": [{"type": type(c).__name__, "reason": c.reason} for c in commands]}, 200
         )
@@ -192,9 +215,9 @@ def arbiter_routes(
             mapping = cluster["device_mapping"]
             if not isinstance(mapping, list) or not all(isinstance(g, str) for g in mapping):
                 raise api_error(422, f"{where}'device_mapping' must be a list of GPU ids")
-            kind = priority({"priority": cluster["kind"]})
-            specs.append(
-                ClusterSpec(
+            kind = priority(cluster, "kind", where)
+            try:
+                spec = ClusterSpec(
                     name=text(cluster, "name"),
                     kind=kind,
                     device_mapping=mapping,
@@ -202,7 +225,9 @@ def arbiter_routes(
                     max_dp_size=cluster.get("max_dp_size"),
                     engine_pool=cluster.get("engine_pool"),
                 )
-            )
+            except InvalidEvent as exc:
+                raise api_error(422, f"{where}{exc}") from None
+            specs.append(spec)
         return PipelineRegistered(t=t, pipeline=pipeline, clusters=specs)
 
     def build_unregister(request: Request, body: dict[str, Any], t: float) -> Event:
@@ -261,9 +286,8 @@ def arbiter_routes(
             pass  # granted while the caller was away (its long poll had ended): the same answer
         else:
             board.failed.pop((pipeline, cluster), None)
-            for command in await runner.submit(event):
-                if isinstance(command, RaiseAlert) and command.alert == AlertName.PLAN_REFUSED:
-                    raise Refused(f"{pipeline}/{cluster}: nothing was done: {command.reason}")
+            board.withdrawn.pop((pipeline, cluster), None)
+            await submit_checked(event, f"{pipeline}/{cluster}")
         deadline = anyio_now() + wait
         while True:
             answer = _answer(runner.state, board, pipeline, cluster)
@@ -274,13 +298,12 @@ def arbiter_routes(
                 state = runner.state.arbiter
                 waiting = _cluster(state, pipeline, cluster)
                 since = waiting.request.t if waiting and waiting.request else state.now
+                trouble = _engine_trouble(runner.state, waiting)
                 raise StillWaiting(
                     f"{pipeline}/{cluster} is still waiting for GPUs after {wait:g} s "
                     f"(queued {max(runner.clock() - since, 0.0):.1f} s); the request stays "
-                    f"queued: ask again to keep waiting in its place"
+                    f"queued: ask again to keep waiting in its place{trouble}"
                 )
-            # Engine confirmations change the state without an arbiter command: look again
-            # at least every RECHECK_S.
             await board.wait(min(left, RECHECK_S))
 
     async def request_gpus(request: Request) -> Response:
@@ -372,8 +395,10 @@ def _granted(pipeline: str, cluster: Cluster, why: str) -> dict[str, Any]:
 def _answer(state: State, board: ArbiterBoard, pipeline: str, name: str) -> dict[str, Any] | None:
     """The answer to ``pipeline/name``'s request once there is one (None: still waiting).
 
-    Raises :class:`Refused` when the request can no longer be answered: it failed (its GPUs
-    are lost), was withdrawn (released) or its pipeline left."""
+    A grant is answered only once no other deo worker may still hold memory on its GPUs (an
+    engine there confirmed asleep, or gone). Raises :class:`Refused` when the request can no
+    longer be answered: it failed (its GPUs are lost), was withdrawn (released) or its
+    pipeline left."""
     cluster = _cluster(state.arbiter, pipeline, name)
     if cluster is None:
         raise Refused(f"{pipeline}/{name} is gone (its pipeline unregistered) before an answer")
@@ -383,27 +408,55 @@ def _answer(state: State, board: ArbiterBoard, pipeline: str, name: str) -> dict
     if failed is not None:
         raise Refused(f"{pipeline}/{name}: the request failed: {failed}")
     if cluster.held:
-        busy = _engines_holding(state, cluster.held)
-        if busy:
+        if _engines_holding(state, cluster.held):
             return None  # the engines there have not confirmed their memory is released
         return _granted(pipeline, cluster, "granted")
     if cluster.active_ranks:
         if not _engine_awake(state, cluster):
             return None  # its engines are starting or waking
+        if _engines_holding(state, cluster.active_gpus(), but=cluster.spec.engine_pool):
+            return None  # another pipeline's engine there has not confirmed its sleep
         return _granted(pipeline, cluster, "granted")
+    if cluster.spec.is_generation and (pipeline, name) not in board.withdrawn:
+        # Preempted before an answer (training took every rank back), not released: the caller
+        # waits (408 at its deadline; asking again queues anew).
+        return None
     raise Refused(f"{pipeline}/{name}: the request was withdrawn (released) before an answer")
 
 
-def _engines_holding(state: State, gpus: tuple[str, ...]) -> list[str]:
-    """Engines of the arbiter's engine pools on ``gpus`` that may still hold memory there (any
-    not confirmed asleep)."""
-    pools = state.arbiter.engine_pools()
+def _engines_holding(state: State, gpus: tuple[str, ...], *, but: str | None = None) -> list[str]:
+    """deo's workers on ``gpus`` (of any pool but ``but``) that may still hold memory there:
+    every one not confirmed asleep."""
     wanted = set(gpus)
     return [
         w.worker_id
         for w in state.workers.values()
-        if w.pool in pools and w.state is not WorkerState.SLEEPING and wanted & set(w.gpus)
+        if w.pool != but and w.state is not WorkerState.SLEEPING and wanted & set(w.gpus)
     ]
+
+
+def _engine_trouble(state: State, cluster: Cluster | None) -> str:
+    """Why a cluster may wait long (GPUs of its mapping cordoned; an engine-run cluster's pool
+    alerts), for a 408."""
+    if cluster is None:
+        return ""
+    notes = []
+    cordoned = sorted(set(cluster.spec.device_mapping) & state.arbiter.cordoned)
+    if cordoned:
+        notes.append(f"GPUs {cordoned} of its mapping are cordoned: nothing new goes there")
+    name = cluster.spec.engine_pool
+    if name is None:
+        return "".join(f"; {note}" for note in notes)
+    pool = state.pools.get(name)
+    if pool is not None and (AlertName.CRASH_LOOP, name) in state.alerts:
+        wait_s = max(pool.backoff_until_t - state.now, 0.0)
+        notes.append(
+            f"engine pool {name!r} is in a crash loop ({pool.failures} failures in a row; next "
+            f"start in {wait_s:.0f} s): see its engines' output"
+        )
+    if (AlertName.NO_FREE_PORTS, name) in state.alerts:
+        notes.append(f"every port of engine pool {name!r} is held")
+    return "".join(f"; {note}" for note in notes)
 
 
 def _engine_awake(state: State, cluster: Cluster) -> bool:
@@ -417,6 +470,13 @@ def _engine_awake(state: State, cluster: Cluster) -> bool:
 
 
 # --- the operator's view -------------------------------------------------------------------------
+
+
+def _shares(arbiter: ArbiterState) -> dict[tuple[str, str], Share]:
+    """Each generation cluster's share, as the planner that runs computes it (none for a
+    planner without shares)."""
+    planner = planner_in_use(arbiter)
+    return planner.shares(arbiter) if isinstance(planner, GapRatioPlanner) else {}
 
 
 def arbiter_status(state: State) -> dict[str, Any]:
@@ -536,9 +596,3 @@ def arbiter_metrics(state: State) -> Iterator[Metric]:
         target.add_metric([pipeline_id, name], share.target_gpus)
         remaining.add_metric([pipeline_id, name], share.remaining)
     yield from (gpus, cluster_gpus, target, remaining, waiting)
-
-
-def _shares(arbiter: ArbiterState) -> dict[tuple[str, str], Share]:
-    """Each generation cluster's share as the recorded planner sees it (deo's planner only)."""
-    planner = planner_for(arbiter.planner)
-    return planner.shares(arbiter) if isinstance(planner, GapRatioPlanner) else {}

@@ -3,20 +3,47 @@
 The arbiter's decisions live in the core (``State.arbiter``): a grant is the cluster holding its
 GPUs (or having ranks awake), so a caller waiting for one reads the state rather than a message
 that a restart would lose. :class:`ArbiterBoard` is the executor of the arbiter's commands: it
-wakes every waiting caller when one of them is carried out, and keeps why a request failed
-(``RequestFailed``) until the cluster asks again.
+wakes every waiting caller when one of them is carried out, or when the runner handled an
+engine's confirmation or a worker's exit (:meth:`ArbiterBoard.handled`), and keeps why a request
+failed (``RequestFailed``) or was withdrawn (a release) until the cluster asks again.
 """
 
 from __future__ import annotations
 
 import anyio
 
-from core import Command
-from core.arbiter import ExpandGeneration, GrantGpus, RequestFailed, ShrinkGeneration
+from core import (
+    Command,
+    EngineAsleep,
+    EngineAwake,
+    EngineSleepFailed,
+    EngineWakeFailed,
+    Event,
+    WorkerExited,
+    WorkerReady,
+)
+from core.arbiter import (
+    ExpandGeneration,
+    GpusReleased,
+    GpusReleasedAndRequested,
+    GrantGpus,
+    PipelineUnregistered,
+    RequestFailed,
+    ShrinkGeneration,
+)
 
 __all__ = ["ArbiterBoard"]
 
 _ARBITER_COMMANDS = (GrantGpus, RequestFailed, ShrinkGeneration, ExpandGeneration)
+#: Events after which a grant may be answered with no arbiter command.
+_CONFIRMATIONS = (
+    EngineAsleep,
+    EngineAwake,
+    EngineSleepFailed,
+    EngineWakeFailed,
+    WorkerReady,
+    WorkerExited,
+)
 
 
 class ArbiterBoard:
@@ -28,6 +55,22 @@ class ArbiterBoard:
         self._changed = anyio.Event()
         #: (pipeline, cluster) -> why its last request failed, until it asks again.
         self.failed: dict[tuple[str, str], str] = {}
+        #: (pipeline, cluster) -> the event that withdrew what it asked for (a release, its
+        #: pipeline leaving), until it asks again.
+        self.withdrawn: dict[tuple[str, str], str] = {}
+
+    def handled(self, event: Event) -> None:
+        """The runner handled ``event``: wake the waiting callers if it may answer one without
+        an arbiter command (an engine confirmed a sleep or a wake, came up, or exited)."""
+        if isinstance(event, _CONFIRMATIONS):
+            self.notify()
+        elif isinstance(event, GpusReleased):
+            self.withdrawn[(event.pipeline, event.cluster)] = "released"
+        elif isinstance(event, GpusReleasedAndRequested):
+            self.withdrawn[(event.pipeline, event.release_cluster)] = "released"
+        elif isinstance(event, PipelineUnregistered):
+            for key in [k for k in self.withdrawn if k[0] == event.pipeline]:
+                del self.withdrawn[key]
 
     async def execute(self, command: Command) -> None:
         if isinstance(command, RequestFailed):

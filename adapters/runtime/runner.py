@@ -75,8 +75,11 @@ class Runner:
         *,
         clock: Callable[[], float],
         tick_interval_s: float = 1.0,
+        on_handled: Callable[[Event], None] | None = None,
     ) -> None:
         self.log = log_
+        #: Called with each accepted event once it is durable, before its commands run.
+        self.on_handled = on_handled
         self.reducer = reducer
         #: What readers see: the state as of the last batch the log holds durably.
         self._durable_state = reducer.state
@@ -207,6 +210,8 @@ class Runner:
                         with contextlib.suppress(anyio.BrokenResourceError):
                             await queued.reply.send(outcome)
                 if isinstance(outcome, list):
+                    if self.on_handled is not None:
+                        self.on_handled(queued.event)
                     for command in outcome:
                         await self.executor.execute(command)
 

@@ -35,7 +35,7 @@ from core.arbiter.model import (
 )
 from core.arbiter.plan import GpuOp, Plan, RankOp, apply_plan
 from core.arbiter.planner import GapRatioPlanner, Planner, RlixPlanner, Share, planner_for
-from core.arbiter.reducer import ArbiterReducer, reduce_arbiter
+from core.arbiter.reducer import ArbiterReducer, planner_in_use, reduce_arbiter
 
 __all__ = [
     "PLANNER_SETTINGS_UNRECORDED",
@@ -73,6 +73,7 @@ __all__ = [
     "apply_plan",
     "plan_violations",
     "planner_for",
+    "planner_in_use",
     "reduce_arbiter",
     "state_violations",
 ]

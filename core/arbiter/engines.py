@@ -21,6 +21,7 @@ generation held waits for the engines there to be asleep or gone (``deo run``'s 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from core import engines
@@ -33,7 +34,7 @@ from core.vocabulary import AlertName, StopCause
 if TYPE_CHECKING:
     from core.step import Step
 
-__all__ = ["AWAKE_OR_WAKING", "follow_ranks", "rank_engines"]
+__all__ = ["AWAKE_OR_WAKING", "follow_ranks", "rank_engines", "stop_engines", "stop_outsiders"]
 
 S = WorkerState
 #: Engines that hold (or are taking) their GPUs' memory.
@@ -61,8 +62,33 @@ def rank_engines(workers: list[Worker], cluster: Cluster) -> tuple[dict[int, Wor
     return found, strays
 
 
-def follow_ranks(step: Step, pool: PoolState, pipeline: str, cluster: Cluster) -> None:
-    """Bring ``pool``'s engines in line with ``cluster``'s active ranks."""
+def stop_engines(step: Step, pool: str, why: str) -> None:
+    """Stop every engine of ``pool`` that is not on its way out already: the cluster it ran
+    left (its pipeline unregistered), and the arbiter may give those GPUs to anyone now."""
+    for worker in sorted(step.workers.values(), key=lambda w: w.index):
+        if worker.pool == pool and worker.state not in _LEAVING:
+            step.terminate(worker, StopCause.SCALE_DOWN, f"{why}: stopping {worker.worker_id}")
+
+
+def stop_outsiders(step: Step, bound: Mapping[str, object]) -> None:
+    """Stop every worker on the arbiter's GPUs of a pool no cluster of the arbiter runs
+    (``bound``: the pools that do): those GPUs are its clusters' alone, and a training
+    cluster's hold is no deo worker that would keep them free."""
+    arbiter_gpus = set(step.base.arbiter.gpus)
+    for worker in sorted(step.workers.values(), key=lambda w: w.worker_id):
+        on = sorted(arbiter_gpus & set(worker.gpus))
+        if worker.pool in bound or worker.state in _LEAVING or not on:
+            continue
+        why = f"GPU {','.join(on)} is the arbiter's: stopping {worker.worker_id}"
+        step.terminate(worker, StopCause.SCALE_DOWN, why)
+
+
+def follow_ranks(
+    step: Step, pool: PoolState, pipeline: str, cluster: Cluster, free: list[str]
+) -> None:
+    """Bring ``pool``'s engines in line with ``cluster``'s active ranks; an engine is started
+    only on a bundle whose GPUs are all in ``free`` (reconcile's list: held by no live worker,
+    healthy, not cordoned), which it takes from there."""
     name = pool.spec.name
     spec = cluster.spec
     found, strays = rank_engines([w for w in step.workers.values() if w.pool == name], cluster)
@@ -73,28 +99,71 @@ def follow_ranks(step: Step, pool: PoolState, pipeline: str, cluster: Cluster) -
             StopCause.SCALE_DOWN,
             f"{worker.worker_id} runs on no rank's bundle of {who}: stopping it",
         )
+    wanted = [r for r in sorted(cluster.active_ranks) if r not in found]
+    _start_engines(step, pool, who, [(r, spec.bundle(r)) for r in wanted], free)
     for rank in range(spec.ranks):
         engine = found.get(rank)
-        bundle = spec.bundle(rank)
+        if engine is None:
+            continue
         if rank in cluster.active_ranks:
-            why = f"the arbiter has {who} rank {rank} awake"
-            if engine is None:
-                port = engines.free_port(step, pool.spec)
-                if port is None:
-                    step.raise_alert(
-                        AlertName.NO_FREE_PORTS,
-                        name,
-                        f"{why}: every port of {pool.spec.ports} is held by a live engine",
-                    )
-                    continue
-                pool = step.pools[name]
-                step.spawn(pool, pool.next_index, bundle, port, 0, why)
-                step.put_pool(replace(pool, next_index=pool.next_index + 1))
-            elif engine.state in (S.GOING_TO_SLEEP, S.SLEEPING):
-                engines.wake_one(step, engine, why)
-        elif engine is not None:
-            why = f"the arbiter put {who} rank {rank} to sleep"
-            if engine.state is S.ACTIVE:
-                engines.send_to_sleep(step, engine, why)
-            elif engine.state in (S.REQUESTED, S.STARTING):
-                step.terminate(engine, StopCause.SCALE_DOWN, f"{why}: stopping {engine.worker_id}")
+            if engine.state in (S.GOING_TO_SLEEP, S.SLEEPING):
+                engines.wake_one(step, engine, f"the arbiter has {who} rank {rank} awake")
+            continue
+        why = f"the arbiter put {who} rank {rank} to sleep"
+        if engine.state is S.ACTIVE:
+            engines.send_to_sleep(step, engine, why)
+        elif engine.state in (S.REQUESTED, S.STARTING):
+            step.terminate(engine, StopCause.SCALE_DOWN, f"{why}: stopping {engine.worker_id}")
+
+
+def _start_engines(
+    step: Step,
+    pool: PoolState,
+    who: str,
+    ranks: list[tuple[int, tuple[str, ...]]],
+    free: list[str],
+) -> None:
+    """Start an engine for each of ``ranks`` (active, engine-less; with their bundles) whose
+    bundle is free, under
+    the pool's crash-loop rules: a failed engine's slot waits for its backoff and its
+    replacement carries the failures on (so the ``crash_loop`` alert is raised as for any
+    pool)."""
+    name = pool.spec.name
+    rules = pool.spec.crash_loop
+    retries = list(pool.retries)
+    if len(retries) > len(ranks):
+        # Fewer engines wanted: the slots dropped are the least failed ones.
+        retries = sorted(retries, key=lambda retry: -retry[1])[: len(ranks)]
+    due = [r for r in retries if r[0] + rules.backoff_s(r[1]) <= step.t]
+    waiting = len(retries) - len(due)
+    index = pool.next_index
+    for rank, bundle in ranks:
+        why = f"the arbiter has {who} rank {rank} awake"
+        busy = [g for g in bundle if g not in free]
+        if busy:
+            # Another worker still holds it, or deo cordoned it: the rank waits (its pool is
+            # reconciled again when that worker exits or the GPU is uncordoned).
+            continue
+        if not due and waiting:
+            waiting -= 1  # a failed engine's slot waits for its backoff
+            continue
+        port = engines.free_port(step, pool.spec)
+        if port is None:
+            step.raise_alert(
+                AlertName.NO_FREE_PORTS,
+                name,
+                f"{why}: every port of {pool.spec.ports} is held by a live engine",
+            )
+            break
+        attempt = 0
+        if due:
+            retry = due.pop(0)
+            retries.remove(retry)
+            attempt = retry[1]
+        for gpu in bundle:
+            free.remove(gpu)
+        step.spawn(step.pools[name], index, bundle, port, attempt, why)
+        index += 1
+    pool = step.pools[name]
+    if tuple(retries) != pool.retries or index != pool.next_index:
+        step.put_pool(step.with_retries(replace(pool, next_index=index), tuple(retries)))

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import attrs
 
 from core.arbiter.model import ClusterSpec, PlannerSettings, Priority, as_priority
-from core.convert import Name, str_tuple
+from core.convert import Name, UrlName, str_tuple
 from core.errors import InvalidEvent
 from core.events import Event
 
@@ -58,7 +58,7 @@ class PipelineRegistered(Event):
     is refused, none and not the pipeline either); more may follow as :class:`ClusterRegistered`.
     """
 
-    pipeline: Name
+    pipeline: UrlName
     clusters: tuple[ClusterSpec, ...] = attrs.field(default=(), converter=_spec_tuple)
 
 
@@ -66,7 +66,7 @@ class PipelineRegistered(Event):
 class ClusterRegistered(Event):
     """A pipeline declares one cluster (at most one generation cluster per pipeline)."""
 
-    pipeline: Name
+    pipeline: UrlName
     spec: ClusterSpec
 
 
@@ -74,7 +74,7 @@ class ClusterRegistered(Event):
 class PipelineUnregistered(Event):
     """A pipeline leaves: everything it holds is freed, its generation ranks are put to sleep."""
 
-    pipeline: Name
+    pipeline: UrlName
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -86,8 +86,8 @@ class GpusRequested(Event):
     ``estimate_trajectories``: a generation request's expected work when no progress is known.
     """
 
-    pipeline: Name
-    cluster: Name
+    pipeline: UrlName
+    cluster: UrlName
     priority: Priority = attrs.field(converter=as_priority)
     estimate_trajectories: int | None = None
 
@@ -97,8 +97,8 @@ class GpusReleased(Event):
     """A cluster gives back what it holds (a generation cluster: all its ranks go to sleep),
     and withdraws its waiting request if any."""
 
-    pipeline: Name
-    cluster: Name
+    pipeline: UrlName
+    cluster: UrlName
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -106,9 +106,9 @@ class GpusReleasedAndRequested(Event):
     """``release_cluster`` releases and ``cluster`` requests, in one step: both happen, or
     neither (a refused request leaves the release undone too)."""
 
-    pipeline: Name
-    release_cluster: Name
-    cluster: Name
+    pipeline: UrlName
+    release_cluster: UrlName
+    cluster: UrlName
     priority: Priority = attrs.field(converter=as_priority)
     estimate_trajectories: int | None = None
 
@@ -117,7 +117,7 @@ class GpusReleasedAndRequested(Event):
 class ProgressReported(Event):
     """A pipeline's progress on one stream; the latest report per (pipeline, stream) wins."""
 
-    pipeline: Name
+    pipeline: UrlName
     stream: Name
     target_trajectories: int
     completed_trajectories: int
@@ -127,7 +127,7 @@ class ProgressReported(Event):
 class ProgressCleared(Event):
     """Forget a pipeline's progress on ``stream``, or on every stream when it is None."""
 
-    pipeline: Name
+    pipeline: UrlName
     stream: Name | None = None
 
 
@@ -135,11 +135,11 @@ class ProgressCleared(Event):
 class RolloutOpened(Event):
     """A pipeline's rollout begins: it wants generation (durable demand) until it closes."""
 
-    pipeline: Name
+    pipeline: UrlName
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class RolloutClosed(Event):
     """A pipeline's rollout ends: its durable demand is gone."""
 
-    pipeline: Name
+    pipeline: UrlName

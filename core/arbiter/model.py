@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from core.convert import CheckedRecord, Name, Seconds, member_of, str_set, str_tuple
+from core.convert import CheckedRecord, Seconds, UrlName, member_of, str_set, str_tuple
 from core.errors import InvalidEvent
 
 __all__ = [
@@ -85,7 +85,7 @@ class ClusterSpec(CheckedRecord):
     ``max_dp_size`` caps a generation cluster's active ranks (None: every rank of its mapping).
     """
 
-    name: Name
+    name: UrlName
     kind: Priority = attrs.field(converter=as_priority)
     device_mapping: tuple[str, ...] = attrs.field(converter=str_tuple)
     tp_size: int = 1
@@ -293,12 +293,15 @@ class ArbiterState:
     """Everything the arbiter knows; rebuilt, never mutated, by each step.
 
     ``gpus``: the inventory, in order (declared once). ``lost``: GPUs gone from the driver.
-    ``idle``: usable GPUs that no holder and no active rank uses. ``now``: the time of the latest
-    event (the arbiter's only clock).
+    ``cordoned``: GPUs deo's health rules or an operator cordoned: whoever has one keeps it, but
+    plans grant and wake nothing new there until it is uncordoned. ``idle``: usable GPUs that no
+    holder and no active rank uses. ``now``: the time of the latest event (the arbiter's only
+    clock).
     """
 
     gpus: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
     lost: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
+    cordoned: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
     idle: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
     pipelines: Mapping[str, Pipeline] = attrs.field(factory=dict, converter=_read_only)
     next_seq: int = 0

@@ -133,8 +133,9 @@ class _Board:
 
     def __init__(self, state: ArbiterState) -> None:
         self.state = state
-        self.usable = state.usable()
-        self.idle = set(state.idle)
+        # A cordoned GPU is no place for anything new: to this plan it is as if lost.
+        self.usable = state.usable() - state.cordoned
+        self.idle = set(state.idle) - state.cordoned
         self.specs: dict[ClusterKey, ClusterSpec] = {}
         self.holder: dict[str, ClusterKey] = {}
         self.awake: dict[str, tuple[ClusterKey, int]] = {}
@@ -247,6 +248,10 @@ def _priorities(board: _Board, shrink_when_blocked: bool, planner: Planner) -> N
     reserved: dict[str, ClusterKey] = {}
     for priority, _, key in waiting:
         mapping = board.specs[key].device_mapping
+        if not all(g in board.usable for g in mapping):
+            # A GPU of its mapping is cordoned: it waits, and reserves nothing meanwhile (the
+            # cordon may last).
+            continue
         held_by = {board.holder[g] for g in mapping if g in board.holder} - {key}
         blocked = bool(held_by) or any(g in reserved for g in mapping)
         # A request blocked only by its own pipeline's clusters waits for that pipeline to

@@ -42,7 +42,7 @@ from core.arbiter.planner import Planner, observe_rate, overstaying, planner_for
 from core.errors import InvalidEvent, Refused, UnknownSubject
 from core.vocabulary import AlertName
 
-__all__ = ["ArbiterReducer", "reduce_arbiter"]
+__all__ = ["ArbiterReducer", "planner_in_use", "reduce_arbiter"]
 
 _Handler = Callable[[ArbiterState, Any], tuple[ArbiterState, Plan, list[c.Command]]]
 
@@ -116,9 +116,13 @@ def _servable(state: ArbiterState, cluster: Cluster) -> bool:
 
 def _declared(state: ArbiterState, event: ae.ArbiterGpusDeclared) -> Any:
     if state.gpus:
-        if state.gpus == event.gpus:
+        if set(state.gpus) == set(event.gpus):
+            # The same GPUs (the first declaration's order stays); the planner settings may change.
             return attrs.evolve(state, planner=event.planner), Plan(), []
-        raise Refused(f"ArbiterGpusDeclared: GPUs already declared as {list(state.gpus)}")
+        raise Refused(
+            f"ArbiterGpusDeclared: GPUs already declared as {list(state.gpus)}; a second "
+            f"declaration must name the same GPUs (in any order)"
+        )
     usable = frozenset(event.gpus) - state.lost
     return attrs.evolve(state, gpus=event.gpus, idle=usable, planner=event.planner), Plan(), []
 
@@ -450,6 +454,12 @@ def _overstaying_alerts(
         for name in sorted(after.overstaying - set(found))
     ]
     return attrs.evolve(after, overstaying=frozenset(found)), alerts
+
+
+def planner_in_use(state: ArbiterState) -> Planner:
+    """The planner :func:`reduce_arbiter` runs for ``state`` when given none: status views
+    compute their shares and targets with it, so they show the plans that run."""
+    return planner_for(state.planner)
 
 
 class ArbiterReducer:

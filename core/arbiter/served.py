@@ -13,11 +13,13 @@ from __future__ import annotations
 from core import commands as c
 from core import events as e
 from core.arbiter import events as ae
-from core.arbiter.model import ArbiterState
+from core.arbiter.model import ArbiterState, ClusterSpec
 from core.arbiter.reducer import reduce_arbiter
+from core.config import PoolSpec
 from core.errors import Refused, UnknownSubject
 from core.records import replace
 from core.state import State
+from core.step import node_of
 from core.vocabulary import AlertName
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "ARBITER_EVENTS",
     "SHARED_EVENTS",
     "arbiter_step",
+    "check_bound_pools",
     "check_engine_pools",
 ]
 
@@ -89,8 +92,10 @@ def arbiter_step(state: State, event: e.Event) -> tuple[State, list[c.Command]]:
 
 def check_engine_pools(state: State, event: e.Event) -> None:
     """Refuse a registration whose generation cluster names an engine pool deo cannot run it
-    with: no such pool, not an engine pool, one engine's GPUs not the cluster's ``tp_size``, a
-    pool another cluster already runs on, or GPUs another engine-run cluster has."""
+    with: no such pool, not an engine pool, one engine's GPUs not the cluster's ``tp_size``,
+    fewer ``max_workers``, ``max_asleep`` or ports than the cluster has ranks, a rank's bundle
+    on two nodes, a pool another cluster already runs on, or GPUs another engine-run cluster
+    has."""
     if isinstance(event, ae.PipelineRegistered):
         specs = event.clusters
     elif isinstance(event, ae.ClusterRegistered):
@@ -109,13 +114,7 @@ def check_engine_pools(state: State, event: e.Event) -> None:
             raise UnknownSubject(
                 f"{where} is not a pool of deo's (engine pools: {known or 'none'})"
             )
-        if not pool.spec.is_engine:
-            raise Refused(f"{where} is a pool of kind {pool.spec.kind!r}, not 'engine'")
-        if pool.spec.gpus_per_worker != spec.tp_size:
-            raise Refused(
-                f"{where} gives each engine {pool.spec.gpus_per_worker} GPU(s); the cluster's "
-                f"ranks need tp_size={spec.tp_size}"
-            )
+        _check_runs(where, pool.spec, spec)
         if name in bound:
             pipeline, cluster = bound[name]
             raise Refused(f"{where} already runs {pipeline}/{cluster.spec.name}")
@@ -132,3 +131,52 @@ def check_engine_pools(state: State, event: e.Event) -> None:
         outside = [g for g in spec.device_mapping if g not in state.config.gpus]
         if outside:
             raise UnknownSubject(f"{where}: GPUs {outside} are not among deo's GPUs")
+
+
+def _check_runs(where: str, pool: PoolSpec, spec: ClusterSpec) -> None:
+    """Refuse ``pool`` for ``spec`` unless it can run one engine per rank on its bundle."""
+    if not pool.is_engine:
+        raise Refused(f"{where} is a pool of kind {pool.kind!r}, not 'engine'")
+    if pool.gpus_per_worker != spec.tp_size:
+        raise Refused(
+            f"{where} gives each engine {pool.gpus_per_worker} GPU(s); the cluster's "
+            f"ranks need tp_size={spec.tp_size}"
+        )
+    limits = [
+        f"{field} = {value}"
+        for field, value in (
+            ("max_workers", pool.max_workers),
+            ("max_asleep", pool.max_asleep),
+            ("ports", len(pool.port_range())),
+        )
+        if value < spec.ranks
+    ]
+    if limits:
+        # Every rank keeps an engine (awake or asleep), each with a port of its own.
+        raise Refused(
+            f"{where} has {', '.join(limits)}: fewer than the cluster's {spec.ranks} ranks "
+            f"(max_workers, max_asleep and the ports must each allow one engine per rank)"
+        )
+    split = [
+        spec.bundle(r) for r in range(spec.ranks) if len(set(map(node_of, spec.bundle(r)))) > 1
+    ]
+    if split:
+        raise Refused(
+            f"{where}: rank bundles {[list(b) for b in split]} span nodes; one engine's "
+            f"GPUs must share a node"
+        )
+
+
+def check_bound_pools(state: State, event: e.Event) -> None:
+    """Refuse a configuration that changes an engine pool a generation cluster runs so that it
+    could no longer run it (the checks of :func:`check_engine_pools`). Removing the pool is
+    allowed: its engines are drained like any removed pool's (``deo run``'s drain on stop
+    removes every pool)."""
+    if not isinstance(event, e.Configured):
+        return
+    pools = {pool.name: pool for pool in event.config.pools}
+    for name, (pipeline, cluster) in sorted(state.arbiter.engine_pools().items()):
+        where = f"Configured: engine pool {name!r} (it runs {pipeline}/{cluster.spec.name})"
+        pool = pools.get(name)
+        if pool is not None:
+            _check_runs(where, pool, cluster.spec)

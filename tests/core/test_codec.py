@@ -94,7 +94,7 @@ def strategy_for(name: str, hint: Any) -> st.SearchStrategy[Any]:
         return st.floats(0, 1e9, allow_nan=False)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return st.sampled_from(hint)
-    if name in ("worker_id", "gpu_id", "pool", "subject"):
+    if name in ("worker_id", "gpu_id", "pool", "subject", "pipeline", "cluster", "release_cluster"):
         return names
     if hint is Config:
         return configs

@@ -16,6 +16,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from adapters.api import arbiter as arbiter_api
 from adapters.api.app import build_app, serve
 from adapters.api.client import arbiter_lines
 from adapters.log import EventLog, LogProblem
@@ -33,6 +34,9 @@ from core import (
     PolicySpec,
     PoolSpec,
     Reducer,
+    SpawnWorker,
+    Tick,
+    WorkerExited,
     WorkerReady,
     WorkerStarted,
 )
@@ -95,7 +99,14 @@ async def running(
     executor = RecordingExecutor()
     board = ArbiterBoard(configured=True)
     reducer = Reducer(check_invariants=True)
-    runner = Runner(log, reducer, FanOut(executor, board), clock=clock, tick_interval_s=3600.0)
+    runner = Runner(
+        log,
+        reducer,
+        FanOut(executor, board),
+        clock=clock,
+        tick_interval_s=3600.0,
+        on_handled=board.handled,
+    )
     app = build_app(runner, token=TOKEN, worker_secret="worker-secret", arbiter=board)
     ports: list[int] = []
     listening = anyio.Event()
@@ -507,3 +518,356 @@ async def test_writes_before_the_gpus_are_declared_are_answered_503(tmp_path: Pa
         assert early.status_code == 503 and "starting" in early.json()["error"]
         await h.runner.submit(ArbiterGpusDeclared(t=0.0, gpus=GPUS))
         assert (await h.post("/v1/arbiter/pipelines", pipeline_body("p", ["0"], GPUS))).is_success
+
+
+class _WakeAllPlanner(GapRatioPlanner):
+    """Wakes every rank of every generation cluster, whatever holds its GPUs."""
+
+    def plan(self, state: Any) -> Plan:
+        plan = super().plan(state)
+        wakes = [
+            RankOp(pipeline=p, cluster=c.spec.name, ranks=tuple(range(c.spec.ranks)), reason="x")
+            for p, c in state.clusters()
+            if c.spec.is_generation
+        ]
+        return attrs.evolve(plan, expands=tuple(wakes))
+
+
+@pytest.mark.anyio
+async def test_a_release_whose_plan_is_refused_is_answered_409_and_keeps_the_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with running(tmp_path) as h:
+        url = "/v1/arbiter/pipelines"
+        await h.post(url, pipeline_body("p", ["0", "1"], GPUS))
+        train = {"name": "train", "kind": "ACTOR_TRAINING", "device_mapping": ["2", "3"]}
+        await h.post(url, {"pipeline": "q", "clusters": [train]})
+        for pipeline in ("p", "q"):
+            held = await h.post(f"{url}/{pipeline}/clusters/train/request", {"priority": 1})
+            assert held.status_code == 200
+        monkeypatch.setattr(arbiter_reducer, "planner_for", lambda settings: _WakeAllPlanner())
+        release = await h.post(f"{url}/q/clusters/train/release")
+        assert release.status_code == 409, release.text
+        assert "q/train: nothing was done" in release.json()["error"]
+        client = ArbiterClient(h.url, TOKEN, pipeline="q")
+        with pytest.raises(ArbiterError) as refused:
+            await anyio.to_thread.run_sync(lambda: client.release("train"))
+        assert refused.value.status == 409
+        client.close()
+        status = await h.status()
+        assert status["arbiter"]["pipelines"]["q"]["clusters"]["train"]["held"] == ["2", "3"]
+
+
+async def engines_up(h: Harness, *worker_ids: str) -> None:
+    for worker_id in worker_ids:
+        index = int(worker_id.rsplit("-", 1)[1])
+        await h.runner.submit(
+            WorkerStarted(t=h.clock(), worker_id=worker_id, pid=1000 + index, start_time=1)
+        )
+        await h.runner.submit(WorkerReady(t=h.clock(), worker_id=worker_id))
+
+
+@pytest.mark.anyio
+async def test_gpus_of_an_unregistered_pipeline_are_answered_once_its_engines_are_gone(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path, pools=(ENGINES,)) as h:
+        url = "/v1/arbiter/pipelines"
+        gen = {"name": "gen", "kind": "GENERATION", "device_mapping": ["0", "1"]}
+        await h.post(url, {"pipeline": "p", "clusters": [{**gen, "engine_pool": "gen"}]})
+        await h.post(f"{url}/p/clusters/gen/request", {"priority": 6, "timeout_s": 0})
+        await engines_up(h, "gen-0", "gen-1")
+        assert (await h.post(f"{url}/p/unregister")).status_code == 200
+        train = {"name": "train", "kind": "ACTOR_TRAINING", "device_mapping": ["0", "1"]}
+        await h.post(url, {"pipeline": "q", "clusters": [train]})
+        early = await h.post(f"{url}/q/clusters/train/request", {"priority": 1, "timeout_s": 0.3})
+        assert early.status_code == 408  # gen-0 and gen-1 are stopping, still on 0 and 1
+        for worker_id in ("gen-0", "gen-1"):
+            await h.runner.submit(WorkerExited(t=h.clock(), worker_id=worker_id, exit_code=0))
+        granted = await h.post(f"{url}/q/clusters/train/request", {"priority": 1})
+        assert granted.status_code == 200 and granted.json()["gpus"] == ["0", "1"]
+
+
+@pytest.mark.anyio
+async def test_a_generation_grant_waits_for_another_pipelines_engine_to_sleep(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path, pools=(ENGINES,)) as h:
+        url = "/v1/arbiter/pipelines"
+        gen = {"name": "gen", "kind": "GENERATION", "device_mapping": ["0", "1"]}
+        await h.post(url, {"pipeline": "a", "clusters": [{**gen, "engine_pool": "gen"}]})
+        await h.post(url, {"pipeline": "b", "clusters": [gen]})
+        progress = {"stream": "s", "target_trajectories": 100, "completed_trajectories": 0}
+        await h.post(f"{url}/a/rollout/open")
+        await h.post(f"{url}/a/progress", progress)
+        await h.post(f"{url}/a/clusters/gen/request", {"priority": 6, "timeout_s": 0})
+        await engines_up(h, "gen-0", "gen-1")
+        await h.post(f"{url}/b/progress", progress)
+        answers: list[httpx.Response] = []
+
+        async def ask_for_generation() -> None:
+            await h.post(f"{url}/b/rollout/open")
+            answers.append(await h.post(f"{url}/b/clusters/gen/request", {"priority": 6}))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask_for_generation)
+            with anyio.fail_after(30):
+                while not (moved := await active_gpus(h, "b")):
+                    await anyio.sleep(0.05)
+            # The planner gave b a GPU of a's: the engine there goes to sleep first.
+            (engine,) = [f"gen-{gpu}" for gpu in moved]
+            await h.runner.submit(
+                EngineLoadSampled(t=h.clock(), pool="gen", worker_id=engine, in_flight_requests=0)
+            )
+            assert await active_gpus(h, "b") == moved
+            assert answers == []  # the sleep call is sent, not confirmed
+            await h.runner.submit(EngineAsleep(t=h.clock(), worker_id=engine))
+        assert answers[0].status_code == 200 and answers[0].json()["gpus"] == moved
+
+
+async def active_gpus(h: Harness, pipeline: str) -> list[str]:
+    gpus: list[str] = (await h.status())["arbiter"]["pipelines"][pipeline]["clusters"]["gen"][
+        "active_gpus"
+    ]
+    return gpus
+
+
+@pytest.mark.anyio
+async def test_generation_preempted_before_its_engines_woke_keeps_waiting(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path, pools=(ENGINES,)) as h:
+        url = "/v1/arbiter/pipelines"
+        gen = {"name": "gen", "kind": "GENERATION", "device_mapping": GPUS, "engine_pool": "gen"}
+        await h.post(url, {"pipeline": "p", "clusters": [gen]})
+        train = {"name": "train", "kind": "ACTOR_TRAINING", "device_mapping": GPUS}
+        await h.post(url, {"pipeline": "q", "clusters": [train]})
+        await h.post(f"{url}/p/rollout/open")
+        answers: dict[str, httpx.Response] = {}
+
+        async def ask_for_generation() -> None:
+            answers["gen"] = await h.post(
+                f"{url}/p/clusters/gen/request", {"priority": 6, "timeout_s": 2}
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask_for_generation)
+            with anyio.fail_after(30):
+                while not (await h.status())["arbiter"]["pipelines"]["p"]["clusters"]["gen"][
+                    "active_ranks"
+                ]:
+                    await anyio.sleep(0.05)
+            answers["train"] = await h.post(
+                f"{url}/q/clusters/train/request", {"priority": 1, "timeout_s": 0}
+            )
+        assert answers["gen"].status_code == 408, answers["gen"].text  # not 409: still wanted
+        assert "still waiting" in answers["gen"].json()["error"]
+        closed = await h.post(f"{url}/p/rollout/close")
+        assert closed.status_code == 200
+
+
+@pytest.mark.anyio
+async def test_a_crash_looping_engine_is_named_in_the_408(tmp_path: Path) -> None:
+    async with running(tmp_path, pools=(ENGINES,)) as h:
+        url = "/v1/arbiter/pipelines"
+        gen = {"name": "gen", "kind": "GENERATION", "device_mapping": ["0"], "engine_pool": "gen"}
+        await h.post(url, {"pipeline": "p", "clusters": [gen]})
+        await h.post(f"{url}/p/clusters/gen/request", {"priority": 6, "timeout_s": 0})
+        engine = "gen-0"
+        for failures in range(3):
+            await h.runner.submit(
+                WorkerStarted(t=h.clock(), worker_id=engine, pid=2000 + failures, start_time=1)
+            )
+            await h.runner.submit(WorkerExited(t=h.clock(), worker_id=engine, exit_code=1))
+            h.clock.t_s += 600.0  # past any backoff: the next tick starts its replacement
+            commands = await h.runner.submit(Tick(t=h.clock(), interval_s=600.0))
+            (spawn,) = [c for c in commands if isinstance(c, SpawnWorker)]
+            engine = spawn.worker_id
+        waiting = await h.post(f"{url}/p/clusters/gen/request", {"priority": 6, "timeout_s": 0})
+        assert waiting.status_code == 408
+        assert "engine pool 'gen' is in a crash loop (3 failures" in waiting.json()["error"]
+
+
+@pytest.mark.anyio
+async def test_names_that_no_path_could_address_and_bad_kinds_are_refused_by_field(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path) as h:
+        url = "/v1/arbiter/pipelines"
+        for pipeline in ("p/x", "p" * 65, "a b"):
+            answer = await h.post(url, {"pipeline": pipeline, "clusters": []})
+            assert answer.status_code == 422, pipeline
+            assert "PipelineRegistered.pipeline must be 1-64 of" in answer.json()["error"]
+        cluster = {"name": "g/1", "kind": "GENERATION", "device_mapping": ["0"]}
+        bad_name = await h.post(url, {"pipeline": "p", "clusters": [cluster]})
+        assert bad_name.status_code == 422
+        assert bad_name.json()["error"].startswith("clusters[0]: ClusterSpec.name must be")
+        bad_kind = await h.post(
+            url, {"pipeline": "p", "clusters": [{**cluster, "name": "g", "kind": "NOPE"}]}
+        )
+        assert bad_kind.status_code == 422
+        assert bad_kind.json()["error"].startswith("clusters[0]: field 'kind' must be one of")
+        assert (await h.status())["arbiter"]["pipelines"] == {}
+
+
+class _HalfPlanner(GapRatioPlanner):
+    """Targets half of what deo's planner would: status must show its targets, not deo's."""
+
+    def shares(self, state: Any) -> Any:
+        return {
+            key: attrs.evolve(share, target_gpus=share.target_gpus // 2)
+            for key, share in super().shares(state).items()
+        }
+
+
+@pytest.mark.anyio
+async def test_status_shows_the_targets_of_the_planner_that_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with running(tmp_path) as h:
+        await h.post("/v1/arbiter/pipelines", pipeline_body("p", ["0", "1"], GPUS))
+        await h.post("/v1/arbiter/pipelines/p/rollout/open")
+        row = (await h.status())["arbiter"]["pipelines"]["p"]["clusters"]["gen"]
+        assert row["share"]["target_gpus"] == 4
+        monkeypatch.setattr(arbiter_reducer, "planner_for", lambda settings: _HalfPlanner())
+        row = (await h.status())["arbiter"]["pipelines"]["p"]["clusters"]["gen"]
+        assert row["share"]["target_gpus"] == 2
+
+
+async def _read_message(stream: Any, buffer: bytearray) -> bytes | None:
+    """One HTTP/1.1 message (head and a Content-Length body) from ``stream``; None at EOF."""
+    while b"\r\n\r\n" not in buffer:
+        try:
+            chunk = await stream.receive()
+        except (anyio.EndOfStream, anyio.BrokenResourceError):
+            return None
+        buffer.extend(chunk)
+    head_end = buffer.index(b"\r\n\r\n") + 4
+    length = 0
+    for line in bytes(buffer[:head_end]).split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    while len(buffer) < head_end + length:
+        buffer.extend(await stream.receive())
+    message = bytes(buffer[: head_end + length])
+    del buffer[: head_end + length]
+    return message
+
+
+@asynccontextmanager
+async def answer_lost_once(upstream_port: int, path: bytes) -> AsyncIterator[str]:
+    """A TCP proxy in front of deo's API: the first request for ``path`` reaches deo, which
+    carries it out, and its answer is lost (the connection closes, as when deo is killed
+    after logging); everything else passes through."""
+    dropped: list[bytes] = []
+
+    async def relay(client: Any) -> None:
+        buffer = bytearray()
+        async with client:
+            while (request := await _read_message(client, buffer)) is not None:
+                async with await anyio.connect_tcp("127.0.0.1", upstream_port) as upstream:
+                    await upstream.send(request)
+                    answer = await _read_message(upstream, bytearray())
+                if not dropped and request.split(b" ", 2)[1] == path:
+                    dropped.append(request)
+                    return  # deo answered; the caller never hears it
+                assert answer is not None
+                await client.send(answer)
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, relay)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        yield f"http://127.0.0.1:{port}"
+        assert dropped, "the proxy dropped no answer"
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_register_and_unregister_whose_answers_were_lost_succeed(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        deo_port = int(h.url.rsplit(":", 1)[1])
+        clusters = [Cluster("train", "ACTOR_TRAINING", ["0"]), Cluster("gen", "GENERATION", GPUS)]
+        async with answer_lost_once(deo_port, b"/v1/arbiter/pipelines") as url:
+            client = ArbiterClient(url, TOKEN, pipeline="p", call_timeout_s=5.0)
+            await anyio.to_thread.run_sync(lambda: client.register(clusters))
+            client.close()
+        assert set((await h.status())["arbiter"]["pipelines"]["p"]["clusters"]) == {"train", "gen"}
+        # Another pipeline's clusters under the same name are still refused.
+        async with answer_lost_once(deo_port, b"/v1/arbiter/pipelines") as url:
+            client = ArbiterClient(url, TOKEN, pipeline="p", call_timeout_s=5.0)
+            with pytest.raises(ArbiterError) as refused:
+                await anyio.to_thread.run_sync(lambda: client.register(clusters[:1]))
+            assert refused.value.status == 409
+            client.close()
+        async with answer_lost_once(deo_port, b"/v1/arbiter/pipelines/p/unregister") as url:
+            client = ArbiterClient(url, TOKEN, pipeline="p", call_timeout_s=5.0)
+            await anyio.to_thread.run_sync(client.unregister)
+            client.close()
+        assert (await h.status())["arbiter"]["pipelines"] == {}
+
+
+@pytest.mark.anyio
+async def test_an_engines_confirmation_wakes_the_waiting_long_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(arbiter_api, "RECHECK_S", 3600.0)  # only the board can wake the poll
+    async with running(tmp_path, pools=(ENGINES,)) as h:
+        url = "/v1/arbiter/pipelines"
+        gen = {"name": "gen", "kind": "GENERATION", "device_mapping": ["0"], "engine_pool": "gen"}
+        await h.post(url, {"pipeline": "p", "clusters": [gen]})
+        answers: list[httpx.Response] = []
+
+        async def ask_for_generation() -> None:
+            answers.append(await h.post(f"{url}/p/clusters/gen/request", {"priority": 6}))
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask_for_generation)
+                while "gen-0" not in h.runner.state.workers:
+                    await anyio.sleep(0.05)
+                await engines_up(h, "gen-0")  # WorkerReady: no arbiter command comes of it
+        assert answers[0].status_code == 200 and answers[0].json()["gpus"] == ["0"]
+
+
+@pytest.mark.anyio
+async def test_a_generation_request_released_before_its_answer_is_refused(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path) as h:
+        url = "/v1/arbiter/pipelines"
+        train = {"name": "train", "kind": "ACTOR_TRAINING", "device_mapping": GPUS}
+        await h.post(url, {"pipeline": "q", "clusters": [train]})
+        assert (await h.post(f"{url}/q/clusters/train/request", {"priority": 1})).is_success
+        await h.post(url, pipeline_body("p", ["0"], GPUS))
+        answers: list[httpx.Response] = []
+
+        async def ask_for_generation() -> None:
+            answers.append(
+                await h.post(f"{url}/p/clusters/gen/request", {"priority": 6, "timeout_s": 60})
+            )
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask_for_generation)
+                while (
+                    "waiting"
+                    not in (await h.status())["arbiter"]["pipelines"]["p"]["clusters"]["gen"]
+                ):
+                    await anyio.sleep(0.05)
+                assert (await h.post(f"{url}/p/clusters/gen/release")).is_success
+        assert answers[0].status_code == 409
+        assert "withdrawn (released)" in answers[0].json()["error"]
+
+
+@pytest.mark.anyio
+async def test_a_request_waiting_on_a_cordoned_gpu_says_so(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        url = "/v1/arbiter/pipelines"
+        assert (await h.post("/v1/gpus/1/cordon")).status_code == 200
+        train = {"name": "train", "kind": "ACTOR_TRAINING", "device_mapping": ["0", "1"]}
+        await h.post(url, {"pipeline": "q", "clusters": [train]})
+        waiting = await h.post(f"{url}/q/clusters/train/request", {"priority": 1, "timeout_s": 0})
+        assert waiting.status_code == 408
+        assert "GPUs ['1'] of its mapping are cordoned" in waiting.json()["error"]

@@ -27,6 +27,8 @@ from deo_worker.arbiter_client import ArbiterClient, Cluster, Grant
 TOKEN = "arbiter-engines-token"
 GPUS = ["0", "1", "2", "3"]
 MEMORY_MIB = 64
+#: How late each stand-in answers a sleep or wake call: how long an engine is falling_asleep.
+CONTROL_DELAY_S = 5.0
 HEALTHY = {
     "memory_used_bytes": 2**30,
     "memory_total_bytes": 80 * 2**30,
@@ -53,6 +55,9 @@ class Deo:
         first = reserve_port_range(8).first
         argv = [sys.executable, "-m", "deo_worker.engine_standin", "--port", "{port}"]
         argv += ["--engine", "vllm", "--memory-mib", str(MEMORY_MIB), "--startup-s", "0.5"]
+        # Every sleep and wake call answers CONTROL_DELAY_S late, so an engine stays
+        # falling_asleep long enough for the test to see it and kill deo there.
+        argv += ["--control-delay-s", str(CONTROL_DELAY_S)]
         (tmp_path / "deo.toml").write_text(
             f"""
 [deo]
@@ -77,7 +82,7 @@ max_workers = 4
 max_asleep = 4
 ports = [{first}, {first + 7}]
 drain_timeout_s = 2.0
-control_timeout_s = 10.0
+control_timeout_s = {4 * CONTROL_DELAY_S}
 control_attempts = 2
 stop_timeout_s = 2.0
 [pools.gen.policy]
@@ -174,12 +179,10 @@ def test_training_preempts_engines_and_a_kill_mid_preemption_loses_nothing(
 
         waiter = threading.Thread(target=train)
         waiter.start()
+        # The sleep call is in flight for CONTROL_DELAY_S: falling_asleep holds that long.
         wait_for(
-            "the engines on 2 and 3 on their way to sleep",
-            lambda: (
-                {deo.on_gpu()[g]["state"] for g in ("2", "3")}
-                & {"going_to_sleep", "falling_asleep"}
-            ),
+            "an engine on 2 or 3 falling asleep",
+            lambda: "falling_asleep" in {deo.on_gpu()[g]["state"] for g in ("2", "3")},
         )
         assert deo.process is not None
         deo.process.send_signal(signal.SIGKILL)

@@ -198,7 +198,13 @@ def test_training_preempts_generation_and_a_waiting_request_survives_a_kill(deo:
     deo.replays()
 
 
-def test_a_restart_with_other_arbiter_gpus_is_refused(deo: Deo) -> None:
+def test_a_restart_with_other_arbiter_gpus_is_refused_and_another_order_is_not(
+    deo: Deo,
+) -> None:
+    deo.start()
+    assert deo.status()["gpus"] == GPUS
+    assert deo.stop() == 0
+    deo.write_config(list(reversed(GPUS)))  # the same GPUs in another order: the log's stay
     deo.start()
     assert deo.status()["gpus"] == GPUS
     assert deo.stop() == 0
