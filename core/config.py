@@ -20,6 +20,7 @@ from core.convert import str_set, str_tuple
 from core.errors import ConfigError
 
 __all__ = [
+    "node_of",
     "ARGV_PLACEHOLDERS",
     "AUTO",
     "ENGINES",
@@ -515,3 +516,10 @@ class Config:
             if pool.name == name:
                 return pool
         return None
+
+
+def node_of(gpu_id: str) -> str:
+    """The node a GPU id names: the part before the last ':' of a node-qualified id
+    (``NODE:INDEX``), "" for a local id (an index or a UUID: all on deo's own machine)."""
+    node, _, _ = gpu_id.rpartition(":")
+    return node

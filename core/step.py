@@ -17,7 +17,7 @@ from core import commands as c
 from core import drains, engines
 from core import events as e
 from core.arbiter.engines import follow_ranks
-from core.config import AUTO, VLLM_DEV_MODE_ENV, CrashLoopRules, PoolSpec
+from core.config import AUTO, VLLM_DEV_MODE_ENV, CrashLoopRules, PoolSpec, node_of
 from core.errors import UnknownSubject
 from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
 from core.policies import BUILT_INS, Policy, PolicyCatalog, PolicyContext
@@ -29,7 +29,6 @@ __all__ = [
     "STALL_FACTOR",
     "STARTING_STATES",
     "Step",
-    "node_of",
     "retry_order",
     "take_gpus",
     "unobserved_s",
@@ -60,13 +59,6 @@ def retry_order(
     """Failed slots (failure time, failures in a row) in the order their replacements may
     start: the earliest first, the most failed first among equals."""
     return tuple(sorted(retries, key=lambda r: (r[0] + rules.backoff_s(r[1]), -r[1])))
-
-
-def node_of(gpu_id: str) -> str:
-    """The node a GPU id names: the part before the last ':' of a node-qualified id
-    (``NODE:INDEX``), "" for a local id (an index or a UUID: all on deo's own machine)."""
-    node, _, _ = gpu_id.rpartition(":")
-    return node
 
 
 def take_gpus(free: list[str], count: int) -> tuple[str, ...] | None:

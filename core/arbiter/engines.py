@@ -22,21 +22,40 @@ generation held waits for the engines there to be asleep or gone (``deo run``'s 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from core import engines
 from core.arbiter.model import Cluster
 from core.lifecycle import WorkerState
 from core.records import replace
-from core.state import PoolState, Worker
+from core.state import PoolState, State, Worker
 from core.vocabulary import AlertName, StopCause
-
-if TYPE_CHECKING:
-    from core.step import Step
 
 __all__ = ["AWAKE_OR_WAKING", "follow_ranks", "rank_engines", "stop_engines", "stop_outsiders"]
 
 S = WorkerState
+
+
+class RankStep(engines.EngineStep, Protocol):
+    """What the rank rules use of a reducer step (:class:`core.step.Step` provides it): the
+    engine rules' view, the state the step began from, spawning and crash-loop bookkeeping."""
+
+    base: State
+
+    def spawn(
+        self,
+        pool: PoolState,
+        index: int,
+        gpus: tuple[str, ...],
+        port: int | None,
+        attempt: int,
+        why: str,
+    ) -> None: ...
+    def with_retries(
+        self, pool: PoolState, retries: tuple[tuple[float, int], ...]
+    ) -> PoolState: ...
+
+
 #: Engines that hold (or are taking) their GPUs' memory.
 AWAKE_OR_WAKING = frozenset(
     {S.REQUESTED, S.STARTING, S.ACTIVE, S.WAKING, S.GOING_TO_SLEEP, S.FALLING_ASLEEP}
@@ -62,7 +81,7 @@ def rank_engines(workers: list[Worker], cluster: Cluster) -> tuple[dict[int, Wor
     return found, strays
 
 
-def stop_engines(step: Step, pool: str, why: str) -> None:
+def stop_engines(step: RankStep, pool: str, why: str) -> None:
     """Stop every engine of ``pool`` that is not on its way out already: the cluster it ran
     left (its pipeline unregistered), and the arbiter may give those GPUs to anyone now."""
     for worker in sorted(step.workers.values(), key=lambda w: w.index):
@@ -70,7 +89,7 @@ def stop_engines(step: Step, pool: str, why: str) -> None:
             step.terminate(worker, StopCause.SCALE_DOWN, f"{why}: stopping {worker.worker_id}")
 
 
-def stop_outsiders(step: Step, bound: Mapping[str, object]) -> None:
+def stop_outsiders(step: RankStep, bound: Mapping[str, object]) -> None:
     """Stop every worker on the arbiter's GPUs of a pool no cluster of the arbiter runs
     (``bound``: the pools that do): those GPUs are its clusters' alone, and a training
     cluster's hold is no deo worker that would keep them free."""
@@ -84,7 +103,7 @@ def stop_outsiders(step: Step, bound: Mapping[str, object]) -> None:
 
 
 def follow_ranks(
-    step: Step, pool: PoolState, pipeline: str, cluster: Cluster, free: list[str]
+    step: RankStep, pool: PoolState, pipeline: str, cluster: Cluster, free: list[str]
 ) -> None:
     """Bring ``pool``'s engines in line with ``cluster``'s active ranks; an engine is started
     only on a bundle whose GPUs are all in ``free`` (reconcile's list: held by no live worker,
@@ -117,7 +136,7 @@ def follow_ranks(
 
 
 def _start_engines(
-    step: Step,
+    step: RankStep,
     pool: PoolState,
     who: str,
     ranks: list[tuple[int, tuple[str, ...]]],

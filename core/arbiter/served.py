@@ -15,11 +15,10 @@ from core import events as e
 from core.arbiter import events as ae
 from core.arbiter.model import ArbiterState, ClusterSpec
 from core.arbiter.reducer import reduce_arbiter
-from core.config import PoolSpec
+from core.config import PoolSpec, node_of
 from core.errors import Refused, UnknownSubject
 from core.records import replace
 from core.state import State
-from core.step import node_of
 from core.vocabulary import AlertName
 
 __all__ = [

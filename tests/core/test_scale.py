@@ -21,7 +21,8 @@ from core import (
     WorkerExited,
     WorkerStarted,
 )
-from core.step import node_of, take_gpus
+from core.config import node_of
+from core.step import take_gpus
 
 GB = 1 << 30
 
