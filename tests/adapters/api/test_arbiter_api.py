@@ -395,15 +395,19 @@ async def test_the_client_waits_through_long_polls(tmp_path: Path) -> None:
         b.close()
 
 
-class _BrokenPlanner(GapRatioPlanner):
-    """Wakes every generation rank whatever holds its GPUs: a plan that breaks invariant 10."""
+@attrs.frozen(slots=True)
+class _WakingPlanner(GapRatioPlanner):
+    """Wakes every rank of every generation cluster (only those with a request, if
+    ``requested_only``), whatever holds its GPUs: a plan that breaks invariant 10."""
+
+    requested_only: bool = attrs.field(kw_only=True)
 
     def plan(self, state: Any) -> Plan:
         plan = super().plan(state)
         wakes = [
             RankOp(pipeline=p, cluster=c.spec.name, ranks=tuple(range(c.spec.ranks)), reason="x")
             for p, c in state.clusters()
-            if c.spec.is_generation and c.request is not None
+            if c.spec.is_generation and (c.request is not None or not self.requested_only)
         ]
         return attrs.evolve(plan, expands=tuple(wakes)) if wakes else plan
 
@@ -415,7 +419,9 @@ async def test_a_refused_plan_executes_nothing_and_raises_the_alert(
     async with running(tmp_path) as h:
         await h.post("/v1/arbiter/pipelines", pipeline_body("p", ["0", "1"], GPUS))
         await h.post("/v1/arbiter/pipelines/p/clusters/train/request", {"priority": 1})
-        monkeypatch.setattr(arbiter_reducer, "planner_for", lambda settings: _BrokenPlanner())
+        monkeypatch.setattr(
+            arbiter_reducer, "planner_for", lambda settings: _WakingPlanner(requested_only=True)
+        )
         before = list(h.executor.commands)
         answer = await h.post(
             "/v1/arbiter/pipelines/p/clusters/gen/request",
@@ -520,19 +526,6 @@ async def test_writes_before_the_gpus_are_declared_are_answered_503(tmp_path: Pa
         assert (await h.post("/v1/arbiter/pipelines", pipeline_body("p", ["0"], GPUS))).is_success
 
 
-class _WakeAllPlanner(GapRatioPlanner):
-    """Wakes every rank of every generation cluster, whatever holds its GPUs."""
-
-    def plan(self, state: Any) -> Plan:
-        plan = super().plan(state)
-        wakes = [
-            RankOp(pipeline=p, cluster=c.spec.name, ranks=tuple(range(c.spec.ranks)), reason="x")
-            for p, c in state.clusters()
-            if c.spec.is_generation
-        ]
-        return attrs.evolve(plan, expands=tuple(wakes))
-
-
 @pytest.mark.anyio
 async def test_a_release_whose_plan_is_refused_is_answered_409_and_keeps_the_gpus(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -545,7 +538,9 @@ async def test_a_release_whose_plan_is_refused_is_answered_409_and_keeps_the_gpu
         for pipeline in ("p", "q"):
             held = await h.post(f"{url}/{pipeline}/clusters/train/request", {"priority": 1})
             assert held.status_code == 200
-        monkeypatch.setattr(arbiter_reducer, "planner_for", lambda settings: _WakeAllPlanner())
+        monkeypatch.setattr(
+            arbiter_reducer, "planner_for", lambda settings: _WakingPlanner(requested_only=False)
+        )
         release = await h.post(f"{url}/q/clusters/train/release")
         assert release.status_code == 409, release.text
         assert "q/train: nothing was done" in release.json()["error"]
