@@ -3,7 +3,6 @@ the training loop's client (deo_worker.arbiter_client) against it; the log repla
 
 from __future__ import annotations
 
-import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,10 +13,11 @@ import attrs
 import httpx
 import orjson
 import pytest
+from api_serving import ManualClock, RecordingExecutor, serve_on_free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.api import arbiter as arbiter_api
-from adapters.api.app import build_app, serve
+from adapters.api.app import build_app
 from adapters.api.client import arbiter_lines
 from adapters.log import EventLog, LogProblem
 from adapters.postmortem.engine import replay
@@ -25,7 +25,6 @@ from adapters.runtime.arbiter import ArbiterBoard
 from adapters.runtime.engines import FanOut
 from adapters.runtime.runner import Runner
 from core import (
-    Command,
     Config,
     Configured,
     EngineAsleep,
@@ -56,27 +55,11 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t_s = 0.0
-
-    def __call__(self) -> float:
-        return self.t_s
-
-
-class RecordingExecutor:
-    def __init__(self) -> None:
-        self.commands: list[Command] = []
-
-    async def execute(self, command: Command) -> None:
-        self.commands.append(command)
-
-
 @attrs.define
 class Harness:
     client: httpx.AsyncClient
     runner: Runner
-    clock: Clock
+    clock: ManualClock
     executor: RecordingExecutor
     log_path: Path
     url: str
@@ -95,7 +78,7 @@ async def running(
 ) -> AsyncIterator[Harness]:
     log_path = tmp_path / "deo.jsonl"
     log, _ = EventLog.open(log_path, fsync=False)
-    clock = Clock()
+    clock = ManualClock()
     executor = RecordingExecutor()
     board = ArbiterBoard(configured=True)
     reducer = Reducer(check_invariants=True)
@@ -108,22 +91,12 @@ async def running(
         on_handled=board.handled,
     )
     app = build_app(runner, token=TOKEN, worker_secret="worker-secret", arbiter=board)
-    ports: list[int] = []
-    listening = anyio.Event()
-
-    def started(port: int) -> None:
-        ports.append(port)
-        listening.set()
-
     async with anyio.create_task_group() as tg:
         tg.start_soon(runner.run)
         await runner.submit(Configured(t=0.0, config=Config(gpus=GPUS, pools=pools)))
         if declare:
             await runner.submit(ArbiterGpusDeclared(t=0.0, gpus=GPUS))
-        tg.start_soon(functools.partial(serve, app, port=0, started=started))
-        with anyio.fail_after(10):
-            await listening.wait()
-        url = f"http://127.0.0.1:{ports[0]}"
+        url = f"http://127.0.0.1:{await serve_on_free_port(tg, app)}"
         async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
             yield Harness(client, runner, clock, executor, log_path, url)
         tg.cancel_scope.cancel()
