@@ -29,17 +29,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
+from bench.polling import rss_bytes, wait_until
 from bench.ports import reserve_port, reserve_port_range
 from deo_worker.arbiter_client import ArbiterClient, Cluster
 
 TOKEN = "arbiter-bench-token"
-T = TypeVar("T")
 HEALTHY = {
     "memory_used_bytes": 2**30,
     "memory_total_bytes": 80 * 2**30,
@@ -47,26 +46,6 @@ HEALTHY = {
     "throttle_reasons": [],
     "errors_total": 0,
 }
-
-
-def _wait(what: str, check: Callable[[], T | None], timeout_s: float = 300.0) -> T:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except httpx.HTTPError:
-            value = None
-        if value:
-            return value
-        time.sleep(0.02)
-    raise SystemExit(f"timed out waiting for {what}")
-
-
-def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def _config(workdir: Path, args: argparse.Namespace, port: int, gpus: list[str]) -> Path:
@@ -135,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         pids: list[int] = []
         try:
-            _wait(
+            wait_until(
                 "deo's arbiter",
                 lambda: "arbiter" in httpx.get(f"{url}/global-status", timeout=5).json(),
             )
@@ -160,22 +139,22 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 return found if awake else None
 
-            engines = _wait("every engine awake", all_awake)
+            engines = wait_until("every engine awake", all_awake)
             pids = [w["pid"] for w in engines.values()]
             print(f"first generation grant (cold start of {args.engines} engines): {first_s:.2f}s")
             preempt_s: list[float] = []
             wake_s: list[float] = []
             freed: list[int] = []
             for round_ in range(args.rounds):
-                before = {g: _rss_bytes(engines[g]["pid"]) for g in half}
+                before = {g: rss_bytes(engines[g]["pid"]) for g in half}
                 started = time.monotonic()
                 train.request("train", "ACTOR_TRAINING", deadline_s=300)
                 preempt_s.append(time.monotonic() - started)
-                after = {g: _rss_bytes(engines[g]["pid"]) for g in half}
+                after = {g: rss_bytes(engines[g]["pid"]) for g in half}
                 freed.append(min(before[g] - after[g] for g in half))
                 started = time.monotonic()
                 train.release("train")
-                _wait("every engine awake again", all_awake)
+                wait_until("every engine awake again", all_awake)
                 wake_s.append(time.monotonic() - started)
                 print(
                     f"round {round_ + 1}: preempt {preempt_s[-1]:.2f}s (each sleep freed "

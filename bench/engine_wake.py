@@ -24,37 +24,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
+from bench.polling import rss_bytes, wait_until
 from bench.ports import reserve_port_range
 
 TOKEN = "engine-wake-operator-token"
 OPERATOR = {"Authorization": f"Bearer {TOKEN}"}
-T = TypeVar("T")
-
-
-def _wait(what: str, check: Callable[[], T | None], timeout_s: float = 300.0) -> T:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except httpx.HTTPError:
-            value = None
-        if value:
-            return value
-        time.sleep(0.02)
-    raise SystemExit(f"timed out waiting for {what}")
-
-
-def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 class _Deo:
@@ -86,7 +65,7 @@ class _Deo:
                     return line.split("API on ", 1)[1].split()[0]
             return None
 
-        self.url = _wait("deo's API", api, 60)
+        self.url = wait_until("deo's API", api, 60)
 
     def workers(self) -> dict[str, dict[str, Any]]:
         body = httpx.get(f"{self.url}/v1/workers", timeout=30).json()
@@ -104,7 +83,7 @@ class _Deo:
             up = {w: v for w, v in workers.items() if v["state"] == "active"}
             return up if len(up) == count and len(workers) == count else None
 
-        return _wait(f"{count} active engine(s)", ready)
+        return wait_until(f"{count} active engine(s)", ready)
 
     def stop(self) -> None:
         httpx.post(f"{self.url}/v1/stop", json={"drain": True}, headers=OPERATOR, timeout=30)
@@ -137,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
                 workers = deo.workers()
                 newest = max(workers, key=lambda w: int(w.rsplit("-", 1)[1]))
                 pid = workers[newest]["pid"]
-                before = _rss_bytes(pid)
+                before = rss_bytes(pid)
                 deo.pin(1)
-                _wait("a sleeper", functools.partial(_sleeping, deo, newest))
-                freed.append(before - _rss_bytes(pid))
+                wait_until("a sleeper", functools.partial(_sleeping, deo, newest))
+                freed.append(before - rss_bytes(pid))
                 started = time.monotonic()
                 deo.pin(2)
                 woken = deo.active(2)
@@ -156,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             deo.active(2)
             for _ in range(args.rounds):
                 deo.pin(1)
-                _wait("one engine", lambda: len(deo.workers()) == 1 or None)
+                wait_until("one engine", lambda: len(deo.workers()) == 1 or None)
                 started = time.monotonic()
                 deo.pin(2)
                 deo.active(2)

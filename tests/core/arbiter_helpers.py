@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
+from core import PolicySpec, PoolSpec
 from core.arbiter import (
     ArbiterGpusDeclared,
     ArbiterReducer,
@@ -15,6 +17,26 @@ from core.arbiter import (
     Priority,
 )
 from core.commands import Command
+
+
+def engine_pool(**changes: Any) -> PoolSpec:
+    """An engine pool ``gen`` of vLLM engines, one GPU each, that starts none by itself (the
+    arbiter's generation clusters start them); ``changes`` set other fields."""
+    fields: dict[str, Any] = {
+        "name": "gen",
+        "kind": "engine",
+        "engine": "vllm",
+        "argv": ["serve", "--port", "{port}"],
+        "ports": (18000, 18003),
+        "gpus_per_worker": 1,
+        "max_workers": 2,
+        "max_asleep": 2,
+        "policy": PolicySpec(name="static", params={"count": 0}),
+        "drain_timeout_s": 30.0,
+        "control_timeout_s": 5.0,
+        "control_attempts": 2,
+    }
+    return PoolSpec(**{**fields, **changes})
 
 
 def gpus(n: int) -> tuple[str, ...]:

@@ -42,27 +42,10 @@ from core.arbiter import (
     RolloutOpened,
 )
 from core.vocabulary import AlertName
+from tests.core.arbiter_helpers import engine_pool
 
 S = WorkerState
 GPUS = ("0", "1")
-
-
-def engine_pool(**changes: Any) -> PoolSpec:
-    fields: dict[str, Any] = {
-        "name": "gen",
-        "kind": "engine",
-        "engine": "vllm",
-        "argv": ["serve", "--port", "{port}"],
-        "ports": (18000, 18003),
-        "gpus_per_worker": 1,
-        "max_workers": 2,
-        "max_asleep": 2,
-        "policy": PolicySpec(name="static", params={"count": 0}),
-        "drain_timeout_s": 30.0,
-        "control_timeout_s": 5.0,
-        "control_attempts": 2,
-    }
-    return PoolSpec(**{**fields, **changes})
 
 
 class Run:

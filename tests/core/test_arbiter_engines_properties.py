@@ -12,8 +12,6 @@ the reducer refuses changes nothing.
 
 from __future__ import annotations
 
-from typing import Any
-
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -54,6 +52,7 @@ from core.arbiter import (
 )
 from core.errors import DeoError, InvariantViolation
 from core.events import Event
+from tests.core.arbiter_helpers import engine_pool
 
 S = WorkerState
 ARBITER_GPUS = ("0", "1", "2", "3")
@@ -64,28 +63,10 @@ MAPPINGS = st.lists(st.sampled_from(ARBITER_GPUS), min_size=1, max_size=4, uniqu
 LEAVING = frozenset({S.STOPPING, S.KILLED, S.DRAINING})
 
 
-def engine_pool(name: str, first_port: int, **changes: Any) -> PoolSpec:
-    fields: dict[str, Any] = {
-        "name": name,
-        "kind": "engine",
-        "engine": "vllm",
-        "argv": ["serve", "--port", "{port}"],
-        "ports": (first_port, first_port + 7),
-        "gpus_per_worker": 1,
-        "max_workers": 4,
-        "max_asleep": 4,
-        "policy": PolicySpec(name="static", params={"count": 0}),
-        "drain_timeout_s": 5.0,
-        "control_timeout_s": 5.0,
-        "control_attempts": 2,
-    }
-    return PoolSpec(**{**fields, **changes})
-
-
 POOLS = [
-    engine_pool("gen", 18000),
+    engine_pool(ports=(18000, 18007), max_workers=4, max_asleep=4, drain_timeout_s=5.0),
     # Too small for a cluster of more than 2 ranks: registration must refuse those.
-    engine_pool("small", 18100, max_workers=2, max_asleep=2),
+    engine_pool(name="small", ports=(18100, 18107), drain_timeout_s=5.0),
     PoolSpec(
         name="w",
         argv=["w"],

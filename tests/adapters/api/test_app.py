@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import socket
 import subprocess
@@ -18,13 +17,13 @@ import anyio.abc
 import attrs
 import httpx
 import pytest
+from api_serving import ManualClock, RecordingExecutor, serve_on_free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.api.app import MAX_WORKER_ID_CHARS, build_app, serve, worker_token
 from adapters.log import EventLog
 from adapters.runtime.runner import Runner
 from core import (
-    Command,
     Config,
     Configured,
     PolicySpec,
@@ -47,24 +46,6 @@ WORKER = {"Authorization": f"Bearer {worker_token(WORKER_SECRET, 'envs-0')}"}
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-class ManualClock:
-    """The runner's clock, moved by the test so event times are known."""
-
-    def __init__(self) -> None:
-        self.t_s = 0.0
-
-    def __call__(self) -> float:
-        return self.t_s
-
-
-class RecordingExecutor:
-    def __init__(self) -> None:
-        self.commands: list[Command] = []
-
-    async def execute(self, command: Command) -> None:
-        self.commands.append(command)
 
 
 @attrs.define
@@ -120,22 +101,13 @@ async def running(tmp_path: Path, **app_options: Any) -> AsyncIterator[Harness]:
     runner = Runner(log, Reducer(), executor, clock=clock, tick_interval_s=3600.0)
     options: dict[str, Any] = {"max_body_bytes": MAX_BODY_BYTES, "min_worker_interval_s": 0.0}
     app = build_app(runner, token=TOKEN, worker_secret=WORKER_SECRET, **{**options, **app_options})
-    ports: list[int] = []
-    listening = anyio.Event()
-
-    def started(port: int) -> None:
-        ports.append(port)
-        listening.set()
-
     async with anyio.create_task_group() as tg:
         tg.start_soon(runner.run)
         await runner.submit(Configured(t=0.0, config=Config(pools=POOLS, gpus=["0", "1"])))
         # The default host: the loopback test below checks what that binds to.
-        tg.start_soon(functools.partial(serve, app, port=0, started=started))
-        with anyio.fail_after(10):
-            await listening.wait()
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports[0]}") as client:
-            yield Harness(client, runner, clock, executor, log_path, ports[0])
+        port = await serve_on_free_port(tg, app)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            yield Harness(client, runner, clock, executor, log_path, port)
         tg.cancel_scope.cancel()
     log.close()
 
@@ -817,24 +789,15 @@ async def test_a_write_while_deo_stops_is_a_503_and_logs_nothing(tmp_path: Path)
     log, _ = EventLog.open(log_path, fsync=False)
     runner = Runner(log, Reducer(), RecordingExecutor(), clock=ManualClock(), tick_interval_s=3600)
     app = build_app(runner, token=TOKEN, worker_secret=WORKER_SECRET)
-    ports: list[int] = []
-    listening = anyio.Event()
-
-    def started(port: int) -> None:
-        ports.append(port)
-        listening.set()
-
     async with anyio.create_task_group() as tg:
         async with anyio.create_task_group() as loop:
             loop.start_soon(runner.run)
             await runner.submit(Configured(t=0.0, config=Config(pools=POOLS, gpus=["0"])))
             loop.cancel_scope.cancel()  # the runner stops; the server below still answers
-        tg.start_soon(functools.partial(serve, app, port=0, started=started))
-        with anyio.fail_after(10):
-            await listening.wait()
+        port = await serve_on_free_port(tg, app)
         log.flush()
         before = log_path.read_bytes()
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports[0]}") as client:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
             response = await client.post("/v1/pools/envs/pin", json={"count": 1}, headers=OPERATOR)
         assert response.status_code == 503
         assert response.json() == {"error": "deo is stopping"}
@@ -892,21 +855,11 @@ async def guarded(tmp_path: Path, **serve_options: Any) -> AsyncIterator[int]:
     log, _ = EventLog.open(tmp_path / "deo.jsonl", fsync=False)
     runner = Runner(log, Reducer(), RecordingExecutor(), clock=ManualClock(), tick_interval_s=3600)
     app = build_app(runner, token=TOKEN, worker_secret=WORKER_SECRET)
-    ports: list[int] = []
-    listening = anyio.Event()
-
-    def started(port: int) -> None:
-        ports.append(port)
-        listening.set()
-
     with log:
         async with anyio.create_task_group() as tg:
             tg.start_soon(runner.run)
             await runner.submit(Configured(t=0.0, config=Config(pools=POOLS, gpus=["0"])))
-            tg.start_soon(functools.partial(serve, app, port=0, started=started, **serve_options))
-            with anyio.fail_after(10):
-                await listening.wait()
-            yield ports[0]
+            yield await serve_on_free_port(tg, app, **serve_options)
             tg.cancel_scope.cancel()
 
 

@@ -3,7 +3,6 @@ the training loop's client (deo_worker.arbiter_client) against it; the log repla
 
 from __future__ import annotations
 
-import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,10 +13,11 @@ import attrs
 import httpx
 import orjson
 import pytest
+from api_serving import ManualClock, RecordingExecutor, serve_on_free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.api import arbiter as arbiter_api
-from adapters.api.app import build_app, serve
+from adapters.api.app import build_app
 from adapters.api.client import arbiter_lines
 from adapters.log import EventLog, LogProblem
 from adapters.postmortem.engine import replay
@@ -25,7 +25,6 @@ from adapters.runtime.arbiter import ArbiterBoard
 from adapters.runtime.engines import FanOut
 from adapters.runtime.runner import Runner
 from core import (
-    Command,
     Config,
     Configured,
     EngineAsleep,
@@ -56,27 +55,11 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t_s = 0.0
-
-    def __call__(self) -> float:
-        return self.t_s
-
-
-class RecordingExecutor:
-    def __init__(self) -> None:
-        self.commands: list[Command] = []
-
-    async def execute(self, command: Command) -> None:
-        self.commands.append(command)
-
-
 @attrs.define
 class Harness:
     client: httpx.AsyncClient
     runner: Runner
-    clock: Clock
+    clock: ManualClock
     executor: RecordingExecutor
     log_path: Path
     url: str
@@ -95,7 +78,7 @@ async def running(
 ) -> AsyncIterator[Harness]:
     log_path = tmp_path / "deo.jsonl"
     log, _ = EventLog.open(log_path, fsync=False)
-    clock = Clock()
+    clock = ManualClock()
     executor = RecordingExecutor()
     board = ArbiterBoard(configured=True)
     reducer = Reducer(check_invariants=True)
@@ -108,22 +91,12 @@ async def running(
         on_handled=board.handled,
     )
     app = build_app(runner, token=TOKEN, worker_secret="worker-secret", arbiter=board)
-    ports: list[int] = []
-    listening = anyio.Event()
-
-    def started(port: int) -> None:
-        ports.append(port)
-        listening.set()
-
     async with anyio.create_task_group() as tg:
         tg.start_soon(runner.run)
         await runner.submit(Configured(t=0.0, config=Config(gpus=GPUS, pools=pools)))
         if declare:
             await runner.submit(ArbiterGpusDeclared(t=0.0, gpus=GPUS))
-        tg.start_soon(functools.partial(serve, app, port=0, started=started))
-        with anyio.fail_after(10):
-            await listening.wait()
-        url = f"http://127.0.0.1:{ports[0]}"
+        url = f"http://127.0.0.1:{await serve_on_free_port(tg, app)}"
         async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
             yield Harness(client, runner, clock, executor, log_path, url)
         tg.cancel_scope.cancel()
@@ -395,15 +368,19 @@ async def test_the_client_waits_through_long_polls(tmp_path: Path) -> None:
         b.close()
 
 
-class _BrokenPlanner(GapRatioPlanner):
-    """Wakes every generation rank whatever holds its GPUs: a plan that breaks invariant 10."""
+@attrs.frozen(slots=True)
+class _WakingPlanner(GapRatioPlanner):
+    """Wakes every rank of every generation cluster (only those with a request, if
+    ``requested_only``), whatever holds its GPUs: a plan that breaks invariant 10."""
+
+    requested_only: bool = attrs.field(kw_only=True)
 
     def plan(self, state: Any) -> Plan:
         plan = super().plan(state)
         wakes = [
             RankOp(pipeline=p, cluster=c.spec.name, ranks=tuple(range(c.spec.ranks)), reason="x")
             for p, c in state.clusters()
-            if c.spec.is_generation and c.request is not None
+            if c.spec.is_generation and (c.request is not None or not self.requested_only)
         ]
         return attrs.evolve(plan, expands=tuple(wakes)) if wakes else plan
 
@@ -415,7 +392,9 @@ async def test_a_refused_plan_executes_nothing_and_raises_the_alert(
     async with running(tmp_path) as h:
         await h.post("/v1/arbiter/pipelines", pipeline_body("p", ["0", "1"], GPUS))
         await h.post("/v1/arbiter/pipelines/p/clusters/train/request", {"priority": 1})
-        monkeypatch.setattr(arbiter_reducer, "planner_for", lambda settings: _BrokenPlanner())
+        monkeypatch.setattr(
+            arbiter_reducer, "planner_for", lambda settings: _WakingPlanner(requested_only=True)
+        )
         before = list(h.executor.commands)
         answer = await h.post(
             "/v1/arbiter/pipelines/p/clusters/gen/request",
@@ -520,19 +499,6 @@ async def test_writes_before_the_gpus_are_declared_are_answered_503(tmp_path: Pa
         assert (await h.post("/v1/arbiter/pipelines", pipeline_body("p", ["0"], GPUS))).is_success
 
 
-class _WakeAllPlanner(GapRatioPlanner):
-    """Wakes every rank of every generation cluster, whatever holds its GPUs."""
-
-    def plan(self, state: Any) -> Plan:
-        plan = super().plan(state)
-        wakes = [
-            RankOp(pipeline=p, cluster=c.spec.name, ranks=tuple(range(c.spec.ranks)), reason="x")
-            for p, c in state.clusters()
-            if c.spec.is_generation
-        ]
-        return attrs.evolve(plan, expands=tuple(wakes))
-
-
 @pytest.mark.anyio
 async def test_a_release_whose_plan_is_refused_is_answered_409_and_keeps_the_gpus(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -545,7 +511,9 @@ async def test_a_release_whose_plan_is_refused_is_answered_409_and_keeps_the_gpu
         for pipeline in ("p", "q"):
             held = await h.post(f"{url}/{pipeline}/clusters/train/request", {"priority": 1})
             assert held.status_code == 200
-        monkeypatch.setattr(arbiter_reducer, "planner_for", lambda settings: _WakeAllPlanner())
+        monkeypatch.setattr(
+            arbiter_reducer, "planner_for", lambda settings: _WakingPlanner(requested_only=False)
+        )
         release = await h.post(f"{url}/q/clusters/train/release")
         assert release.status_code == 409, release.text
         assert "q/train: nothing was done" in release.json()["error"]

@@ -10,32 +10,23 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
+from arbiter_deo import GPUS, ArbiterDeo
 from waiting import wait_for
 
-from bench.ports import reserve_port, reserve_port_range
+from bench.ports import reserve_port_range
 from deo_worker.arbiter_client import ArbiterClient, Cluster, Grant
 
 TOKEN = "arbiter-engines-token"
-GPUS = ["0", "1", "2", "3"]
 MEMORY_MIB = 64
 #: How late each stand-in answers a sleep or wake call: how long an engine is falling_asleep.
 CONTROL_DELAY_S = 5.0
-HEALTHY = {
-    "memory_used_bytes": 2**30,
-    "memory_total_bytes": 80 * 2**30,
-    "temperature_c": 45,
-    "throttle_reasons": [],
-    "errors_total": 0,
-}
 
 
 def rss_bytes(pid: int) -> int:
@@ -45,34 +36,18 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError(f"no VmRSS for pid {pid}")
 
 
-class Deo:
+class Deo(ArbiterDeo):
+    """``deo run`` whose engine pool ``gen`` starts a stand-in engine per GPU, each answering
+    sleep and wake calls CONTROL_DELAY_S late."""
+
     def __init__(self, tmp_path: Path) -> None:
-        self.dir = tmp_path
-        self.log = tmp_path / "run.jsonl"
-        (tmp_path / "gpus.json").write_text(json.dumps({g: HEALTHY for g in GPUS}))
-        self.port = reserve_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         first = reserve_port_range(8).first
         argv = [sys.executable, "-m", "deo_worker.engine_standin", "--port", "{port}"]
         argv += ["--engine", "vllm", "--memory-mib", str(MEMORY_MIB), "--startup-s", "0.5"]
         # Every sleep and wake call answers CONTROL_DELAY_S late, so an engine stays
         # falling_asleep long enough for the test to see it and kill deo there.
         argv += ["--control-delay-s", str(CONTROL_DELAY_S)]
-        (tmp_path / "deo.toml").write_text(
-            f"""
-[deo]
-log = "run.jsonl"
-tick_interval_s = 0.2
-gpus = {json.dumps(GPUS)}
-[api]
-port = {self.port}
-[nvml]
-backend = "file"
-file = "gpus.json"
-interval_s = 0.5
-[arbiter]
-gpus = {json.dumps(GPUS)}
-[pools.gen]
+        pools = f"""[pools.gen]
 kind = "engine"
 engine = "vllm"
 argv = {json.dumps(argv)}
@@ -89,33 +64,7 @@ stop_timeout_s = 2.0
 name = "static"
 count = 0
 """
-        )
-        self.output = tmp_path / "deo.out"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def starts(self) -> int:
-        if not self.output.exists():
-            return 0
-        return len(re.findall(r"API on http://", self.output.read_text()))
-
-    def start(self, *, expect_arbiter: bool = True) -> None:
-        before = self.starts()
-        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "adapters.cli", "run", "--config", str(self.dir / "deo.toml")],
-            cwd=self.dir,
-            env={**env, "DEO_TOKEN": TOKEN},
-            stdout=self.output.open("ab"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        wait_for("the API", lambda: self.starts() > before)
-        if expect_arbiter:  # the API answers before deo has declared the arbiter's GPUs
-            wait_for("the arbiter", self.serves_arbiter, retry_on=(httpx.HTTPError,))
-
-    def serves_arbiter(self) -> bool:
-        status = httpx.get(f"{self.url}/global-status", timeout=5).json()
-        return "arbiter" in status
+        super().__init__(tmp_path, TOKEN, extra_config=pools)
 
     def workers(self) -> dict[str, dict[str, Any]]:
         body = httpx.get(f"{self.url}/v1/workers", timeout=10).json()
@@ -184,9 +133,7 @@ def test_training_preempts_engines_and_a_kill_mid_preemption_loses_nothing(
             "an engine on 2 or 3 falling asleep",
             lambda: "falling_asleep" in {deo.on_gpu()[g]["state"] for g in ("2", "3")},
         )
-        assert deo.process is not None
-        deo.process.send_signal(signal.SIGKILL)
-        deo.process.wait(timeout=20)
+        deo.kill()
         deo.start()
         waiter.join(timeout=120)
         assert answer and isinstance(answer[0], Grant), answer
@@ -218,18 +165,12 @@ def test_training_preempts_engines_and_a_kill_mid_preemption_loses_nothing(
             timeout=10,
         )
         assert stop.status_code == 200
+        assert deo.process is not None
         assert deo.process.wait(timeout=60) == 0
-        proc = subprocess.run(
-            [sys.executable, "-m", "adapters.cli", "replay", "-q", str(deo.log)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        deo.replays()
     finally:
         if deo.process is not None and deo.process.poll() is None:
-            deo.process.send_signal(signal.SIGKILL)
-            deo.process.wait(timeout=20)
+            deo.kill()
         for pid in pids:  # the engines this test had deo start, if any outlived it
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,128 @@
+"""``deo run`` serving the GPU arbiter, as a real process for end-to-end tests: its GPUs' health
+comes from the NVML file backend (no GPUs needed), its API listens on a fixed port (a restart
+keeps its address, so a client's retries reach it again) and its output is appended to one file
+across restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+from waiting import wait_for
+
+from bench.ports import reserve_port
+
+GPUS = ["0", "1", "2", "3"]
+HEALTHY = {
+    "memory_used_bytes": 2**30,
+    "memory_total_bytes": 80 * 2**30,
+    "temperature_c": 45,
+    "throttle_reasons": [],
+    "errors_total": 0,
+}
+
+
+class ArbiterDeo:
+    """``deo run`` with ``GPUS``, all healthy, of which ``arbiter_gpus`` are the arbiter's;
+    ``extra_config`` is TOML appended to its config (pools, planner settings)."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        token: str,
+        arbiter_gpus: list[str] = GPUS,
+        extra_config: str = "",
+    ) -> None:
+        self.dir = tmp_path
+        self.token = token
+        self.log = tmp_path / "run.jsonl"
+        (tmp_path / "gpus.json").write_text(json.dumps({g: HEALTHY for g in GPUS}))
+        self.port = reserve_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = tmp_path / "deo.toml"
+        self.write_config(arbiter_gpus, extra_config)
+        self.output = tmp_path / "deo.out"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def write_config(self, arbiter_gpus: list[str], extra_config: str = "") -> None:
+        """Write deo's config, for the next start."""
+        self.config.write_text(
+            f"""
+[deo]
+log = "run.jsonl"
+tick_interval_s = 0.2
+gpus = {json.dumps(GPUS)}
+[api]
+port = {self.port}
+[nvml]
+backend = "file"
+file = "gpus.json"
+interval_s = 0.5
+[arbiter]
+gpus = {json.dumps(arbiter_gpus)}
+"""
+            + extra_config
+        )
+
+    def start(self, *, expect_arbiter: bool = True) -> None:
+        """Start deo and wait until its API answers (and serves the arbiter, if expected)."""
+        before = self.starts()
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "adapters.cli", "run", "--config", str(self.config)],
+            cwd=self.dir,
+            env={**env, "DEO_TOKEN": self.token},
+            stdout=self.output.open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        wait_for("the API", lambda: self.starts() > before)
+        if expect_arbiter:  # the API answers before deo has declared the arbiter's GPUs
+            wait_for("the arbiter", self.serves_arbiter, retry_on=(httpx.HTTPError,))
+
+    def serves_arbiter(self) -> bool:
+        """Whether deo's global status has an arbiter section yet."""
+        status = httpx.get(f"{self.url}/global-status", timeout=5).json()
+        return "arbiter" in status
+
+    def starts(self) -> int:
+        """How many times deo said where its API is (restarts append to the same output)."""
+        if not self.output.exists():
+            return 0
+        return len(re.findall(r"API on http://", self.output.read_text()))
+
+    def status(self) -> dict[str, Any]:
+        """The arbiter section of deo's global status."""
+        arbiter: dict[str, Any] = httpx.get(f"{self.url}/global-status", timeout=5).json()[
+            "arbiter"
+        ]
+        return arbiter
+
+    def kill(self) -> None:
+        """SIGKILL deo and wait for it."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=20)
+
+    def stop(self) -> int:
+        """SIGTERM deo; its exit status."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=30)
+
+    def replays(self) -> None:
+        """``deo replay`` of the log succeeds."""
+        proc = subprocess.run(
+            [sys.executable, "-m", "adapters.cli", "replay", "-q", str(self.log)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
