@@ -4,7 +4,8 @@ cluster's nodes, tests/conftest.py). Pipeline p1's generation cluster (tensor pa
 on node a's two GPUs, rank 1 on node b's) is run by an engine pool of stand-in engines, each in
 its actor on the node of its bundle; p2's training loop (deo_worker.arbiter_client) asks for node
 b's GPUs. Its grant comes back only once the engine there has confirmed its sleep (its memory
-freed, its process kept); the release wakes it again; ``deo replay`` verifies the log.
+freed, its process kept); the release wakes it again; ``deo replay`` verifies the log. A
+generation cluster whose rank bundles span nodes is refused at registration.
 
 Engines bind 127.0.0.1 on a port block claimed for this process (``bench.ports``) and deo's API
 is on a port the kernel picks, so two suites can run on one machine at once.
@@ -17,13 +18,14 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 from test_ray import RayCluster, cluster, ray_deo
 from test_ray_engines import MEMORY_MIB, argv_of, environ_of, rss_bytes, standin
 from test_run import TOKEN, Deo, pool, verified
 from waiting import wait_for
 
 from bench.ports import reserve_port_range
-from deo_worker.arbiter_client import ArbiterClient, Cluster
+from deo_worker.arbiter_client import ArbiterClient, ArbiterError, Cluster
 
 __all__ = ["cluster", "ray_deo"]  # the fixtures, used by name
 
@@ -88,6 +90,11 @@ def test_training_preempts_engines_on_its_node_and_generation_comes_back_over_ra
         ArbiterClient(d.url, TOKEN, pipeline="p1", poll_s=2.0) as p1,
         ArbiterClient(d.url, TOKEN, pipeline="p2", poll_s=2.0) as p2,
     ):
+        # A rank's bundle on two nodes could never be one engine: refused, nothing registered.
+        across = ["a:1", "b:0", "a:0", "b:1"]
+        with pytest.raises(ArbiterError, match=r"span nodes") as refused:
+            p1.register([Cluster("gen", "GENERATION", across, tp_size=2, engine_pool="gen")])
+        assert refused.value.status == 409, refused.value
         p1.register([Cluster("gen", "GENERATION", GPUS, tp_size=2, engine_pool="gen")])
         p2.register([Cluster("train", "ACTOR_TRAINING", ["b:0", "b:1"])])
         p1.open_rollout()
