@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -185,23 +184,29 @@ def gpus_of(d: Deo) -> dict[str, list[str]]:
     return {w["id"]: w["gpus"] for w in d.workers("active")}
 
 
-def test_workers_run_on_the_nodes_of_their_gpus_drain_and_are_adopted_after_kill_9(
-    ray_deo: Callable[[str, list[str]], Deo], cluster: RayCluster, tmp_path: Path
-) -> None:
+def recorder_pool(
+    tmp_path: Path, name: str, *, max_workers: int, gpus_per_worker: int, count: int
+) -> tuple[str, Path]:
+    """A static pool of workers that record their environment (``recorded``), and where."""
     seen_dir = tmp_path / "seen"
     seen_dir.mkdir()
     worker = script(tmp_path, "recorder.py", RECORDER)
-    d = ray_deo(
-        pool(
-            "gen",
-            [sys.executable, worker, str(seen_dir)],
-            min_workers=0,
-            max_workers=4,
-            gpus_per_worker=1,
-            policy='name = "static"\ncount = 3',
-        ),
-        ["a:0", "b:0", "a:1", "b:1"],
+    config = pool(
+        name,
+        [sys.executable, worker, str(seen_dir)],
+        min_workers=0,
+        max_workers=max_workers,
+        gpus_per_worker=gpus_per_worker,
+        policy=f'name = "static"\ncount = {count}',
     )
+    return config, seen_dir
+
+
+def test_workers_run_on_the_nodes_of_their_gpus_drain_and_are_adopted_after_kill_9(
+    ray_deo: Callable[[str, list[str]], Deo], cluster: RayCluster, tmp_path: Path
+) -> None:
+    config, seen_dir = recorder_pool(tmp_path, "gen", max_workers=4, gpus_per_worker=1, count=3)
+    d = ray_deo(config, ["a:0", "b:0", "a:1", "b:1"])
     d.start()
     namespace = default_namespace(d.log)
     nodes = cluster.node_ids()
@@ -261,20 +266,8 @@ def test_workers_run_on_the_nodes_of_their_gpus_drain_and_are_adopted_after_kill
 def test_a_lost_node_loses_its_gpus_and_workers_and_replacements_go_elsewhere(
     ray_deo: Callable[[str, list[str]], Deo], cluster: RayCluster, tmp_path: Path
 ) -> None:
-    seen_dir = tmp_path / "seen"
-    seen_dir.mkdir()
-    worker = script(tmp_path, "recorder.py", RECORDER)
-    d = ray_deo(
-        pool(
-            "gen",
-            [sys.executable, worker, str(seen_dir)],
-            min_workers=0,
-            max_workers=2,
-            gpus_per_worker=1,
-            policy='name = "static"\ncount = 2',
-        ),
-        ["a:0", "c:0", "a:1", "c:1"],
-    )
+    config, seen_dir = recorder_pool(tmp_path, "gen", max_workers=2, gpus_per_worker=1, count=2)
+    d = ray_deo(config, ["a:0", "c:0", "a:1", "c:1"])
     # A node of this test's own: the nodes the other tests use stay.
     cluster.add_node("c")
     try:
@@ -327,8 +320,7 @@ def test_a_worker_ignoring_the_drain_is_terminated_then_killed_over_ray(
     )
     d.start()
     [worker] = wait_for("the worker", lambda: d.workers("active"))
-    log = d.dir / "deo-workers" / f"{worker['id']}.log"
-    child = int(wait_for("its child", lambda: re.search(r"child (\d+)", log.read_text())).group(1))
+    child = d.logged_child(worker)
     assert d.post("/v1/pools/envs/pin", {"count": 0}).status_code == 200
     wait_for("the worker gone", lambda: not alive(worker["pid"]))
     wait_for("its child gone with its group", lambda: not alive(child))
@@ -528,20 +520,8 @@ def test_gpu_health_is_read_on_each_node_by_its_agent(
 def test_a_multi_gpu_worker_gets_its_gpus_on_one_node_and_never_across_nodes(
     ray_deo: Callable[[str, list[str]], Deo], cluster: RayCluster, tmp_path: Path
 ) -> None:
-    seen_dir = tmp_path / "seen"
-    seen_dir.mkdir()
-    worker = script(tmp_path, "recorder.py", RECORDER)
-    d = ray_deo(
-        pool(
-            "pair",
-            [sys.executable, worker, str(seen_dir)],
-            min_workers=0,
-            max_workers=2,
-            gpus_per_worker=2,
-            policy='name = "static"\ncount = 2',
-        ),
-        ["a:0", "a:1", "x:0", "y:0"],
-    )
+    config, seen_dir = recorder_pool(tmp_path, "pair", max_workers=2, gpus_per_worker=2, count=2)
+    d = ray_deo(config, ["a:0", "a:1", "x:0", "y:0"])
     d.start()
     # x:0 and y:0 are free but on two nodes: the second worker is not placed, and says why.
     [(_, alert)] = wait_for(
