@@ -837,17 +837,7 @@ def test_recovery_and_replay_report_every_bad_line_and_never_raise(
     assert steps[-1].after == intact.state
     # `deo replay` says the same, and exits 2 when there is a bad line
     out = io.StringIO()
-    args = argparse.Namespace(
-        log=path,
-        set=[],
-        what_if=[],
-        what_if_seeds=3,
-        fitted_out=None,
-        sqlite=None,
-        at=None,
-        explain=None,
-        quiet=True,
-    )
+    args = replay_args(path)
     assert replay_command.run(args, out) == (2 if bad else 0)
     for number in bad:
         assert f"{path}: line {number}: " in out.getvalue()
@@ -1096,17 +1086,7 @@ def test_old_segments_beyond_the_kept_number_are_dropped_and_replay_starts_after
     assert 0 < len(steps) < len(demo_events)
     assert steps[-1].after == reducer.state
     out = io.StringIO()
-    args = argparse.Namespace(
-        log=path,
-        set=[],
-        what_if=[],
-        what_if_seeds=3,
-        fitted_out=None,
-        sqlite=None,
-        at=None,
-        explain=None,
-        quiet=True,
-    )
+    args = replay_args(path)
     assert replay_command.run(args, out) == 0, out.getvalue()
 
 
