@@ -440,15 +440,6 @@ async def run(
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_stop_on_signal, signals, runner, tg.cancel_scope, out)
-                tg.start_soon(
-                    lambda: serve(
-                        app,
-                        sock=sock,
-                        max_connections=max_connections,
-                        request_timeout_s=api.request_timeout_s,
-                    )
-                )
-                out(f"deo: API on {url} (log {settings.log})")
                 tg.start_soon(executor.run)
                 tg.start_soon(engines.run)
                 if isinstance(executor, LocalProcesses):
@@ -476,6 +467,18 @@ async def run(
                 if not refused and not await _declare_arbiter(settings, runner, out):
                     refused = True
                     tg.cancel_scope.cancel()
+                # Served once the configuration is durable: no reader sees a deo without its
+                # pools. The socket listens already, so an early client waits, not refused.
+                tg.start_soon(
+                    lambda: serve(
+                        app,
+                        sock=sock,
+                        max_connections=max_connections,
+                        request_timeout_s=api.request_timeout_s,
+                    )
+                )
+                if not refused:
+                    out(f"deo: API on {url} (log {settings.log})")
                 tg.start_soon(
                     heartbeat_files, settings.worker_logs, lambda: runner.state, runner.saw
                 )
