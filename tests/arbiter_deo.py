@@ -71,8 +71,9 @@ gpus = {json.dumps(arbiter_gpus)}
             + extra_config
         )
 
-    def start(self, *, expect_arbiter: bool = True) -> None:
-        """Start deo and wait until its API answers (and serves the arbiter, if expected)."""
+    def start(self, *, refused: bool = False) -> None:
+        """Start deo and wait until its API serves the arbiter; with ``refused``, a start whose
+        configuration deo refuses (it exits without serving), so only start it."""
         before = self.starts()
         env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
         self.process = subprocess.Popen(
@@ -83,9 +84,11 @@ gpus = {json.dumps(arbiter_gpus)}
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        if refused:
+            return
         wait_for("the API", lambda: self.starts() > before)
-        if expect_arbiter:  # the API answers before deo has declared the arbiter's GPUs
-            wait_for("the arbiter", self.serves_arbiter, retry_on=(httpx.HTTPError,))
+        # deo serves only once its configuration and the arbiter's GPUs are durable.
+        assert self.serves_arbiter()
 
     def serves_arbiter(self) -> bool:
         """Whether deo's global status has an arbiter section yet."""

@@ -6,13 +6,14 @@ A small anyio loop watches each live worker's file and reports a sighting (``saw
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 
-from core import State
+from core import State, UnknownSubject
 
 __all__ = ["HEARTBEAT_ENV", "heartbeat_files", "heartbeat_path"]
 
@@ -31,7 +32,11 @@ async def heartbeat_files(
     saw: Callable[[str], None],
     interval_s: float = 1.0,
 ) -> None:
-    """Report a sighting whenever a live worker's heartbeat file was touched since the last look."""
+    """Report a sighting whenever a live worker's heartbeat file was touched since the last look.
+
+    ``state`` may lag the one ``saw`` judges by (readers see the last durable state): a worker
+    whose pool is gone by then is refused with UnknownSubject, which is no sign of life to
+    report, never a reason to stop watching the others."""
     seen: dict[str, float] = {}
     while True:
         live = state().workers
@@ -45,5 +50,6 @@ async def heartbeat_files(
                 continue
             if seen.get(worker_id) != mtime:
                 seen[worker_id] = mtime
-                saw(worker_id)
+                with contextlib.suppress(UnknownSubject):
+                    saw(worker_id)
         await anyio.sleep(interval_s)

@@ -118,7 +118,7 @@ def test_a_restart_with_other_arbiter_gpus_is_refused_and_another_order_is_not(
     assert deo.status()["gpus"] == GPUS
     assert deo.stop() == 0
     deo.write_config(["0", "1"])
-    deo.start(expect_arbiter=False)
+    deo.start(refused=True)
     assert deo.process is not None
     assert deo.process.wait(timeout=60) == 2
     assert "arbiter.gpus was refused" in deo.output.read_text()

@@ -29,6 +29,7 @@ from core import (
     QueueSampled,
     Reducer,
     SourceDown,
+    UnknownSubject,
     WorkerStarted,
 )
 
@@ -121,6 +122,34 @@ async def test_touching_a_heartbeat_file_reports_the_worker_alive(tmp_path: Path
                 await anyio.sleep(0.01)
         tg.cancel_scope.cancel()
     assert seen == ["envs-0"]
+
+
+@pytest.mark.anyio
+async def test_a_heartbeat_of_a_worker_gone_since_the_last_look_keeps_the_watch(
+    tmp_path: Path,
+) -> None:
+    reducer = Reducer()
+    spec = PoolSpec(name="envs", argv=["w"], min_workers=2, max_workers=2)
+    reducer.step(Configured(t=0.0, config=Config(pools=[spec])))
+    reducer.step(WorkerStarted(t=0.0, worker_id="envs-0", pid=1, start_time=1))
+    reducer.step(WorkerStarted(t=0.0, worker_id="envs-1", pid=2, start_time=2))
+    seen: list[str] = []
+
+    def saw(worker_id: str) -> None:
+        # The runner's saw judges a newer state, where envs-0's pool may be gone already.
+        if worker_id == "envs-0":
+            raise UnknownSubject("heartbeat: unknown worker 'envs-0'")
+        seen.append(worker_id)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(heartbeat_files, tmp_path, lambda: reducer.state, saw, 0.02)
+        heartbeat_path(tmp_path, "envs-0").touch()
+        heartbeat_path(tmp_path, "envs-1").touch()
+        with anyio.fail_after(30):
+            while not seen:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert seen == ["envs-1"]
 
 
 def test_find_spawned_finds_this_logs_worker_by_its_environment() -> None:
