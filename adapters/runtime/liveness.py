@@ -8,7 +8,9 @@ needs a worker's last sign of life only to judge it hung once it has been silent
 it is nearly a grace old (two tick intervals short of it, never under a quarter of it;
 :data:`UNJUDGED_REFRESH_S` for pools that judge no heartbeat), and each with the time deo saw it
 (rounded up to a tick interval, in one record per such time). At 10,000 workers and a 30 s
-grace that is one id per worker per 28 s instead of one per heartbeat.
+grace that is one id per worker per 28 s instead of one per heartbeat. A worker's first sighting
+is recorded at the next tick whatever its grace: it tells how long the worker took to come up,
+which the log keeps for the demo's summary (after a restart, once more per adopted worker).
 
 Why no worker is judged hung that was seen within its grace: a tick at ``t`` judges with every
 sighting a worker's record is old enough to need, recorded just before it at the sighting's
@@ -39,6 +41,8 @@ class Liveness:
     def __init__(self) -> None:
         #: worker id -> the time of its latest sighting (None: not known; taken as record time)
         self._pending: dict[str, float | None] = {}
+        #: The workers whose first sighting was recorded.
+        self._recorded: set[str] = set()
 
     @property
     def pending(self) -> frozenset[str]:
@@ -60,6 +64,7 @@ class Liveness:
         times allow (one per tick interval they fall in); the rest stay pending, those of
         workers gone since are dropped."""
         by_time: dict[float | None, set[str]] = {}
+        self._recorded.intersection_update(state.workers)  # forget workers gone
         for worker_id, seen_t in list(self._pending.items()):
             worker = state.workers.get(worker_id)
             if worker is None:
@@ -71,9 +76,11 @@ class Liveness:
             else:
                 refresh = max(grace * REFRESH_FRACTION, grace - 2 * interval_s)
             last = state.last_seen.get(worker_id)
-            if last is not None and t - last < refresh:
+            first = worker_id not in self._recorded
+            if last is not None and t - last < refresh and not first:
                 continue
             del self._pending[worker_id]
+            self._recorded.add(worker_id)
             if seen_t is not None:
                 # Rounded up (never judged before its time), to share records; at most t.
                 seen_t = min(t, max(seen_t, math.ceil(seen_t / interval_s) * interval_s))

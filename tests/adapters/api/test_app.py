@@ -367,12 +367,18 @@ async def test_heartbeat_with_the_worker_token(tmp_path: Path) -> None:
 
         assert response.status_code == 200, response.text
         assert response.json() == {"commands": []}
-        # Batched: a tick records the sighting once the core needs it (a pool judging no
-        # heartbeat: once its record is 30 s old).
+        # Its first sighting is recorded at the next tick (how long it took to come up)...
         interval_s = h.runner.tick_interval_s
-        assert h.runner.liveness.records(h.runner.state, 7.5, interval_s) == []
-        assert h.runner.liveness.records(h.runner.state, 31.5, interval_s) == [
+        assert h.runner.liveness.records(h.runner.state, 7.5, interval_s) == [
             # Seen at 7.5 s, rounded up to the runner's hour-long tick: never past the record.
+            WorkersSeen(t=7.5, worker_ids={"envs-0"}, seen_t=7.5)
+        ]
+        # ...later ones once the core needs them (a pool judging no heartbeat: once its record
+        # is 30 s old).
+        response = await h.client.post("/v1/workers/envs-0/heartbeat", headers=WORKER)
+        assert response.status_code == 200, response.text
+        assert h.runner.liveness.records(h.runner.state, 8.0, interval_s) == []
+        assert h.runner.liveness.records(h.runner.state, 31.5, interval_s) == [
             WorkersSeen(t=31.5, worker_ids={"envs-0"}, seen_t=31.5)
         ]
         # The operator token is accepted as well.

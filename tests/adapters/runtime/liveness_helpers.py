@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from adapters.runtime.liveness import Liveness
 from core import Config, Configured, PolicySpec, PoolSpec, Reducer, WorkerStarted
 
 
@@ -20,3 +21,13 @@ def running(count: int, grace_s: float | None) -> Reducer:
     for k in range(count):
         reducer.step(WorkerStarted(t=0.0, worker_id=f"envs-{k}", pid=100 + k, start_time=k))
     return reducer
+
+
+def past_first_sightings(reducer: Reducer, liveness: Liveness) -> None:
+    """Record every worker's first sighting at 0 s (recorded at once, whatever the grace), so
+    what a test reads next is the batching of later sightings."""
+    for worker_id in reducer.state.workers:
+        liveness.saw(reducer.state, worker_id, 0.0)
+    for event in liveness.records(reducer.state, 0.0, 1.0):
+        reducer.step(event)
+    assert liveness.pending == frozenset()

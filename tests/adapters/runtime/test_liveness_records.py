@@ -10,7 +10,7 @@ import pytest
 
 from adapters.runtime.liveness import Liveness
 from core import InvalidEvent, TerminateWorker, Tick, WorkersSeen
-from tests.adapters.runtime.liveness_helpers import running
+from tests.adapters.runtime.liveness_helpers import past_first_sightings, running
 
 GRACE_S = 20.0
 TICK_S = 1.0
@@ -18,6 +18,7 @@ TICK_S = 1.0
 
 def test_a_sighting_waits_until_the_record_is_nearly_a_grace_old_and_keeps_its_time() -> None:
     reducer, liveness = running(2, GRACE_S), Liveness()
+    past_first_sightings(reducer, liveness)
     liveness.saw(reducer.state, "envs-0", 0.4)
     liveness.saw(reducer.state, "envs-1", 1.3)
     assert liveness.records(reducer.state, 17.0, TICK_S) == []  # 17 s < 20 s - 2 ticks
