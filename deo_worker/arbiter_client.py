@@ -19,14 +19,18 @@
 :meth:`ArbiterClient.request` waits as long as it takes (or ``deadline_s``): each call to deo is
 a long poll of ``poll_s`` seconds; a 408 means the request is still queued, and asking again
 keeps its place. While deo cannot be reached (restarting) it retries; the request is in deo's
-log, so a restarted deo still has it queued. A refusal (an unknown pipeline, a bad priority, a
-request that failed because its GPUs are lost) raises :class:`ArbiterError` with deo's message.
+log, so a restarted deo still has it queued. Every poll of one request names it (a random
+``request_id``), so a poll sent again after a release withdrew the request is refused
+(:class:`ArbiterError`, 409) rather than queuing the request anew. A refusal (an unknown
+pipeline, a bad priority, a request that failed because its GPUs are lost) raises
+:class:`ArbiterError` with deo's message.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -209,6 +213,7 @@ class ArbiterClient:
 
     def _long_poll(self, url: str, body: dict[str, Any], deadline_s: float | None) -> Grant:
         end = None if deadline_s is None else time.monotonic() + deadline_s
+        body = {**body, "request_id": uuid.uuid4().hex}
         while True:
             left = self.poll_s if end is None else min(self.poll_s, end - time.monotonic())
             if left <= 0:

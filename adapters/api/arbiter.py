@@ -9,13 +9,16 @@ trace) and hands it to :meth:`Runner.submit`:
   in one step;
 - ``POST /v1/arbiter/pipelines/{p}/unregister``;
 - ``POST /v1/arbiter/pipelines/{p}/clusters/{c}/request``: ``{"priority",
-  "estimate_trajectories", "timeout_s"}``, a long poll: 200 with the grant once it is made, or
-  408 ``{"waiting": true}`` at ``timeout_s`` with the request still queued: asking again waits
-  in the same place (a cluster whose request is already queued is not queued twice, and one
-  granted while its caller was away is answered with what it holds);
+  "estimate_trajectories", "timeout_s", "request_id"}``, a long poll: 200 with the grant once it
+  is made, or 408 ``{"waiting": true}`` at ``timeout_s`` with the request still queued: asking
+  again waits in the same place (a cluster whose request is already queued is not queued twice,
+  and one granted while its caller was away is answered with what it holds). ``request_id``
+  (1-64 of ``A-Z a-z 0-9 . _ -``, the same on every poll of one request) makes a poll sent
+  again name its request: after a release withdrew it, or its GPUs were lost, it is answered
+  409 (from the log's state, across restarts of deo) rather than queued anew;
 - ``POST /v1/arbiter/pipelines/{p}/clusters/{c}/release``;
 - ``POST /v1/arbiter/pipelines/{p}/release-and-request``: ``{"release_cluster", "cluster",
-  "priority", "estimate_trajectories", "timeout_s"}``, a long poll like a request;
+  "priority", "estimate_trajectories", "timeout_s", "request_id"}``, a long poll like a request;
 - ``POST /v1/arbiter/pipelines/{p}/progress``: ``{"stream", "target_trajectories",
   "completed_trajectories"}``; ``.../progress/clear``: ``{"stream"}`` (all when absent);
 - ``POST /v1/arbiter/pipelines/{p}/rollout/open`` and ``.../rollout/close``.
@@ -274,8 +277,15 @@ def arbiter_routes(
         for the answer until ``wait`` seconds have passed."""
         state = runner.state.arbiter
         found = _cluster(state, pipeline, cluster)
-        asked = found is not None and _released(state, event)
-        if asked and found is not None and found.request is not None:
+        same = (
+            event.request_id is not None
+            and found is not None
+            and found.request_id == event.request_id
+        )
+        asked = found is not None and (same or _released(state, event))
+        if same and found is not None and found.request is None:
+            pass  # this very request, asked before: answered below (granted, withdrawn, failed)
+        elif asked and found is not None and found.request is not None:
             # Queued by an earlier call whose long poll ended: wait in the same place.
             if found.request.priority is not event.priority:
                 raise Refused(
@@ -285,12 +295,10 @@ def arbiter_routes(
         elif asked and found is not None and found.held:
             pass  # granted while the caller was away (its long poll had ended): the same answer
         else:
-            board.failed.pop((pipeline, cluster), None)
-            board.withdrawn.pop((pipeline, cluster), None)
             await submit_checked(event, f"{pipeline}/{cluster}")
         deadline = anyio_now() + wait
         while True:
-            answer = _answer(runner.state, board, pipeline, cluster)
+            answer = _answer(runner.state, pipeline, cluster)
             if answer is not None:
                 return reply(answer, 200)
             left = deadline - anyio_now()
@@ -309,7 +317,7 @@ def arbiter_routes(
     async def request_gpus(request: Request) -> Response:
         authorize_started(request)
         body = await read_object(request)
-        only(body, ("priority", "estimate_trajectories", "timeout_s"))
+        only(body, ("priority", "estimate_trajectories", "timeout_s", "request_id"))
         pipeline, cluster = name(request, "pipeline"), name(request, "cluster")
         event = GpusRequested(
             t=runner.clock(),
@@ -317,6 +325,7 @@ def arbiter_routes(
             cluster=cluster,
             priority=priority(body),
             estimate_trajectories=count(body, "estimate_trajectories", required=False),
+            request_id=body.get("request_id"),
         )
         return await long_poll(pipeline, cluster, event, wait_s(body))
 
@@ -325,7 +334,14 @@ def arbiter_routes(
         body = await read_object(request)
         only(
             body,
-            ("release_cluster", "cluster", "priority", "estimate_trajectories", "timeout_s"),
+            (
+                "release_cluster",
+                "cluster",
+                "priority",
+                "estimate_trajectories",
+                "timeout_s",
+                "request_id",
+            ),
         )
         pipeline = name(request, "pipeline")
         release, cluster = text(body, "release_cluster"), text(body, "cluster")
@@ -336,6 +352,7 @@ def arbiter_routes(
             cluster=cluster,
             priority=priority(body),
             estimate_trajectories=count(body, "estimate_trajectories", required=False),
+            request_id=body.get("request_id"),
         )
         return await long_poll(pipeline, cluster, event, wait_s(body))
 
@@ -392,21 +409,19 @@ def _granted(pipeline: str, cluster: Cluster, why: str) -> dict[str, Any]:
     }
 
 
-def _answer(state: State, board: ArbiterBoard, pipeline: str, name: str) -> dict[str, Any] | None:
+def _answer(state: State, pipeline: str, name: str) -> dict[str, Any] | None:
     """The answer to ``pipeline/name``'s request once there is one (None: still waiting).
 
     A grant is answered only once no other deo worker may still hold memory on its GPUs (an
     engine there confirmed asleep, or gone). Raises :class:`Refused` when the request can no
     longer be answered: it failed (its GPUs are lost), was withdrawn (released) or its
-    pipeline left."""
+    pipeline left. All of it is read from the state, which the log rebuilds: a caller waiting
+    across a restart of deo gets the same answer."""
     cluster = _cluster(state.arbiter, pipeline, name)
     if cluster is None:
         raise Refused(f"{pipeline}/{name} is gone (its pipeline unregistered) before an answer")
     if cluster.request is not None:
         return None
-    failed = board.failed.get((pipeline, name))
-    if failed is not None:
-        raise Refused(f"{pipeline}/{name}: the request failed: {failed}")
     if cluster.held:
         if _engines_holding(state, cluster.held):
             return None  # the engines there have not confirmed their memory is released
@@ -417,7 +432,9 @@ def _answer(state: State, board: ArbiterBoard, pipeline: str, name: str) -> dict
         if _engines_holding(state, cluster.active_gpus(), but=cluster.spec.engine_pool):
             return None  # another pipeline's engine there has not confirmed its sleep
         return _granted(pipeline, cluster, "granted")
-    if cluster.spec.is_generation and (pipeline, name) not in board.withdrawn:
+    if cluster.request_ended is not None:
+        raise Refused(f"{pipeline}/{name}: {cluster.request_ended}")
+    if cluster.spec.is_generation:
         # Preempted before an answer (training took every rank back), not released: the caller
         # waits (408 at its deadline; asking again queues anew).
         return None
