@@ -1,12 +1,16 @@
 """The GPU arbiter's HTTP endpoints, status rows and metrics (see docs/arbiter.md).
 
-Every endpoint is a write and takes the operator token. Each turns a request into one arbiter
+Every endpoint is a write. Registering a pipeline takes the operator token and answers the
+pipeline's own token (``"token"``: an HMAC of its name under deo's worker secret, never logged;
+``POST /v1/arbiter/pipelines/{p}/token`` with the operator token answers it again). Every
+endpoint under ``/v1/arbiter/pipelines/{p}/`` takes the operator token or ``p``'s own; another
+pipeline's token is refused (403, naming whose it is). Each turns a request into one arbiter
 event (checked and constructed before it reaches the log, so a malformed request leaves no
 trace) and hands it to :meth:`Runner.submit`:
 
 - ``POST /v1/arbiter/pipelines``: ``{"pipeline", "clusters": [{"name", "kind",
   "device_mapping", "tp_size", "max_dp_size", "engine_pool"}]}``: a pipeline and its clusters,
-  in one step;
+  in one step; answers ``{"commands", "pipeline", "token"}``;
 - ``POST /v1/arbiter/pipelines/{p}/unregister``;
 - ``POST /v1/arbiter/pipelines/{p}/clusters/{c}/request``: ``{"priority",
   "estimate_trajectories", "timeout_s", "request_id"}``, a long poll: 200 with the grant once it
@@ -29,6 +33,7 @@ arbiter's GPUs are not declared yet (deo is starting), the writes answer 503: as
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -108,18 +113,47 @@ def arbiter_routes(
     runner: Runner,
     board: ArbiterBoard,
     *,
-    authorize: Callable[[Request], None],
+    authorize: Callable[[Request, tuple[bytes, ...]], None],
+    pipeline_token: Callable[[str], str],
     read_object: Callable[[Request], Awaitable[dict[str, Any]]],
     reply: Callable[[Any, int], Response],
     read: Callable[[Callable[[Request], Response]], Endpoint],
     api_error: Callable[[int, str], DeoError],
 ) -> list[Route]:
-    """The arbiter's routes on deo's API. ``authorize`` checks the operator token,
-    ``read_object`` reads a JSON object body, ``reply`` answers JSON, ``read`` guards a read and
-    ``api_error`` builds a refusal of a malformed request (the API module's own)."""
+    """The arbiter's routes on deo's API. ``authorize`` checks the operator token (or one of the
+    tokens it is given too), ``pipeline_token`` is a pipeline's own token, ``read_object`` reads
+    a JSON object body, ``reply`` answers JSON, ``read`` guards a read and ``api_error`` builds
+    a refusal of a malformed request (the API module's own)."""
 
-    def authorize_started(request: Request) -> None:
-        authorize(request)
+    def token_owner(request: Request) -> str | None:
+        """The registered pipeline whose token the request carries, if any."""
+        scheme, _, credential = request.headers.get("authorization", "").strip().partition(" ")
+        given = credential.strip().encode("latin-1", "replace")
+        owners = [
+            p
+            for p in runner.state.arbiter.pipelines
+            if hmac.compare_digest(given, pipeline_token(p).encode())
+        ]
+        return owners[0] if scheme.lower() == "bearer" and owners else None
+
+    def authorize_started(request: Request, pipeline: str | None = None) -> None:
+        """The operator's token, or (``pipeline`` given) that pipeline's own; 403 naming whose
+        token it is when it is another pipeline's."""
+        if pipeline is None:
+            authorize(request, ())
+        else:
+            try:
+                authorize(request, (pipeline_token(pipeline).encode(),))
+            except DeoError as exc:
+                other = token_owner(request) if exc.http_status == 403 else None
+                if other is not None:
+                    raise api_error(
+                        403,
+                        f"the bearer token is pipeline {other!r}'s: it speaks for that pipeline"
+                        f" only, not for {pipeline!r} (use {pipeline!r}'s token or the"
+                        " operator's)",
+                    ) from None
+                raise
         if board.configured and not runner.state.arbiter.gpus:
             raise Starting("deo is starting: the arbiter's GPUs are not declared yet; retry")
 
@@ -193,12 +227,37 @@ def arbiter_routes(
         )
 
     def action(build: Callable[[Request, dict[str, Any], float], Event]) -> Endpoint:
+        """An endpoint of one pipeline (in its path): its token or the operator's."""
+
         async def endpoint(request: Request) -> Response:
-            authorize_started(request)
+            authorize_started(request, name(request, "pipeline"))
             body = await read_object(request)
             return await submit(build(request, body, runner.clock()))
 
         return endpoint
+
+    async def register(request: Request) -> Response:
+        """Operator only; answers the pipeline's own token with the commands."""
+        authorize_started(request)
+        body = await read_object(request)
+        event = build_register(request, body, runner.clock())
+        assert isinstance(event, PipelineRegistered)
+        commands = await submit_checked(event, event.pipeline)
+        answer = {
+            "commands": [{"type": type(c).__name__, "reason": c.reason} for c in commands],
+            "pipeline": event.pipeline,
+            "token": pipeline_token(event.pipeline),
+        }
+        return reply(answer, 200)
+
+    async def token(request: Request) -> Response:
+        """Operator only: a registered pipeline's token, to hand to its training loop."""
+        authorize_started(request)
+        only(await read_object(request), ())
+        pipeline = name(request, "pipeline")
+        if pipeline not in runner.state.arbiter.pipelines:
+            raise api_error(404, f"unknown pipeline {pipeline!r}: register it first")
+        return reply({"pipeline": pipeline, "token": pipeline_token(pipeline)}, 200)
 
     def build_register(request: Request, body: dict[str, Any], t: float) -> Event:
         only(body, ("pipeline", "clusters"))
@@ -315,7 +374,7 @@ def arbiter_routes(
             await board.wait(min(left, RECHECK_S))
 
     async def request_gpus(request: Request) -> Response:
-        authorize_started(request)
+        authorize_started(request, name(request, "pipeline"))
         body = await read_object(request)
         only(body, ("priority", "estimate_trajectories", "timeout_s", "request_id"))
         pipeline, cluster = name(request, "pipeline"), name(request, "cluster")
@@ -330,7 +389,7 @@ def arbiter_routes(
         return await long_poll(pipeline, cluster, event, wait_s(body))
 
     async def release_and_request(request: Request) -> Response:
-        authorize_started(request)
+        authorize_started(request, name(request, "pipeline"))
         body = await read_object(request)
         only(
             body,
@@ -362,7 +421,8 @@ def arbiter_routes(
     base = "/v1/arbiter/pipelines"
     return [
         Route("/v1/arbiter", read(status), methods=["GET"]),
-        Route(base, action(build_register), methods=["POST"]),
+        Route(base, register, methods=["POST"]),
+        Route(f"{base}/{{pipeline}}/token", token, methods=["POST"]),
         Route(f"{base}/{{pipeline}}/unregister", action(build_unregister), methods=["POST"]),
         Route(f"{base}/{{pipeline}}/clusters/{{cluster}}/request", request_gpus, methods=["POST"]),
         Route(
