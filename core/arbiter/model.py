@@ -317,6 +317,9 @@ class ArbiterState:
     planner: PlannerSettings | None = None
     #: Holders treated as overstaying (``pipeline/cluster``): their alert is raised.
     overstaying: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
+    #: Holders (``pipeline/cluster``) whose held GPUs include a cordoned one: a hold cannot be
+    #: revoked, so it stays, and their alert is raised.
+    holds_on_cordoned: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
 
     def clusters(self) -> Iterator[tuple[str, Cluster]]:
         """Every (pipeline id, cluster), in registration order."""

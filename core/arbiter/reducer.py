@@ -434,7 +434,38 @@ def reduce_arbiter(
     planned_commands = _commands(pre, plan, after)
     after = _answered(after, planned_commands)
     after, alerts = _overstaying_alerts(after, chosen)
-    return after, planned_commands + commands + alerts
+    after, cordoned_alerts = _cordoned_hold_alerts(after)
+    return after, planned_commands + commands + alerts + cordoned_alerts
+
+
+def _cordoned_hold_alerts(after: ArbiterState) -> tuple[ArbiterState, list[c.Command]]:
+    """An alert for each holder whose held GPUs became cordoned (a hold is never revoked: it
+    stays until released), resolved once it released them or they are uncordoned."""
+    found = {
+        f"{pipeline_id}/{cluster.spec.name}": sorted(set(cluster.held) & after.cordoned)
+        for pipeline_id, cluster in after.clusters()
+        if set(cluster.held) & after.cordoned
+    }
+    if set(found) == after.holds_on_cordoned:
+        return after, []
+    alerts: list[c.Command] = [
+        c.RaiseAlert(
+            reason=f"{name} holds GPUs {found[name]}, which are cordoned: a hold is not revoked,"
+            " so it keeps them until it releases them; nothing new goes there",
+            alert=AlertName.HOLD_ON_CORDONED,
+            subject=name,
+        )
+        for name in sorted(set(found) - after.holds_on_cordoned)
+    ]
+    alerts += [
+        c.ResolveAlert(
+            reason=f"{name} no longer holds a cordoned GPU",
+            alert=AlertName.HOLD_ON_CORDONED,
+            subject=name,
+        )
+        for name in sorted(after.holds_on_cordoned - set(found))
+    ]
+    return attrs.evolve(after, holds_on_cordoned=frozenset(found)), alerts
 
 
 def _overstaying_alerts(
