@@ -57,6 +57,7 @@ class AlertName(enum.StrEnum):
     ENGINE_CONTROL = "engine_control"  # worker: an engine's sleep or wake failed for good
     PLAN_REFUSED = "plan_refused"  # arbiter: a GPU plan broke a plan invariant and was not run
     HOLDER_OVERSTAYING = "holder_overstaying"  # arbiter cluster: holds GPUs a request waits for
+    HOLD_ON_CORDONED = "hold_on_cordoned"  # arbiter cluster: its training hold has cordoned GPUs
 
 
 class StopCause(enum.StrEnum):

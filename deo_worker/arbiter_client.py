@@ -4,11 +4,12 @@
 
     from deo_worker.arbiter_client import ArbiterClient, Cluster
 
-    arbiter = ArbiterClient("http://127.0.0.1:8787", token, pipeline="p1")
-    arbiter.register([
+    operator = ArbiterClient("http://127.0.0.1:8787", operator_token, pipeline="p1")
+    p1_token = operator.register([
         Cluster("train", "ACTOR_TRAINING", ["0", "1"]),
         Cluster("gen", "GENERATION", ["0", "1", "2", "3"], tp_size=1),
     ])
+    arbiter = ArbiterClient("http://127.0.0.1:8787", p1_token, pipeline="p1")
     arbiter.open_rollout()
     gen = arbiter.request("gen", "GENERATION")          # blocks until a rank is awake
     ... generate, arbiter.progress("rollout", target, done) now and then ...
@@ -19,14 +20,18 @@
 :meth:`ArbiterClient.request` waits as long as it takes (or ``deadline_s``): each call to deo is
 a long poll of ``poll_s`` seconds; a 408 means the request is still queued, and asking again
 keeps its place. While deo cannot be reached (restarting) it retries; the request is in deo's
-log, so a restarted deo still has it queued. A refusal (an unknown pipeline, a bad priority, a
-request that failed because its GPUs are lost) raises :class:`ArbiterError` with deo's message.
+log, so a restarted deo still has it queued. Every poll of one request names it (a random
+``request_id``), so a poll sent again after a release withdrew the request is refused
+(:class:`ArbiterError`, 409) rather than queuing the request anew. A refusal (an unknown
+pipeline, a bad priority, a request that failed because its GPUs are lost) raises
+:class:`ArbiterError` with deo's message.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,8 +40,10 @@ import httpx
 
 __all__ = ["ArbiterClient", "ArbiterError", "ArbiterTimeout", "Cluster", "Grant"]
 
-#: Where the client finds deo and the operator token when not given them.
+#: Where the client finds deo and its token when not given them: the pipeline's own token
+#: (answered by :meth:`ArbiterClient.register`) if set, else the operator token.
 API_URL_ENV = "DEO_API_URL"
+PIPELINE_TOKEN_ENV = "DEO_PIPELINE_TOKEN"
 TOKEN_ENV = "DEO_TOKEN"
 #: One long poll; deo answers 408 at its end and the client asks again.
 DEFAULT_POLL_S = 30.0
@@ -90,8 +97,9 @@ class Grant:
 
 
 class ArbiterClient:
-    """Calls deo's arbiter endpoints for one pipeline. ``url`` and ``token`` default to
-    ``$DEO_API_URL`` and ``$DEO_TOKEN``."""
+    """Calls deo's arbiter endpoints for one pipeline. ``url`` defaults to ``$DEO_API_URL``;
+    ``token`` (the operator's, or the pipeline's own for every call but :meth:`register`) to
+    ``$DEO_PIPELINE_TOKEN``, else ``$DEO_TOKEN``."""
 
     def __init__(
         self,
@@ -103,10 +111,11 @@ class ArbiterClient:
         call_timeout_s: float = 10.0,
     ) -> None:
         url = url or os.environ.get(API_URL_ENV)
-        token = token or os.environ.get(TOKEN_ENV)
+        token = token or os.environ.get(PIPELINE_TOKEN_ENV) or os.environ.get(TOKEN_ENV)
         if not url or not token:
             raise ValueError(
-                f"ArbiterClient needs deo's URL and token (${API_URL_ENV}, ${TOKEN_ENV})"
+                f"ArbiterClient needs deo's URL and a token (${API_URL_ENV}; "
+                f"${PIPELINE_TOKEN_ENV} or ${TOKEN_ENV})"
             )
         self.pipeline = pipeline
         self.poll_s = poll_s
@@ -125,16 +134,22 @@ class ArbiterClient:
 
     # --- calls -----------------------------------------------------------------------------------
 
-    def register(self, clusters: Sequence[Cluster]) -> None:
-        """Register this pipeline with its clusters (all or none).
+    def register(self, clusters: Sequence[Cluster]) -> str:
+        """Register this pipeline with its clusters (all or none), with the operator token;
+        returns the pipeline's own token, which authorizes this pipeline's calls only (hand it
+        to a training loop instead of the operator token).
 
         A call sent again after its answer was lost (deo stopped before answering) and then
         refused as already registered succeeded the first time, if deo has these clusters."""
         body = {"pipeline": self.pipeline, "clusters": [c.as_json() for c in clusters]}
         response, resent = self._post_once_more(self._base, body)
         if resent and response.status_code == 409 and self._registered_as(clusters):
-            return
-        self._checked(response)
+            return self.token()
+        return str(self._checked(response)["token"])
+
+    def token(self) -> str:
+        """This registered pipeline's own token (asked with the operator token)."""
+        return str(self._post(f"{self._base}/{self.pipeline}/token", {})["token"])
 
     def unregister(self) -> None:
         """Leave: everything the pipeline holds is freed.
@@ -209,6 +224,7 @@ class ArbiterClient:
 
     def _long_poll(self, url: str, body: dict[str, Any], deadline_s: float | None) -> Grant:
         end = None if deadline_s is None else time.monotonic() + deadline_s
+        body = {**body, "request_id": uuid.uuid4().hex}
         while True:
             left = self.poll_s if end is None else min(self.poll_s, end - time.monotonic())
             if left <= 0:

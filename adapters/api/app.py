@@ -9,7 +9,9 @@ Writes need ``Authorization: Bearer <token>``: the operator token for operator a
 resume, pin, drain, cordon, uncordon, pressure, stop). A worker speaks only for itself:
 ``POST /v1/workers/{id}/heartbeat`` and ``POST /v1/workers/{id}/ready`` take the operator token
 or that worker's own token, :func:`worker_token` of the run's worker secret and its id, which
-``deo run`` puts in the worker's environment. A missing token is 401, a wrong one 403.
+``deo run`` puts in the worker's environment. An arbiter pipeline's calls take the operator token
+or that pipeline's own, :func:`pipeline_token`, answered when it registers
+(:mod:`adapters.api.arbiter`). A missing token is 401, a wrong one 403.
 
 Every write is turned into one core event and handed to :meth:`Runner.submit`, which answers with
 the commands it produced or raises the error the core refused the event with. The request is
@@ -81,7 +83,14 @@ from core import (
 from core.drains import drain_timeout
 from core.state import PoolState, Worker, split_worker_id
 
-__all__ = ["MAX_WORKER_ID_CHARS", "build_app", "listen", "serve", "worker_token"]
+__all__ = [
+    "MAX_WORKER_ID_CHARS",
+    "build_app",
+    "listen",
+    "pipeline_token",
+    "serve",
+    "worker_token",
+]
 
 #: Worker states reported per pool; exited workers are forgotten by the core, so never counted.
 _LIVE_STATES: tuple[WorkerState, ...] = tuple(s for s in WorkerState if s is not WorkerState.EXITED)
@@ -103,6 +112,16 @@ def worker_token(worker_secret: str, worker_id: str) -> str:
     It authorizes requests for that worker only; the secret itself is never given to workers.
     """
     return hmac.new(worker_secret.encode(), worker_id.encode(), hashlib.sha256).hexdigest()
+
+
+def pipeline_token(worker_secret: str, pipeline: str) -> str:
+    """The API token of arbiter pipeline ``pipeline``: an HMAC of its name under the run's worker
+    secret (with a prefix no worker id has, so it is never a worker's token).
+
+    It authorizes that pipeline's arbiter calls only; deo answers it when the pipeline registers
+    and never logs it."""
+    message = f"pipeline/{pipeline}".encode()
+    return hmac.new(worker_secret.encode(), message, hashlib.sha256).hexdigest()
 
 
 @attrs.define
@@ -729,7 +748,8 @@ def build_app(
     routes += arbiter_routes(
         runner,
         arbiter if arbiter is not None else ArbiterBoard(),
-        authorize=lambda request: _authorize(request, operator_only),
+        authorize=lambda request, also: _authorize(request, (*operator_only, *also)),
+        pipeline_token=lambda pipeline: pipeline_token(worker_secret, pipeline),
         read_object=lambda request: _read_object(request, max_body_bytes),
         reply=_json,
         read=read,

@@ -1,21 +1,28 @@
 """The GPU arbiter's HTTP endpoints, status rows and metrics (see docs/arbiter.md).
 
-Every endpoint is a write and takes the operator token. Each turns a request into one arbiter
+Every endpoint is a write. Registering a pipeline takes the operator token and answers the
+pipeline's own token (``"token"``: an HMAC of its name under deo's worker secret, never logged;
+``POST /v1/arbiter/pipelines/{p}/token`` with the operator token answers it again). Every
+endpoint under ``/v1/arbiter/pipelines/{p}/`` takes the operator token or ``p``'s own; another
+pipeline's token is refused (403, naming whose it is). Each turns a request into one arbiter
 event (checked and constructed before it reaches the log, so a malformed request leaves no
 trace) and hands it to :meth:`Runner.submit`:
 
 - ``POST /v1/arbiter/pipelines``: ``{"pipeline", "clusters": [{"name", "kind",
   "device_mapping", "tp_size", "max_dp_size", "engine_pool"}]}``: a pipeline and its clusters,
-  in one step;
+  in one step; answers ``{"commands", "pipeline", "token"}``;
 - ``POST /v1/arbiter/pipelines/{p}/unregister``;
 - ``POST /v1/arbiter/pipelines/{p}/clusters/{c}/request``: ``{"priority",
-  "estimate_trajectories", "timeout_s"}``, a long poll: 200 with the grant once it is made, or
-  408 ``{"waiting": true}`` at ``timeout_s`` with the request still queued: asking again waits
-  in the same place (a cluster whose request is already queued is not queued twice, and one
-  granted while its caller was away is answered with what it holds);
+  "estimate_trajectories", "timeout_s", "request_id"}``, a long poll: 200 with the grant once it
+  is made, or 408 ``{"waiting": true}`` at ``timeout_s`` with the request still queued: asking
+  again waits in the same place (a cluster whose request is already queued is not queued twice,
+  and one granted while its caller was away is answered with what it holds). ``request_id``
+  (1-64 of ``A-Z a-z 0-9 . _ -``, the same on every poll of one request) makes a poll sent
+  again name its request: after a release withdrew it, or its GPUs were lost, it is answered
+  409 (from the log's state, across restarts of deo) rather than queued anew;
 - ``POST /v1/arbiter/pipelines/{p}/clusters/{c}/release``;
 - ``POST /v1/arbiter/pipelines/{p}/release-and-request``: ``{"release_cluster", "cluster",
-  "priority", "estimate_trajectories", "timeout_s"}``, a long poll like a request;
+  "priority", "estimate_trajectories", "timeout_s", "request_id"}``, a long poll like a request;
 - ``POST /v1/arbiter/pipelines/{p}/progress``: ``{"stream", "target_trajectories",
   "completed_trajectories"}``; ``.../progress/clear``: ``{"stream"}`` (all when absent);
 - ``POST /v1/arbiter/pipelines/{p}/rollout/open`` and ``.../rollout/close``.
@@ -26,6 +33,7 @@ arbiter's GPUs are not declared yet (deo is starting), the writes answer 503: as
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -105,18 +113,47 @@ def arbiter_routes(
     runner: Runner,
     board: ArbiterBoard,
     *,
-    authorize: Callable[[Request], None],
+    authorize: Callable[[Request, tuple[bytes, ...]], None],
+    pipeline_token: Callable[[str], str],
     read_object: Callable[[Request], Awaitable[dict[str, Any]]],
     reply: Callable[[Any, int], Response],
     read: Callable[[Callable[[Request], Response]], Endpoint],
     api_error: Callable[[int, str], DeoError],
 ) -> list[Route]:
-    """The arbiter's routes on deo's API. ``authorize`` checks the operator token,
-    ``read_object`` reads a JSON object body, ``reply`` answers JSON, ``read`` guards a read and
-    ``api_error`` builds a refusal of a malformed request (the API module's own)."""
+    """The arbiter's routes on deo's API. ``authorize`` checks the operator token (or one of the
+    tokens it is given too), ``pipeline_token`` is a pipeline's own token, ``read_object`` reads
+    a JSON object body, ``reply`` answers JSON, ``read`` guards a read and ``api_error`` builds
+    a refusal of a malformed request (the API module's own)."""
 
-    def authorize_started(request: Request) -> None:
-        authorize(request)
+    def token_owner(request: Request) -> str | None:
+        """The registered pipeline whose token the request carries, if any."""
+        scheme, _, credential = request.headers.get("authorization", "").strip().partition(" ")
+        given = credential.strip().encode("latin-1", "replace")
+        owners = [
+            p
+            for p in runner.state.arbiter.pipelines
+            if hmac.compare_digest(given, pipeline_token(p).encode())
+        ]
+        return owners[0] if scheme.lower() == "bearer" and owners else None
+
+    def authorize_started(request: Request, pipeline: str | None = None) -> None:
+        """The operator's token, or (``pipeline`` given) that pipeline's own; 403 naming whose
+        token it is when it is another pipeline's."""
+        if pipeline is None:
+            authorize(request, ())
+        else:
+            try:
+                authorize(request, (pipeline_token(pipeline).encode(),))
+            except DeoError as exc:
+                other = token_owner(request) if exc.http_status == 403 else None
+                if other is not None:
+                    raise api_error(
+                        403,
+                        f"the bearer token is pipeline {other!r}'s: it speaks for that pipeline"
+                        f" only, not for {pipeline!r} (use {pipeline!r}'s token or the"
+                        " operator's)",
+                    ) from None
+                raise
         if board.configured and not runner.state.arbiter.gpus:
             raise Starting("deo is starting: the arbiter's GPUs are not declared yet; retry")
 
@@ -190,12 +227,37 @@ def arbiter_routes(
         )
 
     def action(build: Callable[[Request, dict[str, Any], float], Event]) -> Endpoint:
+        """An endpoint of one pipeline (in its path): its token or the operator's."""
+
         async def endpoint(request: Request) -> Response:
-            authorize_started(request)
+            authorize_started(request, name(request, "pipeline"))
             body = await read_object(request)
             return await submit(build(request, body, runner.clock()))
 
         return endpoint
+
+    async def register(request: Request) -> Response:
+        """Operator only; answers the pipeline's own token with the commands."""
+        authorize_started(request)
+        body = await read_object(request)
+        event = build_register(request, body, runner.clock())
+        assert isinstance(event, PipelineRegistered)
+        commands = await submit_checked(event, event.pipeline)
+        answer = {
+            "commands": [{"type": type(c).__name__, "reason": c.reason} for c in commands],
+            "pipeline": event.pipeline,
+            "token": pipeline_token(event.pipeline),
+        }
+        return reply(answer, 200)
+
+    async def token(request: Request) -> Response:
+        """Operator only: a registered pipeline's token, to hand to its training loop."""
+        authorize_started(request)
+        only(await read_object(request), ())
+        pipeline = name(request, "pipeline")
+        if pipeline not in runner.state.arbiter.pipelines:
+            raise api_error(404, f"unknown pipeline {pipeline!r}: register it first")
+        return reply({"pipeline": pipeline, "token": pipeline_token(pipeline)}, 200)
 
     def build_register(request: Request, body: dict[str, Any], t: float) -> Event:
         only(body, ("pipeline", "clusters"))
@@ -274,8 +336,15 @@ def arbiter_routes(
         for the answer until ``wait`` seconds have passed."""
         state = runner.state.arbiter
         found = _cluster(state, pipeline, cluster)
-        asked = found is not None and _released(state, event)
-        if asked and found is not None and found.request is not None:
+        same = (
+            event.request_id is not None
+            and found is not None
+            and found.request_id == event.request_id
+        )
+        asked = found is not None and (same or _released(state, event))
+        if same and found is not None and found.request is None:
+            pass  # this very request, asked before: answered below (granted, withdrawn, failed)
+        elif asked and found is not None and found.request is not None:
             # Queued by an earlier call whose long poll ended: wait in the same place.
             if found.request.priority is not event.priority:
                 raise Refused(
@@ -285,12 +354,10 @@ def arbiter_routes(
         elif asked and found is not None and found.held:
             pass  # granted while the caller was away (its long poll had ended): the same answer
         else:
-            board.failed.pop((pipeline, cluster), None)
-            board.withdrawn.pop((pipeline, cluster), None)
             await submit_checked(event, f"{pipeline}/{cluster}")
         deadline = anyio_now() + wait
         while True:
-            answer = _answer(runner.state, board, pipeline, cluster)
+            answer = _answer(runner.state, pipeline, cluster)
             if answer is not None:
                 return reply(answer, 200)
             left = deadline - anyio_now()
@@ -307,9 +374,9 @@ def arbiter_routes(
             await board.wait(min(left, RECHECK_S))
 
     async def request_gpus(request: Request) -> Response:
-        authorize_started(request)
+        authorize_started(request, name(request, "pipeline"))
         body = await read_object(request)
-        only(body, ("priority", "estimate_trajectories", "timeout_s"))
+        only(body, ("priority", "estimate_trajectories", "timeout_s", "request_id"))
         pipeline, cluster = name(request, "pipeline"), name(request, "cluster")
         event = GpusRequested(
             t=runner.clock(),
@@ -317,15 +384,23 @@ def arbiter_routes(
             cluster=cluster,
             priority=priority(body),
             estimate_trajectories=count(body, "estimate_trajectories", required=False),
+            request_id=body.get("request_id"),
         )
         return await long_poll(pipeline, cluster, event, wait_s(body))
 
     async def release_and_request(request: Request) -> Response:
-        authorize_started(request)
+        authorize_started(request, name(request, "pipeline"))
         body = await read_object(request)
         only(
             body,
-            ("release_cluster", "cluster", "priority", "estimate_trajectories", "timeout_s"),
+            (
+                "release_cluster",
+                "cluster",
+                "priority",
+                "estimate_trajectories",
+                "timeout_s",
+                "request_id",
+            ),
         )
         pipeline = name(request, "pipeline")
         release, cluster = text(body, "release_cluster"), text(body, "cluster")
@@ -336,6 +411,7 @@ def arbiter_routes(
             cluster=cluster,
             priority=priority(body),
             estimate_trajectories=count(body, "estimate_trajectories", required=False),
+            request_id=body.get("request_id"),
         )
         return await long_poll(pipeline, cluster, event, wait_s(body))
 
@@ -345,7 +421,8 @@ def arbiter_routes(
     base = "/v1/arbiter/pipelines"
     return [
         Route("/v1/arbiter", read(status), methods=["GET"]),
-        Route(base, action(build_register), methods=["POST"]),
+        Route(base, register, methods=["POST"]),
+        Route(f"{base}/{{pipeline}}/token", token, methods=["POST"]),
         Route(f"{base}/{{pipeline}}/unregister", action(build_unregister), methods=["POST"]),
         Route(f"{base}/{{pipeline}}/clusters/{{cluster}}/request", request_gpus, methods=["POST"]),
         Route(
@@ -392,21 +469,19 @@ def _granted(pipeline: str, cluster: Cluster, why: str) -> dict[str, Any]:
     }
 
 
-def _answer(state: State, board: ArbiterBoard, pipeline: str, name: str) -> dict[str, Any] | None:
+def _answer(state: State, pipeline: str, name: str) -> dict[str, Any] | None:
     """The answer to ``pipeline/name``'s request once there is one (None: still waiting).
 
     A grant is answered only once no other deo worker may still hold memory on its GPUs (an
     engine there confirmed asleep, or gone). Raises :class:`Refused` when the request can no
     longer be answered: it failed (its GPUs are lost), was withdrawn (released) or its
-    pipeline left."""
+    pipeline left. All of it is read from the state, which the log rebuilds: a caller waiting
+    across a restart of deo gets the same answer."""
     cluster = _cluster(state.arbiter, pipeline, name)
     if cluster is None:
         raise Refused(f"{pipeline}/{name} is gone (its pipeline unregistered) before an answer")
     if cluster.request is not None:
         return None
-    failed = board.failed.get((pipeline, name))
-    if failed is not None:
-        raise Refused(f"{pipeline}/{name}: the request failed: {failed}")
     if cluster.held:
         if _engines_holding(state, cluster.held):
             return None  # the engines there have not confirmed their memory is released
@@ -417,7 +492,9 @@ def _answer(state: State, board: ArbiterBoard, pipeline: str, name: str) -> dict
         if _engines_holding(state, cluster.active_gpus(), but=cluster.spec.engine_pool):
             return None  # another pipeline's engine there has not confirmed its sleep
         return _granted(pipeline, cluster, "granted")
-    if cluster.spec.is_generation and (pipeline, name) not in board.withdrawn:
+    if cluster.request_ended is not None:
+        raise Refused(f"{pipeline}/{name}: {cluster.request_ended}")
+    if cluster.spec.is_generation:
         # Preempted before an answer (training took every rank back), not released: the caller
         # waits (408 at its deadline; asking again queues anew).
         return None

@@ -16,6 +16,7 @@ import orjson
 
 from adapters.log import LogProblem, LogReader, not_reduced, segment_start, segments
 from core import Command, Configured, DeoError, Event, State, decode, encode, reduce
+from core.arbiter import PLANNER_SETTINGS_UNRECORDED, ArbiterGpusDeclared, PlannerSettings
 from core.codec import TYPE_KEY, types_with
 from core.policies import BUILT_INS, PolicyCatalog
 
@@ -198,23 +199,54 @@ def parse_setting(text: str) -> tuple[list[str], Any]:
 
 
 def apply_settings(settings: list[tuple[list[str], Any]]) -> Callable[[Event], Event]:
-    """A transform that changes every ``Configured`` event's configuration by ``settings``.
+    """A transform that changes every ``Configured`` event's configuration by ``settings``, and
+    every ``ArbiterGpusDeclared`` event's planner settings.
 
     Keys: ``pools.NAME.FIELD`` (e.g. ``max_workers``, ``stabilization_s``), ``pools.NAME.policy``
-    (a policy name), ``pools.NAME.policy.PARAM``, ``gpus``, ``cordon.FIELD``. A pool named in a
-    key but absent from a configuration is left alone there.
+    (a policy name), ``pools.NAME.policy.PARAM``, ``gpus``, ``cordon.FIELD``,
+    ``arbiter.planner.FIELD`` (a field of :class:`~core.arbiter.PlannerSettings`: ``name``,
+    ``hysteresis``, ``reserve_s``, ...; a log that recorded no planner settings gets the ones it
+    replays with, changed). A pool named in a key but absent from a configuration is left alone
+    there. Raises :class:`ValueError` for an unknown planner setting or a value it refuses.
     """
+    config_settings = [(path, value) for path, value in settings if path[0] != "arbiter"]
+    planner = _planner_changes([(path, value) for path, value in settings if path[0] == "arbiter"])
 
     def transform(event: Event) -> Event:
-        if not isinstance(event, Configured):
+        if isinstance(event, ArbiterGpusDeclared) and planner:
+            recorded = event.planner or PLANNER_SETTINGS_UNRECORDED
+            return attrs.evolve(event, planner=attrs.evolve(recorded, **planner))
+        if not isinstance(event, Configured) or not config_settings:
             return event
         data = encode(event.config)
-        for path, value in settings:
+        for path, value in config_settings:
             _set(data, path, value)
         config = decode(data)
         return attrs.evolve(event, config=config)
 
     return transform
+
+
+def _planner_changes(settings: list[tuple[list[str], Any]]) -> dict[str, Any]:
+    """``arbiter.planner.FIELD=VALUE`` settings as PlannerSettings fields, each checked now."""
+    fields = [f.name for f in attrs.fields(PlannerSettings)]
+    changes: dict[str, Any] = {}
+    for path, value in settings:
+        key = ".".join(path)
+        if len(path) != 3 or path[1] != "planner":
+            raise ValueError(f"--set {key}: unknown key (arbiter.planner.FIELD)")
+        if path[2] not in fields:
+            raise ValueError(
+                f"--set {key}: the arbiter's planner has no setting {path[2]!r} (its settings: "
+                f"{', '.join(fields)})"
+            )
+        changes[path[2]] = value
+    for base in (PlannerSettings(), PLANNER_SETTINGS_UNRECORDED):
+        try:
+            attrs.evolve(base, **changes)
+        except DeoError as exc:
+            raise ValueError(f"--set arbiter.planner: {exc}") from None
+    return changes
 
 
 def _set(data: dict[str, Any], path: list[str], value: Any) -> None:
@@ -242,4 +274,7 @@ def _set(data: dict[str, Any], path: list[str], value: Any) -> None:
     if head == "cordon" and len(rest) == 1 and rest[0] in data["cordon"]:
         data["cordon"][rest[0]] = value
         return
-    raise ValueError(f"--set {'.'.join(path)}: unknown key (pools.NAME.FIELD, gpus, cordon.FIELD)")
+    raise ValueError(
+        f"--set {'.'.join(path)}: unknown key (pools.NAME.FIELD, gpus, cordon.FIELD, "
+        "arbiter.planner.FIELD)"
+    )

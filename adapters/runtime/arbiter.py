@@ -4,8 +4,8 @@ The arbiter's decisions live in the core (``State.arbiter``): a grant is the clu
 GPUs (or having ranks awake), so a caller waiting for one reads the state rather than a message
 that a restart would lose. :class:`ArbiterBoard` is the executor of the arbiter's commands: it
 wakes every waiting caller when one of them is carried out, or when the runner handled an
-engine's confirmation or a worker's exit (:meth:`ArbiterBoard.handled`), and keeps why a request
-failed (``RequestFailed``) or was withdrawn (a release) until the cluster asks again.
+engine's confirmation, a worker's exit or a release (:meth:`ArbiterBoard.handled`). Why a request
+failed or was withdrawn is in the state too (``Cluster.request_ended``), not here.
 """
 
 from __future__ import annotations
@@ -35,14 +35,17 @@ from core.arbiter import (
 __all__ = ["ArbiterBoard"]
 
 _ARBITER_COMMANDS = (GrantGpus, RequestFailed, ShrinkGeneration, ExpandGeneration)
-#: Events after which a grant may be answered with no arbiter command.
-_CONFIRMATIONS = (
+#: Events after which a waiting request may be answered with no arbiter command.
+_WAKING = (
     EngineAsleep,
     EngineAwake,
     EngineSleepFailed,
     EngineWakeFailed,
     WorkerReady,
     WorkerExited,
+    GpusReleased,
+    GpusReleasedAndRequested,
+    PipelineUnregistered,
 )
 
 
@@ -53,28 +56,15 @@ class ArbiterBoard:
         #: ``[arbiter]`` is configured: until its GPUs are declared, deo is still starting.
         self.configured = configured
         self._changed = anyio.Event()
-        #: (pipeline, cluster) -> why its last request failed, until it asks again.
-        self.failed: dict[tuple[str, str], str] = {}
-        #: (pipeline, cluster) -> the event that withdrew what it asked for (a release, its
-        #: pipeline leaving), until it asks again.
-        self.withdrawn: dict[tuple[str, str], str] = {}
 
     def handled(self, event: Event) -> None:
         """The runner handled ``event``: wake the waiting callers if it may answer one without
-        an arbiter command (an engine confirmed a sleep or a wake, came up, or exited)."""
-        if isinstance(event, _CONFIRMATIONS):
+        an arbiter command (an engine confirmed a sleep or a wake, came up, or exited; a release
+        withdrew a request; a pipeline left)."""
+        if isinstance(event, _WAKING):
             self.notify()
-        elif isinstance(event, GpusReleased):
-            self.withdrawn[(event.pipeline, event.cluster)] = "released"
-        elif isinstance(event, GpusReleasedAndRequested):
-            self.withdrawn[(event.pipeline, event.release_cluster)] = "released"
-        elif isinstance(event, PipelineUnregistered):
-            for key in [k for k in self.withdrawn if k[0] == event.pipeline]:
-                del self.withdrawn[key]
 
     async def execute(self, command: Command) -> None:
-        if isinstance(command, RequestFailed):
-            self.failed[(command.pipeline, command.cluster)] = command.reason
         if isinstance(command, _ARBITER_COMMANDS):
             self.notify()
 

@@ -84,12 +84,16 @@ class GpusRequested(Event):
     Generation clusters ask with GENERATION and are answered once at least one rank is awake;
     other clusters ask with any other priority and are answered with their whole mapping.
     ``estimate_trajectories``: a generation request's expected work when no progress is known.
+    ``request_id``: the caller's name for this request, the same on each of its long polls: a
+    poll sent again (after a restart of deo) is then answered about this request (granted,
+    withdrawn, failed) instead of queuing it anew.
     """
 
     pipeline: UrlName
     cluster: UrlName
     priority: Priority = attrs.field(converter=as_priority)
     estimate_trajectories: int | None = None
+    request_id: UrlName | None = None
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -111,6 +115,8 @@ class GpusReleasedAndRequested(Event):
     cluster: UrlName
     priority: Priority = attrs.field(converter=as_priority)
     estimate_trajectories: int | None = None
+    #: As :attr:`GpusRequested.request_id`.
+    request_id: UrlName | None = None
 
 
 @attrs.frozen(slots=True, kw_only=True)

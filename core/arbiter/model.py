@@ -181,6 +181,12 @@ class Cluster:
     #: How long its last holds lasted, from grant to release, oldest first (at most
     #: :data:`HOLDS_KEPT`): how long it usually keeps its GPUs.
     holds_s: tuple[float, ...] = attrs.field(default=(), converter=_float_tuple)
+    #: The caller's name for its latest request (waiting or answered), if it gave one.
+    request_id: str | None = None
+    #: Why its latest request can no longer be answered with a grant (it was withdrawn by a
+    #: release, or failed), until it asks again; None otherwise. Kept in the state, so a caller
+    #: still waiting on that request is told so after deo restarts too.
+    request_ended: str | None = None
 
     def active_gpus(self) -> tuple[str, ...]:
         return tuple(g for r in sorted(self.active_ranks) for g in self.spec.bundle(r))
@@ -311,6 +317,9 @@ class ArbiterState:
     planner: PlannerSettings | None = None
     #: Holders treated as overstaying (``pipeline/cluster``): their alert is raised.
     overstaying: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
+    #: Holders (``pipeline/cluster``) whose held GPUs include a cordoned one: a hold cannot be
+    #: revoked, so it stays, and their alert is raised.
+    holds_on_cordoned: frozenset[str] = attrs.field(default=frozenset(), converter=str_set)
 
     def clusters(self) -> Iterator[tuple[str, Cluster]]:
         """Every (pipeline id, cluster), in registration order."""

@@ -56,6 +56,12 @@ rank only when the move pays for its wake, sleep and lost in-flight work::
    takes (the floor).
 3. Idle bundles that no target can use go to eligible pipelines that can place them.
 
+Cordoned GPUs (deo's health rules or an operator) get nothing new, and a rank awake on one is
+its cluster's first to shrink: it is put to sleep while its cluster is above its target (before
+any healthy rank of it goes to another pipeline; the targets are then computed again without
+it), or when an idle healthy bundle of its cluster can take its place (a rank sleeps there and
+another wakes: a rank's bundle is fixed). Otherwise it keeps generating.
+
 A generation request is answered only once one of its ranks is awake.
 """
 
@@ -544,12 +550,15 @@ class GapRatioPlanner:
         _priorities(board, shrink_when_blocked=False, planner=self)
         demand = self.demand(state)
         eligible = sorted(k for k, d in demand.items() if d.eligible)
-        if not eligible:
-            return board.result()
         remaining = {k: demand[k].remaining for k in demand}
         work = self.work(state, demand)
         probes = {k for k in eligible if demand[k].probe}
         targets = self._targets(board, eligible, work, probes)
+        while _leave_cordoned(board, targets, work):
+            # The GPUs left are no share any more: the targets are those of what is left.
+            targets = self._targets(board, eligible, work, probes)
+        if not eligible:
+            return board.result()
         # Idle GPUs first: waking on them takes nothing from anyone.
         self._fill_idle(board, eligible, targets, remaining, work, probes, within_targets=True)
         stuck: set[ClusterKey] = set()
@@ -627,7 +636,12 @@ class GapRatioPlanner:
         cap = {
             k: min(
                 board.specs[k].dp_limit,
-                sum(1 for r in range(board.specs[k].ranks) if board.placeable(k, r)),
+                # Ranks it can wake, and those awake already (on a cordoned GPU too).
+                sum(
+                    1
+                    for r in range(board.specs[k].ranks)
+                    if r in board.active[k] or board.placeable(k, r)
+                ),
                 1 if k in probes else board.specs[k].ranks,
             )
             * board.specs[k].tp_size
@@ -731,6 +745,63 @@ class GapRatioPlanner:
         if gain <= self.hysteresis * before:
             return False
         return not timed or gain > self.move_cost_s
+
+
+def _cordoned_ranks(board: _Board, key: ClusterKey) -> list[int]:
+    """``key``'s awake ranks whose bundle has a cordoned GPU."""
+    cordoned = board.state.cordoned
+    spec = board.specs[key]
+    return [r for r in sorted(board.active[key]) if set(spec.bundle(r)) & cordoned]
+
+
+def _leave_cordoned(
+    board: _Board, targets: dict[ClusterKey, int], work: dict[ClusterKey, float]
+) -> bool:
+    """Generation off cordoned GPUs (deo's health rules or an operator cordoned them: they are
+    being emptied); whether a rank left one. A rank's bundle is fixed, so a rank cannot move:
+    one awake on a cordoned GPU is the first of its cluster to shrink. While the cluster is
+    above its target it shrinks them, before any healthy rank of it is given to another
+    pipeline; every other one is put to sleep once the cluster can wake another rank in its
+    place on an idle healthy bundle (the cluster keeps as many awake GPUs). The rest keep
+    generating where they are: putting them to sleep would serve nobody."""
+    left = False
+    for key in sorted(board.generation.values()):
+        for rank in _cordoned_ranks(board, key):
+            gpus = sorted(set(board.specs[key].bundle(rank)) & board.state.cordoned)
+            if board.active_gpus(key) > targets.get(key, 0):
+                board.shrink(
+                    key,
+                    rank,
+                    f"GPUs {gpus} are cordoned and {_name(key)} is above its target of"
+                    f" {targets.get(key, 0)} GPUs: its rank there is the first to shrink",
+                )
+                left = True
+                continue
+            spec = board.specs[key]
+            free = [
+                r
+                for r in range(spec.ranks)
+                if r not in board.active[key]
+                and board.placeable(key, r)
+                and all(g in board.idle for g in spec.bundle(r))
+            ]
+            if not free:
+                continue
+            instead = min(free, key=lambda r: (_claim_risk(board, work, key, r), r))
+            board.shrink(
+                key,
+                rank,
+                f"GPUs {gpus} are cordoned: {_name(key)} rank {rank} sleeps, rank {instead} wakes"
+                " in its place on idle healthy GPUs",
+            )
+            board.expand(
+                key,
+                instead,
+                f"{_name(key)} rank {instead} wakes on idle healthy GPUs in place of rank {rank},"
+                f" whose GPUs {gpus} are cordoned",
+            )
+            left = True
+    return left
 
 
 def _claim_risk(

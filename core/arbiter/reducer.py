@@ -186,6 +186,9 @@ def _request(
         raise Refused(f"{where} already holds {list(cluster.held)}; release them first")
     if not _servable(state, cluster):
         raise Refused(f"{where}: its GPUs are lost {sorted(state.lost)}; it can never be served")
+    asked = attrs.evolve(cluster, request_id=event.request_id, request_ended=None)
+    state = _put_cluster(state, event.pipeline, asked)
+    cluster = _cluster(state, event.pipeline, event.cluster, event)
     if generation and cluster.active_ranks:
         answer = GrantGpus(
             reason=f"{event.pipeline}/{event.cluster} already has ranks awake",
@@ -213,7 +216,10 @@ def _requested(state: ArbiterState, event: ae.GpusRequested) -> Any:
 def _released_state(state: ArbiterState, pipeline_id: str, cluster: Cluster) -> ArbiterState:
     """``state`` with ``cluster``'s request withdrawn; releasing a generation cluster also ends
     its pipeline's rollout (its durable demand), so the same step does not wake it again."""
-    state = _put_cluster(state, pipeline_id, attrs.evolve(cluster, request=None))
+    ended = "the request was withdrawn (released) before an answer"
+    state = _put_cluster(
+        state, pipeline_id, attrs.evolve(cluster, request=None, request_ended=ended)
+    )
     if cluster.spec.is_generation:
         pipeline = state.pipelines[pipeline_id]
         state = _put_pipeline(state, attrs.evolve(pipeline, rollout_open=False))
@@ -234,12 +240,12 @@ def _released_and_requested(state: ArbiterState, event: ae.GpusReleasedAndReques
     # The request is judged as if the release had happened; when it is refused this raises and
     # the release is not kept either.
     requested, commands = _request(apply_plan(released, plan), event)
-    if commands:  # answered at once: no request waits
-        return released, plan, commands
+    # Answered at once (commands), no request waits; else the request queued in ``requested``.
     request = requested.pipelines[event.pipeline].clusters[event.cluster].request
     target = released.pipelines[event.pipeline].clusters[event.cluster]
-    pre = _put_cluster(released, event.pipeline, attrs.evolve(target, request=request))
-    return attrs.evolve(pre, next_seq=requested.next_seq), plan, []
+    asked = attrs.evolve(target, request=request, request_id=event.request_id, request_ended=None)
+    pre = _put_cluster(released, event.pipeline, asked)
+    return attrs.evolve(pre, next_seq=requested.next_seq), plan, commands
 
 
 def _progress(state: ArbiterState, event: ae.ProgressReported) -> Any:
@@ -302,10 +308,12 @@ def _gpu_lost(state: ArbiterState, event: e.GpuLost) -> Any:
                 )
             )
         if cluster.request is not None and not _servable(state, cluster):
-            state = _put_cluster(state, pipeline_id, attrs.evolve(cluster, request=None))
+            why = f"GPU {event.gpu_id} lost: the request can never be served"
+            ended = attrs.evolve(cluster, request=None, request_ended=f"the request failed: {why}")
+            state = _put_cluster(state, pipeline_id, ended)
             commands.append(
                 RequestFailed(
-                    reason=f"GPU {event.gpu_id} lost: the request can never be served",
+                    reason=why,
                     pipeline=pipeline_id,
                     cluster=cluster.spec.name,
                 )
@@ -426,7 +434,38 @@ def reduce_arbiter(
     planned_commands = _commands(pre, plan, after)
     after = _answered(after, planned_commands)
     after, alerts = _overstaying_alerts(after, chosen)
-    return after, planned_commands + commands + alerts
+    after, cordoned_alerts = _cordoned_hold_alerts(after)
+    return after, planned_commands + commands + alerts + cordoned_alerts
+
+
+def _cordoned_hold_alerts(after: ArbiterState) -> tuple[ArbiterState, list[c.Command]]:
+    """An alert for each holder whose held GPUs became cordoned (a hold is never revoked: it
+    stays until released), resolved once it released them or they are uncordoned."""
+    found = {
+        f"{pipeline_id}/{cluster.spec.name}": sorted(set(cluster.held) & after.cordoned)
+        for pipeline_id, cluster in after.clusters()
+        if set(cluster.held) & after.cordoned
+    }
+    if set(found) == after.holds_on_cordoned:
+        return after, []
+    alerts: list[c.Command] = [
+        c.RaiseAlert(
+            reason=f"{name} holds GPUs {found[name]}, which are cordoned: a hold is not revoked,"
+            " so it keeps them until it releases them; nothing new goes there",
+            alert=AlertName.HOLD_ON_CORDONED,
+            subject=name,
+        )
+        for name in sorted(set(found) - after.holds_on_cordoned)
+    ]
+    alerts += [
+        c.ResolveAlert(
+            reason=f"{name} no longer holds a cordoned GPU",
+            alert=AlertName.HOLD_ON_CORDONED,
+            subject=name,
+        )
+        for name in sorted(after.holds_on_cordoned - set(found))
+    ]
+    return attrs.evolve(after, holds_on_cordoned=frozenset(found)), alerts
 
 
 def _overstaying_alerts(

@@ -51,6 +51,8 @@ SHARED_EVENTS: frozenset[type[e.Event]] = frozenset({e.GpuLost, e.Tick})
 #: The subject of the arbiter's alerts.
 ALERT_SUBJECT = "arbiter"
 _REFUSED = (AlertName.PLAN_REFUSED, ALERT_SUBJECT)
+#: The arbiter's alerts on its holders (subject ``pipeline/cluster``).
+_HOLDER_ALERTS = (AlertName.HOLDER_OVERSTAYING, AlertName.HOLD_ON_CORDONED)
 
 
 def _ownership(arbiter: ArbiterState) -> object:
@@ -70,9 +72,9 @@ def arbiter_step(state: State, event: e.Event) -> tuple[State, list[c.Command]]:
         for command in commands
     )
     for command in commands:  # the arbiter's own alerts on its holders
-        if isinstance(command, c.RaiseAlert) and command.alert == AlertName.HOLDER_OVERSTAYING:
+        if isinstance(command, c.RaiseAlert) and command.alert in _HOLDER_ALERTS:
             alerts = alerts | {(command.alert, command.subject)}
-        elif isinstance(command, c.ResolveAlert) and command.alert == AlertName.HOLDER_OVERSTAYING:
+        elif isinstance(command, c.ResolveAlert) and command.alert in _HOLDER_ALERTS:
             alerts = alerts - {(command.alert, command.subject)}
     if refused:
         alerts = alerts | {_REFUSED}
