@@ -29,8 +29,8 @@ from deo_worker.arbiter_client import ArbiterClient, Cluster
 TOKEN = "arbiter-tenancy-token"
 SHARED = ["0", "1"]
 MEMORY_MIB = 64
-#: How late each stand-in answers a sleep or wake call: long enough to be seen falling asleep.
-CONTROL_DELAY_S = 1.0
+#: How late each stand-in answers a sleep or wake call (a real engine takes a while too).
+CONTROL_DELAY_S = 0.3
 
 
 def rss_bytes(pid: int) -> int:
