@@ -47,6 +47,11 @@ def free_healthy_gpus(state: State) -> int:
     )
 
 
+def _on(state: State, gpu_id: str) -> list[str]:
+    """The live workers on ``gpu_id``."""
+    return [w.worker_id for w in state.workers.values() if gpu_id in w.gpus]
+
+
 def _crashed(event: e.Event, worker: Worker, t: float, early_exit_s: float) -> bool:
     """Whether ``worker``, gone in this step, ended in what deo must count as a crash."""
     if isinstance(event, e.SpawnFailed):
@@ -61,11 +66,31 @@ def _crashed(event: e.Event, worker: Worker, t: float, early_exit_s: float) -> b
 def state_violations(state: State) -> list[str]:
     """Everything wrong with ``state`` on its own."""
     found: list[str] = []
-    # 1. A GPU is held by at most one live worker, and only GPUs of the inventory are held.
-    holders = Counter(g for w in state.workers.values() for g in w.gpus)
-    for gpu_id, count in sorted(holders.items()):
-        if count > 1:
-            found.append(f"1: GPU {gpu_id} held by {count} live workers")
+    # 1. A GPU is held by at most one live worker that holds its memory (any state but asleep:
+    # starting, waking, draining and stopping count); beside it only asleep engines (tenants).
+    # Only GPUs of the inventory are held.
+    on_gpu: dict[str, list[Worker]] = {}
+    for worker in state.workers.values():
+        for gpu_id in worker.gpus:
+            on_gpu.setdefault(gpu_id, []).append(worker)
+    for gpu_id, workers in sorted(on_gpu.items()):
+        holding = sorted(w.worker_id for w in workers if w.holds_memory)
+        if len(holding) > 1:
+            found.append(
+                f"1: GPU {gpu_id} held by {len(holding)} live workers that hold its memory: "
+                f"{', '.join(holding)}"
+            )
+        if len(workers) > 1:
+            others = sorted(
+                w.worker_id
+                for w in workers
+                if w.pool not in state.pools or not state.pools[w.pool].spec.is_engine
+            )
+            if others:
+                found.append(
+                    f"1: GPU {gpu_id} is shared by {len(workers)} live workers, "
+                    f"{', '.join(others)} no engine (only asleep engines share a GPU)"
+                )
         if gpu_id not in state.gpus:
             found.append(f"1: GPU {gpu_id} held but not in the inventory")
     # 2. Counted workers within [min, max]; below min only with an alert saying why.
@@ -161,11 +186,19 @@ def step_violations(
     t = after.now
     for command in commands:
         if isinstance(command, c.SpawnWorker):
-            # 1. No new worker on a cordoned GPU (sharing one shows in state_violations).
+            # 1. No new worker on a cordoned GPU (two holding one show in state_violations),
+            # and only an engine of a pool the arbiter runs beside asleep engines.
+            tenant_pool = command.pool in after.arbiter.engine_pools()
             for gpu_id in command.gpus:
                 gpu = after.gpus.get(gpu_id)
                 if gpu is None or gpu.causes:
                     found.append(f"1: {command.worker_id} placed on cordoned GPU {gpu_id}")
+                beside = sorted(w for w in _on(after, gpu_id) if w != command.worker_id)
+                if beside and not tenant_pool:
+                    found.append(
+                        f"1: {command.worker_id} of {command.pool}, which the arbiter does not "
+                        f"run, placed on GPU {gpu_id} beside {', '.join(beside)}"
+                    )
             # 5. No failed slot replaced before its backoff has passed.
             pool = before.pools.get(command.pool)
             worker = after.workers.get(command.worker_id)

@@ -154,6 +154,13 @@ class Worker:
     def counted(self) -> bool:
         return self.state in COUNTED
 
+    @property
+    def holds_memory(self) -> bool:
+        """Whether it holds (or may be taking) its GPUs' memory: every live worker but an engine
+        confirmed asleep and not woken since (asleep, or being stopped from there). Any number
+        of asleep engines may share a GPU with the one worker that holds its memory."""
+        return self.state is not WorkerState.SLEEPING and self.asleep_t is None
+
 
 @replaceable
 @attrs.frozen(slots=True, kw_only=True)

@@ -156,6 +156,11 @@ class Step:
         The step must not be used afterwards: the state's views show its copies.
         """
         if self.dirty_pools:
+            bound = self.base.arbiter.engine_pools() if self.base.arbiter.pipelines else {}
+            if not self.dirty_pools.isdisjoint(bound):
+                # An engine of one may have released GPUs another's rank waits for (engine-run
+                # clusters may share GPUs): every one follows its ranks again.
+                self.dirty_pools.update(n for n in bound if n in self.pools)
             self.reconcile(sorted(self.dirty_pools))
         owned = self._owned
         state = replace(
@@ -425,11 +430,16 @@ class Step:
     def reconcile(self, names: Iterable[str]) -> None:
         """Spawn up to each named pool's target and drain what exceeds it."""
         by_pool: dict[str, list[Worker]] = {}
-        held: set[str] = set()
+        held: set[str] = set()  # by a worker that holds their memory
+        occupied: set[str] = set()  # by any live worker, asleep engines included
         for worker in self.workers.values():
-            held.update(worker.gpus)
+            occupied.update(worker.gpus)
+            if worker.holds_memory:
+                held.update(worker.gpus)
             if worker.state in COUNTED:
                 by_pool.setdefault(worker.pool, []).append(worker)
+        # The arbiter's engines may start or wake beside asleep engines (tenants), never beside
+        # a worker that holds the memory.
         free = [
             gpu_id
             for gpu_id in self.config.gpus
@@ -437,9 +447,10 @@ class Step:
         ]
         bound = self.base.arbiter.engine_pools() if self.base.arbiter.pipelines else {}
         # The arbiter's GPUs are its clusters' alone: a pool it does not run never takes one
-        # (a training cluster's hold is no deo worker, so nothing else would keep it free).
+        # (a training cluster's hold is no deo worker, so nothing else would keep it free), nor
+        # a GPU any live worker has.
         arbiter_gpus = set(self.base.arbiter.gpus)
-        own_free = [gpu_id for gpu_id in free if gpu_id not in arbiter_gpus]
+        own_free = [g for g in free if g not in arbiter_gpus and g not in occupied]
         for name in names:
             pool = self.pools.get(name)
             if pool is None:

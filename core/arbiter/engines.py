@@ -8,11 +8,17 @@ engine and uses the engine pools' own sleep and wake (every transition in
 :mod:`core.lifecycle`'s table):
 
 - an active rank with no engine gets one started on its bundle; one asleep is woken; one going to
-  sleep stays awake;
+  sleep stays awake; a start or a wake waits while another worker holds the memory of a GPU of
+  the bundle;
 - an asleep rank's active engine goes to sleep (it leaves routing, then the sleep call; its
   memory is released when the engine confirms); one still starting is stopped (it would take
   memory the rank no longer has);
 - an engine on no rank's bundle (the mapping changed, a second engine on one bundle) is stopped.
+
+Engine-run clusters may share GPUs (generation time-shared between pipelines, as rlix does): the
+arbiter gives each GPU to at most one active rank at a time, and that rank's engine starts or
+wakes there only once every other engine there confirmed its sleep or exited. deo's invariant 1
+holds throughout: one worker holds a GPU's memory, any number of asleep engines share it.
 
 A sleep that fails the pool's ``control_attempts`` times stops the engine (its process, and
 with it its memory, ends), as for any engine pool. Whoever answers a grant of GPUs that
@@ -105,9 +111,11 @@ def stop_outsiders(step: RankStep, bound: Mapping[str, object]) -> None:
 def follow_ranks(
     step: RankStep, pool: PoolState, pipeline: str, cluster: Cluster, free: list[str]
 ) -> None:
-    """Bring ``pool``'s engines in line with ``cluster``'s active ranks; an engine is started
-    only on a bundle whose GPUs are all in ``free`` (reconcile's list: held by no live worker,
-    healthy, not cordoned), which it takes from there."""
+    """Bring ``pool``'s engines in line with ``cluster``'s active ranks; an engine is started or
+    woken from its sleep only on a bundle whose GPUs are all in ``free`` (reconcile's list: no
+    live worker holds their memory, healthy, not cordoned), which it takes from there. Asleep
+    engines of other clusters may stay on those GPUs (tenants); an awake one is first put to
+    sleep by its own cluster's ranks and confirms it before this rank's engine takes the GPU."""
     name = pool.spec.name
     spec = cluster.spec
     found, strays = rank_engines([w for w in step.workers.values() if w.pool == name], cluster)
@@ -125,8 +133,15 @@ def follow_ranks(
         if engine is None:
             continue
         if rank in cluster.active_ranks:
-            if engine.state in (S.GOING_TO_SLEEP, S.SLEEPING):
-                engines.wake_one(step, engine, f"the arbiter has {who} rank {rank} awake")
+            why = f"the arbiter has {who} rank {rank} awake"
+            if engine.state is S.GOING_TO_SLEEP:
+                engines.wake_one(step, engine, why)  # it still holds its memory
+            elif engine.state is S.SLEEPING and all(g in free for g in engine.gpus):
+                for gpu in engine.gpus:
+                    free.remove(gpu)
+                engines.wake_one(step, engine, why)
+            # Asleep on a GPU whose memory another worker holds (another cluster's engine on
+            # its way to sleep, or a stopping worker): it wakes once that one released it.
             continue
         why = f"the arbiter put {who} rank {rank} to sleep"
         if engine.state is S.ACTIVE:

@@ -95,8 +95,8 @@ def check_engine_pools(state: State, event: e.Event) -> None:
     """Refuse a registration whose generation cluster names an engine pool deo cannot run it
     with: no such pool, not an engine pool, one engine's GPUs not the cluster's ``tp_size``,
     fewer ``max_workers``, ``max_asleep`` or ports than the cluster has ranks, a rank's bundle
-    on two nodes, a pool another cluster already runs on, or GPUs another engine-run cluster
-    has."""
+    on two nodes, a pool another cluster already runs on, or GPUs outside deo's. Its GPUs may
+    be another engine-run cluster's too: their engines time-share them."""
     if isinstance(event, ae.PipelineRegistered):
         specs = event.clusters
     elif isinstance(event, ae.ClusterRegistered):
@@ -119,16 +119,8 @@ def check_engine_pools(state: State, event: e.Event) -> None:
         if name in bound:
             pipeline, cluster = bound[name]
             raise Refused(f"{where} already runs {pipeline}/{cluster.spec.name}")
-        for pipeline, cluster in bound.values():
-            shared = sorted(set(spec.device_mapping) & set(cluster.spec.device_mapping))
-            if shared:
-                # deo keeps one worker per GPU: two engine pools' engines, one of them asleep,
-                # cannot share a GPU yet.
-                raise Refused(
-                    f"{where}: GPUs {shared} are also {pipeline}/{cluster.spec.name}'s, run by "
-                    f"engine pool {cluster.spec.engine_pool!r}; engine pools of the arbiter "
-                    f"need GPUs of their own"
-                )
+        # Engine-run clusters may share GPUs: one engine holds a GPU's memory, the others
+        # there sleep (core.arbiter.engines).
         outside = [g for g in spec.device_mapping if g not in state.config.gpus]
         if outside:
             raise UnknownSubject(f"{where}: GPUs {outside} are not among deo's GPUs")

@@ -175,17 +175,6 @@ def test_a_cluster_deo_cannot_run_on_the_pool_is_refused(
     assert run.reducer.state is before
 
 
-def test_two_engine_run_clusters_on_the_same_gpus_are_refused() -> None:
-    run = Run()
-    other = engine_pool(name="gen2", ports=(18010, 18013))
-    config = Config(pools=[engine_pool(), other], gpus=GPUS)
-    run.feed(Configured(t=run.at(), config=config))
-    run.register()
-    spec = ClusterSpec(name="gen", kind=6, device_mapping=["1"], engine_pool="gen2")
-    with pytest.raises(Refused, match="need GPUs of their own"):
-        run.feed(PipelineRegistered(t=run.at(), pipeline="q", clusters=[spec]))
-
-
 def live_on(run: Run) -> dict[str, list[str]]:
     """GPU -> the live workers on it (any state but exited)."""
     found: dict[str, list[str]] = {}

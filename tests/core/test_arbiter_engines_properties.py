@@ -3,8 +3,10 @@ arbitrary registrations (with and without ``engine_pool``), requests, releases, 
 unregistrations, beside a worker pool; engines that start, come up, crash, confirm or fail their
 sleep and wake calls; GPUs lost, cordoned and uncordoned; time passing.
 
-Every step runs through ``Reducer(check_invariants=True)``: no GPU ever has two live workers, no
-worker is started on a lost or cordoned GPU, no pool has more workers than its ``max_workers``.
+Every step runs through ``Reducer(check_invariants=True)``: no GPU ever has two live workers
+that hold its memory (engine-run clusters of two pipelines may share GPUs: the engines beside
+the one that holds a GPU sleep), no worker is started on a lost or cordoned GPU, no pool has
+more workers than its ``max_workers``.
 Beside them, after every step: a pool the arbiter does not run has no worker on the arbiter's
 GPUs unless on its way out, nothing is granted or woken on a GPU deo has cordoned, and an event
 the reducer refuses changes nothing.
@@ -65,6 +67,10 @@ LEAVING = frozenset({S.STOPPING, S.KILLED, S.DRAINING})
 
 POOLS = [
     engine_pool(ports=(18000, 18007), max_workers=4, max_asleep=4, drain_timeout_s=5.0),
+    # A second pool as large: two pipelines' engine-run clusters on the same GPUs.
+    engine_pool(
+        name="gen2", ports=(18200, 18207), max_workers=4, max_asleep=4, drain_timeout_s=5.0
+    ),
     # Too small for a cluster of more than 2 ranks: registration must refuse those.
     engine_pool(name="small", ports=(18100, 18107), drain_timeout_s=5.0),
     PoolSpec(
@@ -121,7 +127,7 @@ class EngineClusterMachine(RuleBasedStateMachine):
         pipeline=PIPELINES,
         train=MAPPINGS,
         gen=MAPPINGS,
-        pool=st.sampled_from([None, "gen", "small", "w"]),
+        pool=st.sampled_from([None, "gen", "gen2", "small", "w"]),
     )
     def register(self, pipeline: str, train: list[str], gen: list[str], pool: str | None) -> None:
         clusters = [
@@ -155,6 +161,44 @@ class EngineClusterMachine(RuleBasedStateMachine):
             self.feed(RolloutOpened(t=self.at(), pipeline=pipeline))
         else:
             self.feed(RolloutClosed(t=self.at(), pipeline=pipeline))
+
+    @rule(pipelines=st.permutations(["p0", "p1", "p2"]), gen=MAPPINGS, left=st.integers(1, 100))
+    def share(self, pipelines: list[str], gen: list[str], left: int) -> None:
+        """Two pipelines whose generation clusters, run by two engine pools, have the same GPUs
+        both want them (the first more than the second)."""
+        for pipeline, pool, wanted in ((pipelines[0], "gen", 100), (pipelines[1], "gen2", left)):
+            spec = ClusterSpec(
+                name="gen", kind=Priority.GENERATION, device_mapping=gen, engine_pool=pool
+            )
+            self.feed(PipelineRegistered(t=self.at(), pipeline=pipeline, clusters=[spec]))
+            self.rollout(pipeline, opened=True, left=wanted)
+            self.request(pipeline, generation=True)
+
+    @rule()
+    def settle(self) -> None:
+        """Every worker takes its next step the way it goes when all is well: started, ready,
+        out of routing, asleep or awake as asked, exited when stopped."""
+        for worker_id in self.workers(*S):
+            worker = self.reducer.state.workers.get(worker_id)
+            if worker is None:
+                continue
+            t = self.at(0.1)
+            if worker.state is S.REQUESTED:
+                self.pid += 1
+                self.feed(WorkerStarted(t=t, worker_id=worker_id, pid=self.pid, start_time=1))
+            elif worker.state is S.STARTING:
+                self.feed(WorkerReady(t=t, worker_id=worker_id))
+            elif worker.state is S.GOING_TO_SLEEP:
+                load = EngineLoadSampled(
+                    t=t, pool=worker.pool, worker_id=worker_id, in_flight_requests=0
+                )
+                self.feed(load)
+            elif worker.state is S.FALLING_ASLEEP:
+                self.feed(EngineAsleep(t=t, worker_id=worker_id))
+            elif worker.state is S.WAKING:
+                self.feed(EngineAwake(t=t, worker_id=worker_id))
+            elif worker.state in LEAVING:
+                self.feed(WorkerExited(t=t, worker_id=worker_id, exit_code=0))
 
     @rule(pipeline=PIPELINES)
     def unregister(self, pipeline: str) -> None:
@@ -233,6 +277,20 @@ class EngineClusterMachine(RuleBasedStateMachine):
                 continue
             on = set(worker.gpus) & set(ARBITER_GPUS)
             assert not on, f"{worker.worker_id} ({worker.state.value}) of unbound {worker.pool}"
+
+    @invariant()
+    def a_gpu_has_one_memory_holder_and_asleep_engines_beside_it(self) -> None:
+        state = self.reducer.state
+        on_gpu: dict[str, list[str]] = {}
+        for worker in state.workers.values():
+            for gpu in worker.gpus:
+                on_gpu.setdefault(gpu, []).append(worker.worker_id)
+        for gpu, ids in on_gpu.items():
+            holding = [i for i in ids if state.workers[i].holds_memory]
+            assert len(holding) <= 1, f"GPU {gpu}: {holding} hold its memory"
+            if len(ids) > 1:
+                pools = {state.workers[i].pool for i in ids}
+                assert pools <= {"gen", "gen2", "small"}, f"GPU {gpu} shared by {ids}"
 
 
 EngineClusterMachine.TestCase.settings = settings(
