@@ -556,7 +556,7 @@ class BufferPolicy:
                 # off-policy stop discards the long groups, so a full queue overstates what
                 # the pool makes).
                 share = min(covered, _PINNED_SHARE, self.max_down_fraction)
-                how = f"{share:.0%} of the pool (the queue held there for {cooldown:.0f}s)"
+                how = f"{share:.0%} of the pool, the queue held there for {cooldown:.0f}s"
             step = max(1, math.floor(current * share))
             if floor:
                 # A count was found short, with p measured as the queue drained: down to the
@@ -571,8 +571,8 @@ class BufferPolicy:
             if target < current and since_down >= cooldown:
                 return Decision(
                     target=target,
-                    reason=f"{figures}; queue at the off-policy limit -> stepping down by "
-                    f"{how} to {target}",
+                    reason=f"{figures}; queue at the off-policy limit -> stepping down to "
+                    f"{target} (at most {how} at a time)",
                     memory=memory,
                 )
             why = f", {short} were short" if floor >= current else ""

@@ -682,7 +682,7 @@ def test_a_queue_held_at_the_limit_for_a_cooldown_steps_down_by_up_to_a_tenth() 
     pinned = settled(queue_seqs=192.0, last_active=40, last_desired=40)
     decision = probe(pinned, 40)
     assert decision.target == 36, decision.reason
-    assert "stepping down by 10% of the pool (the queue held there for 20s) to 36" in (
+    assert "stepping down to 36 (at most 10% of the pool, the queue held there for 20s" in (
         decision.reason
     )
     # The queue was away from the limit within the cooldown (the last removal may have left
@@ -690,7 +690,7 @@ def test_a_queue_held_at_the_limit_for_a_cooldown_steps_down_by_up_to_a_tenth() 
     left = replace(pinned, away_t=95.0)
     decision = probe(left, 40)
     assert decision.target == 38, decision.reason
-    assert "stepping down by a twentieth of the pool to 38" in decision.reason
+    assert "stepping down to 38 (at most a twentieth of the pool at a time)" in decision.reason
     # A trainer stepping every 0.4 s covers less than a twentieth in a start-up: a twentieth.
     fast = replace(pinned, demand_seqs_s=160.0, fast_demand_seqs_s=160.0, per_worker_seqs_s=8.0)
     assert probe(fast, 40, steps=5).target == 38
