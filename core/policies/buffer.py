@@ -94,8 +94,11 @@ Rules, in order:
    start-ups and 8 steps in a row. The removal goes to max(ceil(need + spread), safe, count -
    ``max_down_fraction`` x count), where safe is the fewest workers that keep the queue inside
    the band for a start-up at the measured demand. At the off-policy limit (where p is not
-   measured and rests on its bound) a twentieth of the pool at a time, and once a count has been
-   found short, only down to the need plus the spread at the p last measured. No removal goes
+   measured and rests on its bound) a twentieth of the pool at a time; with the queue held there
+   for a whole cooldown, up to a tenth: the share whose shortfall (at most that share of D, since
+   every worker makes at least D / n) the two batches above the band cover for a start-up, 2
+   steps / start-up. Once a count has been found short, a twentieth, and only down to the need
+   plus the spread at the p last measured. No removal goes
    back to the last count found short (rule 3 added to it with the pool in place, its workers'
    groups in) unless demand fell by more than a worker makes and by 40%: that count emptied the
    queue once. At most once per max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal
@@ -134,6 +137,12 @@ _FELL = 0.7
 #: A smaller pool whose production fell by less than this share of the workers removed (a
 #: quarter of a proportional fall): saturated.
 _HELD = 0.25
+#: At the off-policy limit a removal takes a twentieth of the pool; with the queue held there
+#: for a whole cooldown, up to a tenth (the batches the full queue holds above the band cover
+#: the shortfall for this many trainer steps per start-up).
+_LIMIT_SHARE = 1 / 20
+_PINNED_SHARE = 1 / 10
+_PINNED_STEPS = 2.0
 
 
 def _floats(value: Iterable[float]) -> tuple[float, ...]:
@@ -222,6 +231,9 @@ class BufferMemory:
     #: Seconds of production measured since the active count last changed (p is then the
     #: present pool's, not a stale one).
     fresh_s: float = 0.0
+    #: When a sample last found the queue away from the off-policy limit for a settle time
+    #: (None: never).
+    away_t: float | None = None
 
 
 def _average(
@@ -531,7 +543,21 @@ class BufferPolicy:
             # rest on its lower bound D / active (every estimate of the need reads high): step
             # down by a twentieth of the pool until the queue leaves the limit, never to a
             # count found short.
-            step = max(1, math.floor(current / 20))
+            share, how = _LIMIT_SHARE, "a twentieth of the pool"
+            pinned = memory.away_t is None or t - memory.away_t >= cooldown
+            covered = step_s * _PINNED_STEPS / startup if startup > 0 else _PINNED_SHARE
+            if not floor and pinned and covered > share:
+                # Held at the limit for a whole cooldown, every worker makes at least D / n:
+                # removing a share f leaves at most f x D short should the need lie just
+                # below. The batches the full queue holds above the band cover that for
+                # two steps / f, the start-up it takes to bring workers back when
+                # f = 2 steps / start-up. At most a tenth (and max_down_fraction): with heavy
+                # tails a pool held at the limit can fall short once the queue leaves it (the
+                # off-policy stop discards the long groups, so a full queue overstates what
+                # the pool makes).
+                share = min(covered, _PINNED_SHARE, self.max_down_fraction)
+                how = f"{share:.0%} of the pool, the queue held there for {cooldown:.0f}s"
+            step = max(1, math.floor(current * share))
             if floor:
                 # A count was found short, with p measured as the queue drained: down to the
                 # need plus the spread, never below what was short.
@@ -545,7 +571,8 @@ class BufferPolicy:
             if target < current and since_down >= cooldown:
                 return Decision(
                     target=target,
-                    reason=f"{figures}; queue at the off-policy limit -> stepping down to {target}",
+                    reason=f"{figures}; queue at the off-policy limit -> stepping down to "
+                    f"{target} (at most {how} at a time)",
                     memory=memory,
                 )
             why = f", {short} were short" if floor >= current else ""
@@ -985,6 +1012,8 @@ class BufferPolicy:
         near_limit = max(queued, memory.last_queued_seqs) >= self._offpolicy_seqs(batch)
         if near_limit:
             changes["limit_t"] = t
+        elif memory.limit_t is None or t - memory.limit_t >= max(4 * (step_s or 0.0), 10.0):
+            changes["away_t"] = t
         # Until p has been measured for a settle time it is provisional: once the pool has
         # settled, intervals soon after the queue was near the limit count too. Where the queue
         # reaches the limit every few steps (a trainer that fetches every full batch at once),

@@ -672,3 +672,30 @@ def test_an_addition_with_the_pool_in_place_marks_the_count_short() -> None:
     # The cold start's pool, just in place: no mark (its p is from the first groups).
     fresh = replace(memory, active_changed_t=95.0, production_seen_s=30.0)
     assert probe(fresh, 8).memory.short_workers is None
+
+
+def test_a_queue_held_at_the_limit_for_a_cooldown_steps_down_by_up_to_a_tenth() -> None:
+    # 40 workers, a queue of 3 batches (at the off-policy limit), a step per 2 s and a 20 s
+    # start-up: the two batches above the band cover a shortfall of a fifth of D for a
+    # start-up, so a pool held there since the last sample away from the limit steps down by a
+    # tenth (the cap), not a twentieth.
+    pinned = settled(queue_seqs=192.0, last_active=40, last_desired=40)
+    decision = probe(pinned, 40)
+    assert decision.target == 36, decision.reason
+    assert "stepping down to 36 (at most 10% of the pool, the queue held there for 20s" in (
+        decision.reason
+    )
+    # The queue was away from the limit within the cooldown (the last removal may have left
+    # the pool near its need): a twentieth.
+    left = replace(pinned, away_t=95.0)
+    decision = probe(left, 40)
+    assert decision.target == 38, decision.reason
+    assert "stepping down to 38 (at most a twentieth of the pool at a time)" in decision.reason
+    # A trainer stepping every 0.4 s covers less than a twentieth in a start-up: a twentieth.
+    fast = replace(pinned, demand_seqs_s=160.0, fast_demand_seqs_s=160.0, per_worker_seqs_s=8.0)
+    assert probe(fast, 40, steps=5).target == 38
+    # A count found short at this demand: a twentieth, never to it.
+    short = replace(pinned, short_workers=30, short_demand_seqs_s=32.0)
+    assert probe(short, 40).target == 38
+    # A removal share below a tenth is respected.
+    assert probe(pinned, 40, policy=BufferPolicy(max_down_fraction=0.05)).target == 38
