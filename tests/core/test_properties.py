@@ -181,6 +181,9 @@ class ReducerMachine(RuleBasedStateMachine):
             assert round_trips(command), command
             self.check_history(before, command)
         self.check_backoff_reset(before)
+        for pool in set(self.last_policy_up) - set(self.state.pools):
+            # Removed with no worker left: declared again, it is a new pool with no history.
+            del self.last_policy_up[pool]
         self.accepted.append((event, commands))
         self.ended |= set(before.workers) - set(self.state.workers)
         return commands

@@ -442,6 +442,28 @@ def test_no_scale_down_within_the_stabilization_window() -> None:
     assert (scale.previous, scale.target) == (5, 1)
 
 
+def test_a_pool_removed_and_declared_again_starts_without_its_scaling_history() -> None:
+    # Removed with no worker left, the pool is gone with its last scale-up: declared again it
+    # is a new pool, free to scale down at once.
+    hpa = PolicySpec(name="hpa", params={"target_per_worker": 4.0})
+    hog = pool("hog", min_workers=1, max_workers=1, gpus_per_worker=1)
+    reducer = Reducer(check_invariants=True)
+
+    def declare(*pools: PoolSpec) -> list[Command]:
+        return reducer.step(Configured(t=0.0, config=Config(pools=[hog, *pools], gpus=["0"])))
+
+    declare(pool("judges", max_workers=1, gpus_per_worker=1, policy=hpa))  # no GPU left for it
+    [up] = of(ScalePool, reducer.step(LoadSampled(t=0.0, pool="judges", in_flight_requests=1)))
+    assert up.source == "policy" and up.target == 1
+    declare()
+    assert "judges" not in reducer.state.pools
+    static = PolicySpec(name="static", params={"count": 1})
+    declare(pool("judges", max_workers=1, policy=static))
+    declare(pool("judges", max_workers=1, policy=hpa, stabilization_s=10.0))
+    [down] = of(ScalePool, reducer.step(LoadSampled(t=0.0, pool="judges", in_flight_requests=0)))
+    assert (down.previous, down.target, down.source) == (1, 0, "policy")
+
+
 def test_source_down_and_stale_samples_hold_the_count() -> None:
     reducer, _ = make(hpa_pool(metrics_stale_s=30))
     start_all(reducer, 0.0)
