@@ -467,17 +467,17 @@ async def run(
                 if not refused and not await _declare_arbiter(settings, runner, out):
                     refused = True
                     tg.cancel_scope.cancel()
-                # Served once the configuration is durable: no reader sees a deo without its
-                # pools. The socket listens already, so an early client waits, not refused.
-                tg.start_soon(
-                    lambda: serve(
-                        app,
-                        sock=sock,
-                        max_connections=max_connections,
-                        request_timeout_s=api.request_timeout_s,
-                    )
-                )
                 if not refused:
+                    # Served once the configuration is durable: no reader sees a deo without
+                    # its pools. The socket listens already: an early client waits, not refused.
+                    tg.start_soon(
+                        lambda: serve(
+                            app,
+                            sock=sock,
+                            max_connections=max_connections,
+                            request_timeout_s=api.request_timeout_s,
+                        )
+                    )
                     out(f"deo: API on {url} (log {settings.log})")
                 tg.start_soon(
                     heartbeat_files, settings.worker_logs, lambda: runner.state, runner.saw
@@ -504,6 +504,7 @@ async def run(
         except* LogWriteFailed as group:
             failed.append(_first_leaf(group))
         finally:
+            sock.close()  # serve closed it already, unless a refusal kept it from serving
             with anyio.CancelScope(shield=True):
                 try:
                     event_log.close()

@@ -99,7 +99,8 @@ class Grant:
 class ArbiterClient:
     """Calls deo's arbiter endpoints for one pipeline. ``url`` defaults to ``$DEO_API_URL``;
     ``token`` (the operator's, or the pipeline's own for every call but :meth:`register`) to
-    ``$DEO_PIPELINE_TOKEN``, else ``$DEO_TOKEN``."""
+    ``$DEO_PIPELINE_TOKEN``, else ``$DEO_TOKEN``; taken from the environment with both set,
+    :meth:`register` and :meth:`token` use ``$DEO_TOKEN`` (the operator's)."""
 
     def __init__(
         self,
@@ -111,7 +112,8 @@ class ArbiterClient:
         call_timeout_s: float = 10.0,
     ) -> None:
         url = url or os.environ.get(API_URL_ENV)
-        token = token or os.environ.get(PIPELINE_TOKEN_ENV) or os.environ.get(TOKEN_ENV)
+        operator_token = None if token else os.environ.get(TOKEN_ENV)
+        token = token or os.environ.get(PIPELINE_TOKEN_ENV) or operator_token
         if not url or not token:
             raise ValueError(
                 f"ArbiterClient needs deo's URL and a token (${API_URL_ENV}; "
@@ -122,6 +124,12 @@ class ArbiterClient:
         self._base = f"{url.rstrip('/')}/v1/arbiter/pipelines"
         self._call_timeout_s = call_timeout_s
         self._http = httpx.Client(headers={"Authorization": f"Bearer {token}"})
+        #: Registering and asking for the pipeline's token need the operator's.
+        self._operator_auth = {"Authorization": f"Bearer {operator_token or token}"}
+        #: A request's id per cluster, kept while it stays queued after an ArbiterTimeout:
+        #: asking again waits in its place, so deo tells this request apart from a new one (a
+        #: release that withdrew it meanwhile is then answered 409, not queued anew).
+        self._queued_ids: dict[str, str] = {}
 
     def close(self) -> None:
         self._http.close()
@@ -142,14 +150,15 @@ class ArbiterClient:
         A call sent again after its answer was lost (deo stopped before answering) and then
         refused as already registered succeeded the first time, if deo has these clusters."""
         body = {"pipeline": self.pipeline, "clusters": [c.as_json() for c in clusters]}
-        response, resent = self._post_once_more(self._base, body)
+        response, resent = self._post_once_more(self._base, body, self._operator_auth)
         if resent and response.status_code == 409 and self._registered_as(clusters):
             return self.token()
         return str(self._checked(response)["token"])
 
     def token(self) -> str:
         """This registered pipeline's own token (asked with the operator token)."""
-        return str(self._post(f"{self._base}/{self.pipeline}/token", {})["token"])
+        url = f"{self._base}/{self.pipeline}/token"
+        return str(self._checked(self._post_once_more(url, {}, self._operator_auth)[0])["token"])
 
     def unregister(self) -> None:
         """Leave: everything the pipeline holds is freed.
@@ -174,10 +183,11 @@ class ArbiterClient:
         ``deadline_s`` (None: wait as long as it takes), the request left queued."""
         body = {"priority": priority, "estimate_trajectories": estimate_trajectories}
         url = f"{self._base}/{self.pipeline}/clusters/{cluster}/request"
-        return self._long_poll(url, body, deadline_s)
+        return self._long_poll(url, body, deadline_s, cluster)
 
     def release(self, cluster: str) -> None:
         """Give back what ``cluster`` holds (generation: its ranks go to sleep)."""
+        self._queued_ids.pop(cluster, None)  # its queued request, if any, is withdrawn
         self._post(f"{self._base}/{self.pipeline}/clusters/{cluster}/release", {})
 
     def release_and_request(
@@ -198,7 +208,8 @@ class ArbiterClient:
             "estimate_trajectories": estimate_trajectories,
         }
         url = f"{self._base}/{self.pipeline}/release-and-request"
-        return self._long_poll(url, body, deadline_s)
+        self._queued_ids.pop(release_cluster, None)
+        return self._long_poll(url, body, deadline_s, cluster)
 
     def progress(self, stream: str, target_trajectories: int, completed_trajectories: int) -> None:
         """Report progress on ``stream`` (the latest report wins)."""
@@ -222,12 +233,16 @@ class ArbiterClient:
 
     # --- plumbing --------------------------------------------------------------------------------
 
-    def _long_poll(self, url: str, body: dict[str, Any], deadline_s: float | None) -> Grant:
+    def _long_poll(
+        self, url: str, body: dict[str, Any], deadline_s: float | None, cluster: str
+    ) -> Grant:
         end = None if deadline_s is None else time.monotonic() + deadline_s
-        body = {**body, "request_id": uuid.uuid4().hex}
+        request_id = self._queued_ids.pop(cluster, None) or uuid.uuid4().hex
+        body = {**body, "request_id": request_id}
         while True:
             left = self.poll_s if end is None else min(self.poll_s, end - time.monotonic())
             if left <= 0:
+                self._queued_ids[cluster] = request_id
                 raise ArbiterTimeout(408, f"no grant within {deadline_s} s; the request is queued")
             response = self._send(
                 url, {**body, "timeout_s": left}, left + self._call_timeout_s, end
@@ -244,12 +259,14 @@ class ArbiterClient:
     def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         return self._checked(self._post_once_more(url, body)[0])
 
-    def _post_once_more(self, url: str, body: dict[str, Any]) -> tuple[httpx.Response, bool]:
+    def _post_once_more(
+        self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> tuple[httpx.Response, bool]:
         """POST with retries; also whether a retry followed an attempt deo may have carried out
         (sent, its answer lost), so that a refusal may be that attempt's own effect."""
         end = time.monotonic() + self._call_timeout_s * 3
         sent: list[bool] = []
-        response = self._send(url, body, self._call_timeout_s, end, sent)
+        response = self._send(url, body, self._call_timeout_s, end, sent, headers)
         return response, any(sent)
 
     def _registered_as(self, clusters: Sequence[Cluster]) -> bool:
@@ -275,13 +292,14 @@ class ArbiterClient:
         timeout_s: float,
         end: float | None,
         sent: list[bool] | None = None,
+        headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         """POST, retrying while deo cannot be reached or is stopping, until ``end``. A failure
         after the request may have reached deo (not a refused connection) is noted in
         ``sent``."""
         while True:
             try:
-                response = self._http.post(url, json=body, timeout=timeout_s)
+                response = self._http.post(url, json=body, timeout=timeout_s, headers=headers)
             except httpx.TransportError as exc:
                 if sent is not None and not isinstance(exc, httpx.ConnectError):
                     sent.append(True)

@@ -87,8 +87,9 @@ gpus = {json.dumps(arbiter_gpus)}
         if refused:
             return
         wait_for("the API", lambda: self.starts() > before)
-        # deo serves only once its configuration and the arbiter's GPUs are durable.
-        assert self.serves_arbiter()
+        # deo announces its API as the server task starts: the first answer may come a moment
+        # later, and it has the arbiter (served only once the arbiter's GPUs are durable).
+        assert wait_for("the arbiter", self.serves_arbiter, retry_on=(httpx.HTTPError,))
 
     def serves_arbiter(self) -> bool:
         """Whether deo's global status has an arbiter section yet."""

@@ -342,8 +342,15 @@ def arbiter_routes(
             and found.request_id == event.request_id
         )
         asked = found is not None and (same or _released(state, event))
-        if same and found is not None and found.request is None:
+        settled = found is not None and bool(
+            found.held or found.active_ranks or found.request_ended is not None
+        )
+        if same and found is not None and found.request is None and settled:
             pass  # this very request, asked before: answered below (granted, withdrawn, failed)
+        elif same and found is not None and found.request is None:
+            # Granted, then preempted before the caller read the grant (training took every
+            # rank back): nothing is left to answer, so it is asked anew, under the same id.
+            await submit_checked(event, f"{pipeline}/{cluster}")
         elif asked and found is not None and found.request is not None:
             # Queued by an earlier call whose long poll ended: wait in the same place.
             if found.request.priority is not event.priority:
@@ -496,7 +503,8 @@ def _answer(state: State, pipeline: str, name: str) -> dict[str, Any] | None:
         raise Refused(f"{pipeline}/{name}: {cluster.request_ended}")
     if cluster.spec.is_generation:
         # Preempted before an answer (training took every rank back), not released: the caller
-        # waits (408 at its deadline; asking again queues anew).
+        # waits (408 at its deadline; asking again, with the same request id or none, queues it
+        # anew).
         return None
     raise Refused(f"{pipeline}/{name}: the request was withdrawn (released) before an answer")
 

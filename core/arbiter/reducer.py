@@ -216,7 +216,11 @@ def _requested(state: ArbiterState, event: ae.GpusRequested) -> Any:
 def _released_state(state: ArbiterState, pipeline_id: str, cluster: Cluster) -> ArbiterState:
     """``state`` with ``cluster``'s request withdrawn; releasing a generation cluster also ends
     its pipeline's rollout (its durable demand), so the same step does not wake it again."""
-    ended = "the request was withdrawn (released) before an answer"
+    ended = (
+        "the request was withdrawn (released) before an answer"
+        if cluster.request is not None
+        else "its GPUs were released since the grant"
+    )
     state = _put_cluster(
         state, pipeline_id, attrs.evolve(cluster, request=None, request_ended=ended)
     )

@@ -839,3 +839,71 @@ async def test_a_request_waiting_on_a_cordoned_gpu_says_so(tmp_path: Path) -> No
         waiting = await h.post(f"{url}/q/clusters/train/request", {"priority": 1, "timeout_s": 0})
         assert waiting.status_code == 408
         assert "GPUs ['1'] of its mapping are cordoned" in waiting.json()["error"]
+
+
+@pytest.mark.anyio
+async def test_a_grant_preempted_before_it_was_read_is_asked_anew_under_its_id(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path) as h:
+        url = "/v1/arbiter/pipelines"
+        await h.post(url, pipeline_body("p", ["0"], GPUS))
+        train = {"name": "train", "kind": "ACTOR_TRAINING", "device_mapping": GPUS}
+        await h.post(url, {"pipeline": "q", "clusters": [train]})
+        ask = {"priority": 6, "request_id": "r1", "timeout_s": 0}
+        granted = await h.post(f"{url}/p/clusters/gen/request", ask)
+        assert granted.status_code == 200, granted.text
+        # Training takes every rank back before the caller (say, its answer lost) reads it.
+        assert (await h.post(f"{url}/q/clusters/train/request", {"priority": 1})).is_success
+        again = await h.post(f"{url}/p/clusters/gen/request", ask)
+        assert again.status_code == 408, again.text
+        gen = (await h.status())["arbiter"]["pipelines"]["p"]["clusters"]["gen"]
+        assert "waiting" in gen, gen  # queued anew, not left waiting on nothing
+        assert (await h.post(f"{url}/q/clusters/train/release")).is_success
+        answered = await h.post(f"{url}/p/clusters/gen/request", {**ask, "timeout_s": 30})
+        assert answered.status_code == 200, answered.text
+        replayed_cleanly(h.log_path)
+
+
+@pytest.mark.anyio
+async def test_the_client_asks_again_in_its_queued_requests_place(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+
+        def trainer(name: str) -> ArbiterClient:
+            client = ArbiterClient(h.url, TOKEN, pipeline=name, poll_s=0.3)
+            client.register([Cluster("train", "ACTOR_TRAINING", ["0", "1"])])
+            return client
+
+        a = await anyio.to_thread.run_sync(trainer, "a")
+        b = await anyio.to_thread.run_sync(trainer, "b")
+        await anyio.to_thread.run_sync(lambda: a.request("train", "ACTOR_TRAINING"))
+        with pytest.raises(ArbiterTimeout):
+            await anyio.to_thread.run_sync(
+                lambda: b.request("train", "ACTOR_TRAINING", deadline_s=0.5)
+            )
+        # Withdrawn while b's loop was between calls (an operator, or b's own earlier process):
+        # asking again is about that request, not a new one.
+        assert (await h.post("/v1/arbiter/pipelines/b/clusters/train/release")).is_success
+        with pytest.raises(ArbiterError) as withdrawn:
+            await anyio.to_thread.run_sync(
+                lambda: b.request("train", "ACTOR_TRAINING", deadline_s=5)
+            )
+        assert withdrawn.value.status == 409 and "withdrawn" in str(withdrawn.value)
+        # Answered, the id is spent: the next call is a new request, granted once a lets go.
+        async with anyio.create_task_group() as tg:
+            got: list[Any] = []
+
+            def wait_for_b() -> None:
+                got.append(b.request("train", "ACTOR_TRAINING", deadline_s=60))
+
+            tg.start_soon(anyio.to_thread.run_sync, wait_for_b)
+            with anyio.fail_after(30):
+                while (
+                    "waiting"
+                    not in (await h.status())["arbiter"]["pipelines"]["b"]["clusters"]["train"]
+                ):
+                    await anyio.sleep(0.05)
+            await anyio.to_thread.run_sync(lambda: a.release("train"))
+        assert got[0].gpus == ("0", "1")
+        a.close()
+        b.close()
