@@ -23,76 +23,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
+from bench.arbiter_deo import TOKEN, arbiter_deo, engine_pool
 from bench.polling import wait_until
-from bench.ports import reserve_port, reserve_port_range
 from deo_worker.arbiter_client import ArbiterClient, Cluster
-
-TOKEN = "arbiter-tenancy-bench-token"
-HEALTHY = {
-    "memory_used_bytes": 2**30,
-    "memory_total_bytes": 80 * 2**30,
-    "temperature_c": 45,
-    "throttle_reasons": [],
-    "errors_total": 0,
-}
-
-
-def _pool(name: str, args: argparse.Namespace) -> str:
-    first = reserve_port_range(args.gpus).first
-    argv = [sys.executable, "-m", "deo_worker.engine_standin", "--port", "{port}"]
-    argv += ["--engine", "vllm", "--memory-mib", str(args.memory_mib)]
-    return f"""[pools.{name}]
-kind = "engine"
-engine = "vllm"
-argv = {json.dumps(argv)}
-gpus_per_worker = 1
-max_workers = {args.gpus}
-max_asleep = {args.gpus}
-ports = [{first}, {first + args.gpus - 1}]
-drain_timeout_s = {args.drain_s}
-control_timeout_s = 30
-[pools.{name}.policy]
-name = "static"
-count = 0
-"""
-
-
-def _config(workdir: Path, args: argparse.Namespace, port: int, gpus: list[str]) -> Path:
-    (workdir / "gpus.json").write_text(json.dumps({g: HEALTHY for g in gpus}))
-    path = workdir / "deo.toml"
-    path.write_text(
-        f"""
-[deo]
-log = "run.jsonl"
-fsync = false
-tick_interval_s = 0.1
-gpus = {json.dumps(gpus)}
-[api]
-port = {port}
-[nvml]
-backend = "file"
-file = "gpus.json"
-[arbiter]
-gpus = {json.dumps(gpus)}
-"""
-        + _pool("a", args)
-        + _pool("b", args)
-    )
-    return path
 
 
 class Watch(threading.Thread):
@@ -126,27 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     gpus = [str(i) for i in range(args.gpus)]
     shown = " ".join(sys.argv[1:] if argv is None else argv)
     print(f"command: python -m bench.arbiter_tenancy_run {shown}")
-    with tempfile.TemporaryDirectory(prefix="deo-tenancy-bench-") as tmp:
-        workdir = Path(tmp)
-        port = reserve_port()
-        url = f"http://127.0.0.1:{port}"
-        config = _config(workdir, args, port, gpus)
-        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "adapters.cli", "run", "--config", str(config)],
-            cwd=workdir,
-            env={**env, "DEO_TOKEN": TOKEN},
-            stdout=(workdir / "deo.out").open("wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+    pools = "".join(
+        engine_pool(
+            name,
+            engines=args.gpus,
+            ports=args.gpus,
+            memory_mib=args.memory_mib,
+            drain_s=args.drain_s,
         )
-        pids: set[int] = set()
+        for name in ("a", "b")
+    )
+    with arbiter_deo("deo-tenancy-bench-", gpus, pools) as deo:
+        url, pids = deo.url, deo.pids
         watch = Watch(url)
         try:
-            wait_until(
-                "deo's arbiter",
-                lambda: "arbiter" in httpx.get(f"{url}/global-status", timeout=5).json(),
-            )
             a = ArbiterClient(url, TOKEN, pipeline="a")
             b = ArbiterClient(url, TOKEN, pipeline="b")
             a.register([Cluster("gen", "GENERATION", gpus, engine_pool="a")])
@@ -198,21 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             a.close()
             b.close()
-            httpx.post(
-                f"{url}/v1/stop",
-                json={"drain": True},
-                headers={"Authorization": f"Bearer {TOKEN}"},
-                timeout=10,
-            )
-            proc.wait(timeout=120)
         finally:
             watch.done.set()
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait(timeout=20)
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
     return 0
 
 
