@@ -450,25 +450,16 @@ def _cordoned_hold_alerts(after: ArbiterState) -> tuple[ArbiterState, list[c.Com
         for pipeline_id, cluster in after.clusters()
         if set(cluster.held) & after.cordoned
     }
-    if set(found) == after.holds_on_cordoned:
-        return after, []
-    alerts: list[c.Command] = [
-        c.RaiseAlert(
-            reason=f"{name} holds GPUs {found[name]}, which are cordoned: a hold is not revoked,"
-            " so it keeps them until it releases them; nothing new goes there",
-            alert=AlertName.HOLD_ON_CORDONED,
-            subject=name,
-        )
-        for name in sorted(set(found) - after.holds_on_cordoned)
-    ]
-    alerts += [
-        c.ResolveAlert(
-            reason=f"{name} no longer holds a cordoned GPU",
-            alert=AlertName.HOLD_ON_CORDONED,
-            subject=name,
-        )
-        for name in sorted(after.holds_on_cordoned - set(found))
-    ]
+    alerts = _alert_changes(
+        AlertName.HOLD_ON_CORDONED,
+        after.holds_on_cordoned,
+        found,
+        raised=lambda name: (
+            f"{name} holds GPUs {found[name]}, which are cordoned: a hold is not"
+            " revoked, so it keeps them until it releases them; nothing new goes there"
+        ),
+        resolved=lambda name: f"{name} no longer holds a cordoned GPU",
+    )
     return attrs.evolve(after, holds_on_cordoned=frozenset(found)), alerts
 
 
@@ -478,25 +469,35 @@ def _overstaying_alerts(
     """``after`` with its overstaying holders (:func:`~core.arbiter.planner.overstaying`)
     brought up to date, and an alert raised for each new one and resolved for each gone."""
     found = overstaying(after, planner)
-    if set(found) == after.overstaying:
-        return after, []
-    alerts: list[c.Command] = [
-        c.RaiseAlert(
-            reason=f"{found[name]}: requests of lower priority are served ahead of it",
-            alert=AlertName.HOLDER_OVERSTAYING,
-            subject=name,
-        )
-        for name in sorted(set(found) - after.overstaying)
-    ]
-    alerts += [
-        c.ResolveAlert(
-            reason=f"{name} no longer holds up a waiting request",
-            alert=AlertName.HOLDER_OVERSTAYING,
-            subject=name,
-        )
-        for name in sorted(after.overstaying - set(found))
-    ]
+    alerts = _alert_changes(
+        AlertName.HOLDER_OVERSTAYING,
+        after.overstaying,
+        found,
+        raised=lambda name: f"{found[name]}: requests of lower priority are served ahead of it",
+        resolved=lambda name: f"{name} no longer holds up a waiting request",
+    )
     return attrs.evolve(after, overstaying=frozenset(found)), alerts
+
+
+def _alert_changes(
+    alert: AlertName,
+    known: frozenset[str],
+    found: Mapping[str, object],
+    *,
+    raised: Callable[[str], str],
+    resolved: Callable[[str], str],
+) -> list[c.Command]:
+    """``alert`` raised for each subject in ``found`` but not ``known``, resolved for each
+    subject ``known`` but no longer found."""
+    commands: list[c.Command] = [
+        c.RaiseAlert(reason=raised(name), alert=alert, subject=name)
+        for name in sorted(set(found) - known)
+    ]
+    commands += [
+        c.ResolveAlert(reason=resolved(name), alert=alert, subject=name)
+        for name in sorted(known - set(found))
+    ]
+    return commands
 
 
 def planner_in_use(state: ArbiterState) -> Planner:
