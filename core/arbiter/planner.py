@@ -196,6 +196,18 @@ class _Board:
             self.idle.discard(gpu)
         self.grants.append(GpuOp(pipeline=key[0], cluster=key[1], gpus=gpus, reason=reason))
 
+    def idle_ranks(self, key: ClusterKey) -> list[int]:
+        """The asleep ranks of ``key`` that may wake on their bundle now: placeable, and every
+        GPU of the bundle idle."""
+        spec = self.specs[key]
+        return [
+            r
+            for r in range(spec.ranks)
+            if r not in self.active[key]
+            and self.placeable(key, r)
+            and all(g in self.idle for g in spec.bundle(r))
+        ]
+
     def placeable(self, key: ClusterKey, rank: int) -> bool:
         """Whether rank ``rank``'s bundle could ever run now: usable and not held."""
         if (key, rank) in self.slept:
@@ -596,13 +608,7 @@ class GapRatioPlanner:
                     continue
                 if within_targets and board.active_gpus(key) + spec.tp_size > targets[key]:
                     continue
-                free = [
-                    r
-                    for r in range(spec.ranks)
-                    if r not in board.active[key]
-                    and board.placeable(key, r)
-                    and all(g in board.idle for g in spec.bundle(r))
-                ]
+                free = board.idle_ranks(key)
                 if not free:
                     continue
                 rank = min(free, key=lambda r: (_claim_risk(board, work, key, r), r))
@@ -777,14 +783,7 @@ def _leave_cordoned(
                 )
                 left = True
                 continue
-            spec = board.specs[key]
-            free = [
-                r
-                for r in range(spec.ranks)
-                if r not in board.active[key]
-                and board.placeable(key, r)
-                and all(g in board.idle for g in spec.bundle(r))
-            ]
+            free = board.idle_ranks(key)
             if not free:
                 continue
             instead = min(free, key=lambda r: (_claim_risk(board, work, key, r), r))
