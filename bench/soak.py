@@ -107,6 +107,8 @@ CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 #: Generous: a loaded machine answers slowly, and slowness is not what this benchmark measures.
 HTTP_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 60.0
+#: How long the cleanup keeps looking for processes of the run to kill.
+CLEANUP_S = 10.0
 
 
 class SoakError(DeoError):
@@ -446,9 +448,12 @@ async def churn(
                 await anyio.sleep(settings.pin_interval_s * rng.uniform(0.5, 1.5))
                 count = None if rng.random() < 0.1 else rng.randint(0, settings.max_workers)
                 try:
-                    response = await client.post(
-                        f"/v1/pools/{POOL}/pin", json={"count": count}, headers=headers
-                    )
+                    # Sent, a pin is logged: its answer is awaited even as the churn ends, so
+                    # the pins counted are the pins in the log.
+                    with anyio.CancelScope(shield=True):
+                        response = await client.post(
+                            f"/v1/pools/{POOL}/pin", json={"count": count}, headers=headers
+                        )
                 except httpx.HTTPError as exc:
                     traffic.failed(f"pin {count}: {exc!r}")
                     continue
@@ -683,14 +688,22 @@ def count_log(path: Path) -> LogCounts:
 
 
 def cleanup(deo: DeoUnderTest) -> None:
-    """Kill whatever of this run is still alive: deo, then every marked process."""
+    """Kill whatever of this run is still alive: deo, then every marked process, until a look
+    finds none (a worker deo was forking as it died execs after the first look)."""
     if deo.process is not None and deo.process.poll() is None:
         deo.process.kill()
         deo.process.wait(timeout=30)
-    for pid in deo.leftovers():
-        if deo.ours(pid):
+    deadline = time.monotonic() + CLEANUP_S
+    while True:
+        # The marker alone: a fork not yet exec'd has deo's environment, without a run id.
+        left = [p for p in processes_with([f"{MARKER_ENV}={deo.marker}"]) if deo.ours(p)]
+        left = [p for p in left if alive(p)]
+        if not left or time.monotonic() >= deadline:
+            return
+        for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
 
 
 # --- analysis ------------------------------------------------------------------------------------

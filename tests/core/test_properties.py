@@ -224,9 +224,12 @@ class ReducerMachine(RuleBasedStateMachine):
         if isinstance(command, ScalePool) and command.source == "policy":
             spec = before.pools[command.pool].spec  # a policy only decides for a known pool
             if command.target > command.previous:
-                self.last_policy_up[command.pool] = self.t
+                after = self.state.pools.get(command.pool)
+                # A guess before anything was measured (a cold start) opens no window.
+                if after is not None and after.last_scale_up_t == self.state.now:
+                    self.last_policy_up[command.pool] = self.state.now
             elif command.pool in self.last_policy_up:
-                since = self.t - self.last_policy_up[command.pool]
+                since = self.state.now - self.last_policy_up[command.pool]
                 assert since >= spec.stabilization_s, f"4: flap on {command.pool} after {since}s"
         if isinstance(command, SpawnWorker):
             pool = before.pools.get(command.pool)

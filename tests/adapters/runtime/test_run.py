@@ -152,6 +152,21 @@ class Deo:
         """Where deo writes ``worker``'s output."""
         return self.dir / "deo-workers" / f"{worker['id']}.log"
 
+    def set_up(self) -> None:
+        """Wait until every active worker has installed its signal handlers, which it says as it
+        starts ("started": examples/worker.py; "child N": the stubborn script). A worker
+        signalled while Python is still starting it dies of the signal's default action."""
+
+        def said(worker: dict[str, Any]) -> bool:
+            text = self.worker_log(worker).read_text()
+            return "started" in text or "child " in text
+
+        wait_for(
+            "every worker set up",
+            lambda: all(said(w) for w in self.workers("active")),
+            retry_on=(FileNotFoundError,),
+        )
+
     def logged_child(self, worker: dict[str, Any]) -> int:
         """The pid ``worker`` printed as ``child N`` in its output, once it has printed it."""
         log = self.worker_log(worker)
@@ -261,6 +276,7 @@ def test_scales_up_and_down_on_pushed_pressure(deo: Callable[[str], Deo]) -> Non
     wait_for("four workers", lambda: len(d.workers("active")) == 4)
     pids = [w["pid"] for w in d.workers()]
     assert all(alive(pid) for pid in pids)
+    d.set_up()
 
     def no_pressure() -> bool:
         # Pushed again on every poll, as a poller would: deo holds the scale-down until its
@@ -367,6 +383,7 @@ def test_an_orchestrator_killed_during_a_drain_adopts_its_workers_on_restart(
     )
     d.start()
     wait_for("three workers", lambda: len(d.workers("active")) == 3)
+    d.set_up()
     before = {w["id"]: w["pid"] for w in d.workers()}
     assert d.post("/v1/pools/stubborn/pin", {"count": 0}).status_code == 200
     wait_for("the drain", lambda: d.workers("draining"))
