@@ -27,13 +27,14 @@ Planners:
 - ``deo``: :class:`core.arbiter.GapRatioPlanner` on the same mappings.
 
 Figures, per scenario and planner, means over seeds: mean step time per pipeline; the mean over
-pipelines of their mean step times (*mean step*) and the slowest pipeline's (*worst step*); GPU
-busy fraction (GPU-seconds producing: generating after a wake, or training, over all GPU-seconds
-from the first arrival); fairness (slowest / fastest normalised progress, where a pipeline's
-normalised progress is its steps times its step time alone on its static share, over the time it
-was present); the longest time any request waited (no pipeline waits forever); preemptions
-(ranks put to sleep while generating). Then deo against static and rlix: *beats* is better by
-more than :data:`TIE` (for step time: mean step lower, worst step no higher), *ties* within it.
+pipelines of their mean step times (*mean step*) and the slowest pipeline's (*worst step*); GPU busy
+fraction (GPU-seconds producing: generating after a wake, or training, less those whose output a
+preemption threw away, over all GPU-seconds from the first arrival); fairness (slowest / fastest
+normalised progress, where a pipeline's normalised progress is its steps times its step time alone
+on its static share, over the time it was present); the longest time any request waited (no pipeline
+waits forever); preemptions (ranks put to sleep while generating). Then deo against static and rlix:
+*beats* is better by more than :data:`TIE` (for step time: mean step lower, worst step no higher),
+*ties* within it.
 """
 
 from __future__ import annotations
@@ -370,9 +371,12 @@ def run(scenario: Scenario, planner_name: str, seed: int | None = None) -> Resul
     }
     gpu_ready_s: dict[str, float] = {}
     counts = {"refused": 0, "preemptions": 0, "wakes": 0}
+    #: GPU-seconds whose output a preemption threw away (not busy after all).
+    lost_gpu_s = 0.0
     t = 0.0
 
     def step(event: Any) -> None:
+        nonlocal lost_gpu_s
         for command in arbiter.step(event):
             if isinstance(command, RaiseAlert):
                 counts["refused"] += 1
@@ -383,9 +387,12 @@ def run(scenario: Scenario, planner_name: str, seed: int | None = None) -> Resul
                 for rank in command.ranks:
                     ready = job.rank_ready_s.pop(rank, math.inf)
                     if job.phase == "rollout" and ready <= t and not job.stalled(t):
-                        # In-flight trajectories are aborted by the sleep.
+                        # In-flight trajectories are aborted by the sleep: the GPU-seconds
+                        # that produced them were not useful work after all.
                         lost_s = min(scenario.preempt_lost_s, t - ready)
-                        job.completed = max(0.0, job.completed - lost_s * job.rate * job.spec.tp)
+                        lost = min(job.completed, lost_s * job.rate * job.spec.tp)
+                        job.completed -= lost
+                        lost_gpu_s += lost / job.rate
                         counts["preemptions"] += 1
             elif isinstance(command, ExpandGeneration):
                 job = jobs[command.pipeline]
@@ -518,7 +525,7 @@ def run(scenario: Scenario, planner_name: str, seed: int | None = None) -> Resul
             j.spec.name: (sum(j.step_times) / len(j.step_times)) if j.step_times else math.inf
             for j in jobs.values()
         },
-        busy_fraction=busy_gpu_s / usable_gpu_s,
+        busy_fraction=(busy_gpu_s - lost_gpu_s) / usable_gpu_s,
         fairness=min(progress) / max(progress) if max(progress) > 0 else 0.0,
         longest_wait_s=max(j.longest_wait_s for j in jobs.values()),
         refused_plans=counts["refused"],

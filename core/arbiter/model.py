@@ -216,6 +216,17 @@ class Pipeline:
     #: by the GPU-seconds it really had).
     rate_gpu_s: float = 0.0
     rate_counted_t: float | None = None
+    #: Its step as the arbiter sees it, from what it already hears (no step times asked): a
+    #: *generation phase* lasts while its rollout is open, its generation request waits or its
+    #: generation has ranks awake; the rest of the step (training, log-probs, ...) lies between
+    #: two such phases. When the latest generation phase began and when the latest one ended
+    #: (None: never), the time from a phase's end to the next one's start (its *non-generation
+    #: time*) and from one phase's start to the next one's (its *step period*), both smoothed
+    #: (None: not measured yet).
+    step_started_t: float | None = None
+    generation_ended_t: float | None = None
+    non_generation_s: float | None = None
+    step_s: float | None = None
 
     def generation(self) -> Cluster | None:
         """Its generation cluster (at most one), if registered."""
@@ -223,6 +234,14 @@ class Pipeline:
             if cluster.spec.is_generation:
                 return cluster
         return None
+
+    def generating(self) -> bool:
+        """Whether it is in a generation phase: its rollout is open, or its generation cluster
+        waits for GPUs or has ranks awake."""
+        cluster = self.generation()
+        return self.rollout_open or (
+            cluster is not None and (cluster.request is not None or bool(cluster.active_ranks))
+        )
 
     def gpu_time_counted(self, now: float) -> Pipeline:
         """This pipeline with its awake generation GPU-seconds counted up to ``now`` (its awake
@@ -267,6 +286,9 @@ class PlannerSettings(CheckedRecord):
     #: A rate sample divides by the awake generation GPU-seconds of its span (False: by the GPUs
     #: awake at the report times the span, as deo's first time-to-finish planner did).
     rate_over_awake_gpu_s: bool = True
+    #: How strongly shares lean towards pipelines whose measured step is long for their size
+    #: (the gain ``k`` of the step factor; 0: shares by remaining GPU-seconds alone).
+    step_weight: float = 2.0
 
     def _check(self) -> None:
         where = "PlannerSettings"
@@ -280,6 +302,8 @@ class PlannerSettings(CheckedRecord):
             raise InvalidEvent(f"{where}.hysteresis must be >= 0, got {self.hysteresis}")
         if self.reserve_s is not None and not 0 < self.reserve_s < math.inf:
             raise InvalidEvent(f"{where}.reserve_s must be > 0 or null, got {self.reserve_s}")
+        if not 0 <= self.step_weight < math.inf:
+            raise InvalidEvent(f"{where}.step_weight must be >= 0, got {self.step_weight}")
         if self.reserve_factor is not None and not 1 <= self.reserve_factor < math.inf:
             raise InvalidEvent(
                 f"{where}.reserve_factor must be >= 1 or null, got {self.reserve_factor}"
@@ -290,7 +314,7 @@ class PlannerSettings(CheckedRecord):
 #: planner (a holder overstays after 600 s whatever its own holds; rates divide by the GPUs
 #: awake at the report).
 PLANNER_SETTINGS_UNRECORDED = PlannerSettings(
-    reserve_s=600.0, reserve_factor=None, rate_over_awake_gpu_s=False
+    reserve_s=600.0, reserve_factor=None, rate_over_awake_gpu_s=False, step_weight=0.0
 )
 
 

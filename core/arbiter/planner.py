@@ -89,6 +89,7 @@ __all__ = [
     "Planner",
     "RlixPlanner",
     "Share",
+    "observe_phase",
     "observe_rate",
     "overstaying",
     "planner_for",
@@ -155,6 +156,10 @@ class _Board:
         self.homes: dict[str, set[str]] = {}
         #: Each pipeline's generation cluster.
         self.generation: dict[str, ClusterKey] = {}
+        #: Remaining work in GPU-seconds, and the step factor's reason, per generation cluster
+        #: (for the reasons; the plan compares weighted work).
+        self.gpu_s: dict[ClusterKey, float] = {}
+        self.step_notes: dict[ClusterKey, str] = {}
         for pipeline_id, cluster in state.clusters():
             key = (pipeline_id, cluster.spec.name)
             self.specs[key] = cluster.spec
@@ -399,6 +404,41 @@ def observe_rate(pipeline: Pipeline, now: float, *, over_awake_gpu_s: bool = Tru
     return attrs.evolve(new_mark, trajectories_per_gpu_s=rate)
 
 
+#: Weight of a new sample in a pipeline's smoothed non-generation time and step period.
+STEP_SMOOTHING = 0.3
+
+
+def observe_phase(before: Pipeline | None, after: Pipeline, now: float) -> Pipeline:
+    """``after`` (the pipeline after an event at ``now``; ``before``: before it, None if it was
+    not registered) with its generation phases followed (:meth:`Pipeline.generating`). When a
+    phase starts, the time since the last one ended is a sample of its non-generation time and
+    the time since the last one started a sample of its step period (each smoothed
+    exponentially); when a phase ends, the time is marked. The arbiter learns each pipeline's
+    step this way from what it already hears (requests, releases, rollouts opened and closed)."""
+    was = before is not None and before.generating()
+    generating = after.generating()
+    if generating == was:
+        return after
+    if not generating:
+        return attrs.evolve(after, generation_ended_t=now)
+    non_generation_s, step_s = after.non_generation_s, after.step_s
+    if after.generation_ended_t is not None:
+        non_generation_s = _smoothed(non_generation_s, now - after.generation_ended_t)
+    if after.step_started_t is not None:
+        step_s = _smoothed(step_s, now - after.step_started_t)
+    return attrs.evolve(after, step_started_t=now, non_generation_s=non_generation_s, step_s=step_s)
+
+
+def _smoothed(old: float | None, sample: float) -> float:
+    return sample if old is None else old + STEP_SMOOTHING * (sample - old)
+
+
+#: The exponent of a pipeline's GPU-seconds per step in its normalised step (see
+#: :meth:`GapRatioPlanner.step_factors`): step times proportional to the cube root of what a
+#: step costs minimise the sum of squared step times for the GPU-seconds there are.
+STEP_EXPONENT = 1 / 3
+
+
 def _rates(state: ArbiterState, keys: Iterable[ClusterKey]) -> dict[ClusterKey, float]:
     """Trajectories per GPU-second per generation cluster: measured, else the mean of the
     measured ones, else 1 per rank (``1 / tp`` per GPU, which makes the weight rlix's
@@ -472,6 +512,9 @@ class GapRatioPlanner:
     reserve_s: float | None = 3600.0
     reserve_factor: float | None = 3.0
     reserve_min_s: float = 60.0
+    #: The gain ``k`` of the step factor (:meth:`step_factors`); 0: shares by remaining
+    #: GPU-seconds alone.
+    step_weight: float = 2.0
 
     def __attrs_post_init__(self) -> None:
         self.settings()  # the same checks as the recorded settings, naming the field
@@ -487,6 +530,7 @@ class GapRatioPlanner:
             reserve_factor=self.reserve_factor,
             reserve_min_s=self.reserve_min_s,
             rate_over_awake_gpu_s=rate_over_awake_gpu_s,
+            step_weight=self.step_weight,
         )
 
     def overstay_limit(self, cluster: Cluster) -> tuple[float, str]:
@@ -536,6 +580,60 @@ class GapRatioPlanner:
         rates = _rates(state, demand)
         return {k: d.remaining / rates[k] for k, d in demand.items()}
 
+    def step_factors(
+        self, state: ArbiterState, demand: dict[ClusterKey, Demand]
+    ) -> dict[ClusterKey, tuple[float, str]]:
+        """Per eligible generation cluster whose pipeline's step is measured, the factor its
+        remaining work is weighted by in the shares, and why, in words.
+
+        ``c = T / r + M * N`` is what one step costs in GPU-seconds (``T`` its rollout's
+        trajectories, ``r`` its rate, ``M`` the GPUs its other clusters map, ``N`` its measured
+        non-generation time); ``s = S / c ** (1/3)`` its normalised step (``S`` its measured
+        step period); the factor is ``(s / mean s) ** step_weight`` over the pipelines measured
+        (at least two). A pipeline whose step is long for what it costs gets more of the
+        budget, one whose step is short less, until normalised steps are even: that is where
+        the sum of squared step times is least (``S`` proportional to ``c ** (1/3)``), between
+        the least mean step (``c ** (1/2)``) and equal steps (the slowest pipeline first)."""
+        if not self.step_weight:
+            return {}
+        rates = _rates(state, demand)
+        normalised: dict[ClusterKey, tuple[float, float, float]] = {}
+        for key, d in demand.items():
+            pipeline = state.pipelines[key[0]]
+            step_s, non_generation_s = pipeline.step_s, pipeline.non_generation_s
+            if not d.eligible or step_s is None or non_generation_s is None:
+                continue
+            if not pipeline.progress:
+                continue
+            trajectories = sum(max(p.target_trajectories, 1) for p in pipeline.progress.values())
+            others = sum(
+                len(c.spec.device_mapping)
+                for c in pipeline.clusters.values()
+                if not c.spec.is_generation
+            )
+            cost = trajectories / rates[key] + others * non_generation_s
+            normalised[key] = (step_s / cost**STEP_EXPONENT, step_s, cost)
+        if len(normalised) < 2:
+            return {}
+        mean = sum(n for n, _, _ in normalised.values()) / len(normalised)
+        found = {}
+        for key, (n, step_s, cost) in normalised.items():
+            factor = (n / mean) ** self.step_weight
+            found[key] = (
+                factor,
+                f"step {step_s:.0f}s for {cost:.0f} GPU-s, {n / mean:.2f} x the mean normalised"
+                f" step: weight x{factor:.2f}",
+            )
+        return found
+
+    def claims(
+        self, state: ArbiterState, demand: dict[ClusterKey, Demand], work: dict[ClusterKey, float]
+    ) -> dict[ClusterKey, float]:
+        """Each generation cluster's remaining work weighted by its step factor
+        (:meth:`step_factors`): what the shares, targets and moves compare."""
+        factors = self.step_factors(state, demand)
+        return {k: w * factors[k][0] if k in factors else w for k, w in work.items()}
+
     def shares(self, state: ArbiterState) -> dict[ClusterKey, Share]:
         """Each generation cluster's demand, target and awake GPUs as this planner sees ``state``
         (for ``deo status`` and metrics; targets are those of the next plan)."""
@@ -543,7 +641,7 @@ class GapRatioPlanner:
         _priorities(board, shrink_when_blocked=False, planner=self)
         demand = self.demand(state)
         eligible = sorted(k for k, d in demand.items() if d.eligible)
-        work = self.work(state, demand)
+        work = self.claims(state, demand, self.work(state, demand))
         probes = {k for k in eligible if demand[k].probe}
         targets = self._targets(board, eligible, work, probes) if eligible else {}
         return {
@@ -563,7 +661,10 @@ class GapRatioPlanner:
         demand = self.demand(state)
         eligible = sorted(k for k, d in demand.items() if d.eligible)
         remaining = {k: demand[k].remaining for k in demand}
-        work = self.work(state, demand)
+        board.gpu_s = self.work(state, demand)
+        board.step_notes = {k: why for k, (_, why) in self.step_factors(state, demand).items()}
+        # From here on "work" is the weighted work: time to finish is that of the weighted work.
+        work = self.claims(state, demand, board.gpu_s)
         probes = {k for k in eligible if demand[k].probe}
         targets = self._targets(board, eligible, work, probes)
         while _leave_cordoned(board, targets, work):
@@ -831,17 +932,20 @@ def _measured(board: _Board, *keys: ClusterKey) -> bool:
 def _left(
     board: _Board, key: ClusterKey, remaining: dict[ClusterKey, int], work: dict[ClusterKey, float]
 ) -> str:
-    """What ``key`` has left, in words: GPU-seconds only once its rate is measured."""
+    """What ``key`` has left, in words: GPU-seconds only once its rate is measured; with its
+    step factor when it has one."""
+    gpu_s = board.gpu_s.get(key, work[key])
+    note = f"; {board.step_notes[key]}" if key in board.step_notes else ""
     if _measured(board, key):
-        return f"{remaining[key]} trajectories, {work[key]:.0f} GPU-s remaining"
+        return f"{remaining[key]} trajectories, {gpu_s:.0f} GPU-s remaining{note}"
     if any(p.trajectories_per_gpu_s is not None for p in board.state.pipelines.values()):
         return (
-            f"{remaining[key]} trajectories, about {work[key]:.0f} GPU-s remaining at the mean"
-            " measured rate (its own not measured yet)"
+            f"{remaining[key]} trajectories, about {gpu_s:.0f} GPU-s remaining at the mean"
+            f" measured rate (its own not measured yet){note}"
         )
     return (
-        f"{remaining[key]} trajectories remaining, weight {work[key]:.0f}"
-        " (rate not measured yet: R x tp)"
+        f"{remaining[key]} trajectories remaining, weight {gpu_s:.0f}"
+        f" (rate not measured yet: R x tp){note}"
     )
 
 
@@ -993,4 +1097,5 @@ def planner_for(settings: PlannerSettings | None) -> Planner:
         reserve_s=chosen.reserve_s,
         reserve_factor=chosen.reserve_factor,
         reserve_min_s=chosen.reserve_min_s,
+        step_weight=chosen.step_weight,
     )

@@ -38,7 +38,13 @@ from core.arbiter.model import (
     Request,
 )
 from core.arbiter.plan import ClusterKey, GpuOp, Plan, RankOp, apply_plan
-from core.arbiter.planner import Planner, observe_rate, overstaying, planner_for
+from core.arbiter.planner import (
+    Planner,
+    observe_phase,
+    observe_rate,
+    overstaying,
+    planner_for,
+)
 from core.errors import InvalidEvent, Refused, UnknownSubject
 from core.vocabulary import AlertName
 
@@ -249,6 +255,8 @@ def _released_and_requested(state: ArbiterState, event: ae.GpusReleasedAndReques
     target = released.pipelines[event.pipeline].clusters[event.cluster]
     asked = attrs.evolve(target, request=request, request_id=event.request_id, request_ended=None)
     pre = _put_cluster(released, event.pipeline, asked)
+    if request is not None:  # a request queued is a sign of life, as in _request
+        pre = _active(pre, event.pipeline, event.t)
     return attrs.evolve(pre, next_seq=requested.next_seq), plan, commands
 
 
@@ -400,6 +408,16 @@ def _woken(pre: ArbiterState, after: ArbiterState) -> ArbiterState:
     return after
 
 
+def _phases(before: ArbiterState, after: ArbiterState) -> ArbiterState:
+    """``after`` with each pipeline's generation phases followed
+    (:func:`~core.arbiter.planner.observe_phase`)."""
+    for pipeline_id, pipeline in after.pipelines.items():
+        followed = observe_phase(before.pipelines.get(pipeline_id), pipeline, after.now)
+        if followed is not pipeline:
+            after = _put_pipeline(after, followed)
+    return after
+
+
 def _answered(after: ArbiterState, commands: list[c.Command]) -> ArbiterState:
     for command in commands:
         if isinstance(command, GrantGpus):
@@ -436,7 +454,7 @@ def reduce_arbiter(
         return state, [alert]
     after = _woken(pre, apply_plan(pre, plan))
     planned_commands = _commands(pre, plan, after)
-    after = _answered(after, planned_commands)
+    after = _phases(state, _answered(after, planned_commands))
     after, alerts = _overstaying_alerts(after, chosen)
     after, cordoned_alerts = _cordoned_hold_alerts(after)
     return after, planned_commands + commands + alerts + cordoned_alerts

@@ -207,6 +207,7 @@ def test_a_short_measured_hold_is_judged_with_reserve_min_s() -> None:
         ("reserve_factor", 0.5),
         ("reserve_min_s", -1.0),
         ("stale_after_s", 0.0),
+        ("step_weight", -1.0),
     ],
 )
 def test_bad_planner_parameters_are_refused_naming_the_field(field: str, value: float) -> None:
