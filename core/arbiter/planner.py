@@ -43,7 +43,20 @@ rank only when the move pays for its wake, sleep and lost in-flight work::
            not measured yet: the mean of the measured ones, or 1/tp (then W = R * tp, as rlix)
     W    = R / r                         (remaining work, GPU-seconds)
     t(g) = W / g                         (time to finish on g awake GPUs)
-    rho = W / sum_p W_p,  targets apportioned from rho * B in bundles (one-bundle floor first)
+    f    = step factor, once the steps of at least two eligible pipelines are measured (else 1):
+           N = time from a generation phase's end to the next one's start (its training and
+               the rest), S = time from one phase's start to the next one's (its step), both
+               measured by the arbiter from requests, releases and rollouts, smoothed;
+           c = T / r + M * N   (GPU-seconds a step costs: T its rollout's trajectories, M the
+                                GPUs its non-generation clusters map)
+           s = S / c ** (1/3)  (normalised step),  f = (s / mean_p s_p) ** step_weight
+    W'   = W * f                             (weighted work: what shares and moves compare)
+    rho = W' / sum_p W'_p,  targets apportioned from rho * B in bundles (one-bundle floor first)
+
+Steps proportional to ``c ** (1/3)`` are where the sum of squared step times is least for the
+GPU-seconds there are (between the least mean step, ``c ** (1/2)``, and equal steps): a pipeline
+whose step is long for what it costs gets more of the budget, one whose step is short less.
+Times to finish below are those of the weighted work.
 
 1. Idle bundles first, up to each target, the pipeline with the longest ``t`` first, on the
    bundle least likely to be claimed back soon (GPUs no other pipeline trains on first, then
@@ -473,6 +486,9 @@ class GapRatioPlanner:
       can never be reclaimed); its ranks stay awake until someone needs them.
     - Shares follow remaining GPU-seconds ``W = R / rate``, not remaining trajectories: rlix
       gives a pipeline with fast trajectories as many GPUs as a slow one with the same count.
+    - Shares see whole steps, not rollouts alone: the arbiter measures each pipeline's step and
+      non-generation time from what it hears, and weights its work by its normalised step
+      (:meth:`step_factors`), so a pipeline slow for what its steps cost catches up.
     - Targets are apportioned in bundles and sum to at most the budget: first one bundle to each
       eligible pipeline with work left (most work first, while bundles last), then one
       bundle at a time to the pipeline furthest below ``rho * B``; a target never exceeds the

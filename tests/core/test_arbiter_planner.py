@@ -255,7 +255,7 @@ def test_an_old_log_without_settings_replays_with_those_of_its_time() -> None:
     arbiter.step(old)
     assert arbiter.state.planner is None
     assert planner_for(None) == GapRatioPlanner(
-        hysteresis=0.1, move_cost_s=30.0, reserve_s=600.0, reserve_factor=None
+        hysteresis=0.1, move_cost_s=30.0, reserve_s=600.0, reserve_factor=None, step_weight=0.0
     )
     assert planner_for(PlannerSettings(name="rlix")).name == "rlix"
 
