@@ -86,6 +86,7 @@ planner_settings = st.builds(
     reserve_factor=st.none() | st.floats(1, 10),
     reserve_min_s=st.floats(0, 600),
     rate_over_awake_gpu_s=st.booleans(),
+    step_weight=st.floats(0, 8),
 )
 
 
