@@ -7,6 +7,10 @@ arbitrary import) and rebuilds it through its constructor, so every decoded obje
 exactly like a new one. Field converters turn lists back into tuples and frozensets, which is why
 ``decode(encode(x)) == x`` for everything registered here.
 
+A class that gained a field after its records first went into logs names it in a class-level
+``UNRECORDED_FIELDS`` mapping, with the value that reproduces what an older record lacking it
+meant; decoding fills it in, so older logs replay as they ran rather than under the new default.
+
 :data:`REGISTRY` holds the core's own classes and never changes; classes defined elsewhere (a
 benchmark's policy memories) are decoded with ``decode(value, types=types_with(classes))``.
 """
@@ -50,6 +54,18 @@ def _encoded_fields(cls: type) -> tuple[str, ...]:
 REGISTRY: Mapping[str, type] = MappingProxyType(_registry())
 _FIELDS: Mapping[type, tuple[str, ...]] = MappingProxyType(
     {cls: _encoded_fields(cls) for cls in REGISTRY.values()}
+)
+
+
+def _unrecorded(cls: type) -> Mapping[str, Any]:
+    found: Mapping[str, Any] = getattr(cls, "UNRECORDED_FIELDS", {})
+    return found
+
+
+#: The registry's classes that fill fields older records lack (looked up once: replay decodes
+#: millions of records).
+_UNRECORDED: Mapping[type, Mapping[str, Any]] = MappingProxyType(
+    {cls: _unrecorded(cls) for cls in REGISTRY.values() if _unrecorded(cls)}
 )
 
 
@@ -113,6 +129,10 @@ def decode(value: Any, types: Mapping[str, type] = REGISTRY) -> Any:
     if cls is None:
         raise InvalidEvent(f"unknown record type {name!r}")
     del fields[TYPE_KEY]
+    unrecorded = _UNRECORDED.get(cls) if cls in _FIELDS else _unrecorded(cls)
+    if unrecorded:
+        for field, value in unrecorded.items():
+            fields.setdefault(field, value)
     try:
         return cls(**fields)
     except TypeError as exc:

@@ -21,7 +21,7 @@ import enum
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -289,6 +289,9 @@ class PlannerSettings(CheckedRecord):
     #: How strongly shares lean towards pipelines whose measured step is long for their size
     #: (the gain ``k`` of the step factor; 0: shares by remaining GPU-seconds alone).
     step_weight: float = 2.0
+
+    #: Settings recorded before ``step_weight`` existed ran without a step factor.
+    UNRECORDED_FIELDS: ClassVar[Mapping[str, Any]] = MappingProxyType({"step_weight": 0.0})
 
     def _check(self) -> None:
         where = "PlannerSettings"

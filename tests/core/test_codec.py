@@ -240,3 +240,12 @@ def test_a_state_encodes_its_read_only_collections_and_decodes_them_read_only() 
     assert decoded.pools["envs"].built_policy is None  # built again by the first step needing it
     with pytest.raises(TypeError):
         decoded.workers["envs-9"] = decoded.workers["envs-0"]  # type: ignore[index]
+
+
+def test_a_record_written_before_a_field_existed_decodes_as_it_ran() -> None:
+    recorded = codec.encode(PlannerSettings())
+    del recorded["step_weight"]
+    assert PlannerSettings().step_weight == 2.0
+    assert codec.decode(recorded) == PlannerSettings(step_weight=0.0)
+    # A record that has the field keeps it.
+    assert codec.decode(codec.encode(PlannerSettings(step_weight=3.0))).step_weight == 3.0
