@@ -114,13 +114,17 @@ def worker_token(worker_secret: str, worker_id: str) -> str:
     return hmac.new(worker_secret.encode(), worker_id.encode(), hashlib.sha256).hexdigest()
 
 
-def pipeline_token(worker_secret: str, pipeline: str) -> str:
-    """The API token of arbiter pipeline ``pipeline``: an HMAC of its name under the run's worker
-    secret (with a prefix no worker id has, so it is never a worker's token).
+def pipeline_token(worker_secret: str, pipeline: str, registered_t: float | None) -> str:
+    """The API token of arbiter pipeline ``pipeline`` registered at ``registered_t``: an HMAC of
+    its name and registration time under the run's worker secret (with a prefix no worker id has,
+    so it is never a worker's token). Registering the name again gives a new token, so a holder
+    of the old one no longer speaks for it; ``registered_t`` None (a pipeline registered before
+    deo recorded the time) keeps the token it had.
 
     It authorizes that pipeline's arbiter calls only; deo answers it when the pipeline registers
     and never logs it."""
-    message = f"pipeline/{pipeline}".encode()
+    registration = "" if registered_t is None else f"@{registered_t!r}"
+    message = f"pipeline/{pipeline}{registration}".encode()
     return hmac.new(worker_secret.encode(), message, hashlib.sha256).hexdigest()
 
 
@@ -745,11 +749,18 @@ def build_app(
             no_body(lambda g, t: GpuUncordonRequested(t=t, gpu_id=g), "gpu_id"),
         ),
     ]
+
+    def registered_pipeline_token(pipeline: str) -> str | None:
+        registered = runner.state.arbiter.pipelines.get(pipeline)
+        if registered is None:
+            return None
+        return pipeline_token(worker_secret, pipeline, registered.registered_t)
+
     routes += arbiter_routes(
         runner,
         arbiter if arbiter is not None else ArbiterBoard(),
         authorize=lambda request, also: _authorize(request, (*operator_only, *also)),
-        pipeline_token=lambda pipeline: pipeline_token(worker_secret, pipeline),
+        pipeline_token=registered_pipeline_token,
         read_object=lambda request: _read_object(request, max_body_bytes),
         reply=_json,
         read=read,

@@ -114,16 +114,17 @@ def arbiter_routes(
     board: ArbiterBoard,
     *,
     authorize: Callable[[Request, tuple[bytes, ...]], None],
-    pipeline_token: Callable[[str], str],
+    pipeline_token: Callable[[str], str | None],
     read_object: Callable[[Request], Awaitable[dict[str, Any]]],
     reply: Callable[[Any, int], Response],
     read: Callable[[Callable[[Request], Response]], Endpoint],
     api_error: Callable[[int, str], DeoError],
 ) -> list[Route]:
     """The arbiter's routes on deo's API. ``authorize`` checks the operator token (or one of the
-    tokens it is given too), ``pipeline_token`` is a pipeline's own token, ``read_object`` reads
-    a JSON object body, ``reply`` answers JSON, ``read`` guards a read and ``api_error`` builds
-    a refusal of a malformed request (the API module's own)."""
+    tokens it is given too), ``pipeline_token`` is a registered pipeline's own token (None: not
+    registered), ``read_object`` reads a JSON object body, ``reply`` answers JSON, ``read``
+    guards a read and ``api_error`` builds a refusal of a malformed request (the API module's
+    own)."""
 
     def token_owner(request: Request) -> str | None:
         """The registered pipeline whose token the request carries, if any."""
@@ -132,7 +133,7 @@ def arbiter_routes(
         owners = [
             p
             for p in runner.state.arbiter.pipelines
-            if hmac.compare_digest(given, pipeline_token(p).encode())
+            if hmac.compare_digest(given, (pipeline_token(p) or "").encode())
         ]
         return owners[0] if scheme.lower() == "bearer" and owners else None
 
@@ -143,7 +144,8 @@ def arbiter_routes(
             authorize(request, ())
         else:
             try:
-                authorize(request, (pipeline_token(pipeline).encode(),))
+                own = pipeline_token(pipeline)
+                authorize(request, () if own is None else (own.encode(),))
             except DeoError as exc:
                 other = token_owner(request) if exc.http_status == 403 else None
                 if other is not None:

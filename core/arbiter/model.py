@@ -201,6 +201,9 @@ class Pipeline:
     clusters: Mapping[str, Cluster] = attrs.field(factory=dict, converter=_read_only)
     progress: Mapping[str, Progress] = attrs.field(factory=dict, converter=_read_only)
     rollout_open: bool = False
+    #: When it registered (None: in a state written before deo recorded it). Its token derives
+    #: from it, so a pipeline registered again under the same name gets a new one.
+    registered_t: float | None = None
     #: When it last showed life: registered, opened its rollout, asked for GPUs, or reported
     #: progress.
     activity_t: float = 0.0

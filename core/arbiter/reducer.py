@@ -136,7 +136,7 @@ def _declared(state: ArbiterState, event: ae.ArbiterGpusDeclared) -> Any:
 def _pipeline_registered(state: ArbiterState, event: ae.PipelineRegistered) -> Any:
     if event.pipeline in state.pipelines:
         raise Refused(f"PipelineRegistered: pipeline {event.pipeline!r} is already registered")
-    pipeline = Pipeline(pipeline_id=event.pipeline, activity_t=event.t)
+    pipeline = Pipeline(pipeline_id=event.pipeline, activity_t=event.t, registered_t=event.t)
     state = _put_pipeline(state, pipeline)
     for spec in event.clusters:  # each checked as its own ClusterRegistered; one refusal: none
         state, _, _ = _cluster_registered(

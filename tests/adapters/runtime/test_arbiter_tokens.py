@@ -1,6 +1,6 @@
 """Pipeline tokens on the arbiter's API of ``deo run`` (a real process, real HTTP): registering
-answers the pipeline's own token; it authorizes that pipeline's calls only, is never logged and
-outlives a restart."""
+answers the pipeline's own token; it authorizes that pipeline's calls only, is never logged,
+outlives a restart and is void once the pipeline registers again."""
 
 from __future__ import annotations
 
@@ -83,5 +83,13 @@ def test_a_pipeline_token_speaks_for_its_pipeline_only(deo: ArbiterDeo) -> None:
     deo.kill()
     deo.start()
     assert post(deo, "/p2/rollout/open", p2).is_success
+
+    # Registered again under the same name, a pipeline gets a new token: the old one is void.
+    with ArbiterClient(deo.url, TOKEN, pipeline="p2") as operator:
+        operator.unregister()
+        renewed = operator.register(clusters)
+    assert renewed != p2
+    assert post(deo, "/p2/rollout/open", p2).status_code == 403
+    assert post(deo, "/p2/rollout/open", renewed).is_success
     assert deo.stop() == 0
     deo.replays()
