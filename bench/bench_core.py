@@ -468,6 +468,7 @@ def tick_state(n: int) -> State:
         argv=["python", "env.py", "--slot", "{index}"],
         min_workers=0,
         max_workers=n,
+        max_starting=n,
         policy=PolicySpec(name="static", params={"count": n}),
     )
     reducer = Reducer()

@@ -338,10 +338,21 @@ def _asleep(step: EngineStep, event: e.EngineAsleep) -> None:
         step.transition(
             worker, Trigger.ASLEEP, deadline_t=None, control_attempts=0, asleep_t=step.t
         )
+        step.resolve_alert(AlertName.ENGINE_CONTROL, worker.worker_id, "engine asleep")
         step.dirty_pools.add(spec.name)
     elif worker.state is S.SLEEPING:
         step.transition(worker, Trigger.ASLEEP)  # confirmed after a restart
     # Any other state: a late answer (the engine was stopped, or woken since); nothing to do.
+
+
+def _memory_holders_beside(step: EngineStep, worker: Worker) -> list[str]:
+    """The other live workers that hold the memory of one of ``worker``'s GPUs."""
+    gpus = set(worker.gpus)
+    return sorted(
+        other.worker_id
+        for other in step.workers.values()
+        if other.worker_id != worker.worker_id and other.holds_memory and gpus & set(other.gpus)
+    )
 
 
 def _awake(step: EngineStep, event: e.EngineAwake) -> None:
@@ -349,6 +360,27 @@ def _awake(step: EngineStep, event: e.EngineAwake) -> None:
     if found is None:
         return
     worker, spec = found
+    beside = _memory_holders_beside(step, worker) if worker.state is S.SLEEPING else []
+    if beside:
+        # Woken by something else while another worker holds its GPUs' memory: never routed
+        # to; back to sleep at once (the two-holder state is deo's invariant 1 broken by the
+        # world, alerted until the sleep is confirmed).
+        step.raise_alert(
+            AlertName.ENGINE_CONTROL,
+            worker.worker_id,
+            f"{worker.worker_id} was to be asleep but says it is awake beside "
+            f"{', '.join(beside)}, which hold its GPUs' memory: sent back to sleep, not routed to",
+        )
+        worker = step.transition(
+            worker,
+            Trigger.AWAKE,
+            deadline_t=None,
+            control_attempts=0,
+            asleep_t=None,
+            in_flight_requests=None,
+        )
+        _sleep(step, worker, f"{worker.worker_id} woke beside {', '.join(beside)}")
+        return
     if worker.state in (S.WAKING, S.SLEEPING):
         if worker.state is S.SLEEPING:
             step.raise_alert(

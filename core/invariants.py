@@ -24,11 +24,15 @@ from core.arbiter.invariants import state_violations as arbiter_state_violations
 from core.config import AUTO
 from core.errors import InvariantViolation
 from core.lifecycle import ASLEEP, COUNTED, DEADLINE_ACTIONS
+from core.records import replace
 from core.state import State, Worker, count_workers
 from core.step import STARTING_STATES
 from core.vocabulary import PLANNED_STOPS, AlertName, DecisionSource
 
 __all__ = [
+    "INVARIANTS_SUBJECT",
+    "checked",
+    "command_violations",
     "free_healthy_gpus",
     "plan_violations",
     "raise_on_violation",
@@ -73,7 +77,10 @@ def state_violations(state: State) -> list[str]:
     for worker in state.workers.values():
         for gpu_id in worker.gpus:
             on_gpu.setdefault(gpu_id, []).append(worker)
-    for gpu_id, workers in sorted(on_gpu.items()):
+    # Most GPUs have one worker in the inventory: only the others need a closer look.
+    closer = sorted(g for g, ws in on_gpu.items() if len(ws) > 1 or g not in state.gpus)
+    for gpu_id in closer:
+        workers = on_gpu[gpu_id]
         holding = sorted(w.worker_id for w in workers if w.holds_memory)
         if len(holding) > 1:
             found.append(
@@ -183,61 +190,8 @@ def step_violations(
     found = state_violations(after)
     if after.arbiter.gpus:
         found += [f"arbiter: {v}" for v in arbiter_state_violations(after.arbiter)]
+    found += command_violations(before, event, after, commands)
     t = after.now
-    for command in commands:
-        if isinstance(command, c.SpawnWorker):
-            # 1. No new worker on a cordoned GPU (two holding one show in state_violations),
-            # and only an engine of a pool the arbiter runs beside asleep engines.
-            tenant_pool = command.pool in after.arbiter.engine_pools()
-            for gpu_id in command.gpus:
-                gpu = after.gpus.get(gpu_id)
-                if gpu is None or gpu.causes:
-                    found.append(f"1: {command.worker_id} placed on cordoned GPU {gpu_id}")
-                beside = sorted(w for w in _on(after, gpu_id) if w != command.worker_id)
-                if beside and not tenant_pool:
-                    found.append(
-                        f"1: {command.worker_id} of {command.pool}, which the arbiter does not "
-                        f"run, placed on GPU {gpu_id} beside {', '.join(beside)}"
-                    )
-            # 5. No failed slot replaced before its backoff has passed.
-            pool = before.pools.get(command.pool)
-            worker = after.workers.get(command.worker_id)
-            if pool is not None and worker is not None and worker.attempt:
-                rules = pool.spec.crash_loop
-                if not any(
-                    n == worker.attempt and t >= failed_t + rules.backoff_s(n)
-                    for failed_t, n in pool.retries
-                ):
-                    found.append(
-                        f"5: {command.worker_id} replaces a slot that failed {worker.attempt} "
-                        f"time(s) at t={t}, before its backoff ran out ({pool.retries})"
-                    )
-        elif isinstance(command, c.DrainWorker):
-            # 3. A measured drain deadline stays within its cap.
-            worker = after.workers.get(command.worker_id)
-            pool = after.pools.get(worker.pool) if worker is not None else None
-            auto = pool is not None and pool.spec.drain_timeout_s == AUTO
-            if auto and command.deadline_t - t > drains.CAP_S + 1e-6:
-                found.append(
-                    f"3: {command.worker_id} drain deadline {command.deadline_t - t:g}s away, "
-                    f"beyond the cap {drains.CAP_S:g}s"
-                )
-        elif isinstance(command, c.ScalePool) and command.source == DecisionSource.POLICY:
-            # 6. Only a fresh sample for the pool lets a policy decide.
-            fresh = (
-                isinstance(event, (e.QueueSampled, e.LoadSampled)) and event.pool == command.pool
-            )
-            if not fresh:
-                found.append(f"6: policy scaled {command.pool} on {type(event).__name__}")
-            # 4. No scale-down within the stabilization window after a scale-up.
-            pool = before.pools.get(command.pool)
-            if pool is not None and command.target < command.previous:
-                last_up = pool.last_scale_up_t
-                if last_up is not None and t - last_up < pool.spec.stabilization_s:
-                    found.append(
-                        f"4: {command.pool} scaled down at t={t}, {t - last_up:g}s after a "
-                        f"scale-up (window {pool.spec.stabilization_s:g}s)"
-                    )
     # 2. An alert that a pool is below its min names a real cause: the crash-loop backoff is in
     # force, too few free healthy GPUs are left, or as many workers as may start at once are.
     # Checked where the pool was just reconciled: when the alert is raised, and after a tick
@@ -296,6 +250,111 @@ def step_violations(
                     f"{worker.deadline_t} at t={t}"
                 )
     return found
+
+
+def command_violations(
+    before: State, event: e.Event, after: State, commands: Sequence[c.Command]
+) -> list[str]:
+    """What one step's commands break (placement, backoff, drain caps, policy decisions): the
+    part of :func:`step_violations` that costs only as much as the step's commands."""
+    found: list[str] = []
+    t = after.now
+    for command in commands:
+        if isinstance(command, c.SpawnWorker):
+            # 1. No new worker on a cordoned GPU (two holding one show in state_violations),
+            # and only an engine of a pool the arbiter runs beside asleep engines.
+            tenant_pool = command.pool in after.arbiter.engine_pools()
+            for gpu_id in command.gpus:
+                gpu = after.gpus.get(gpu_id)
+                if gpu is None or gpu.causes:
+                    found.append(f"1: {command.worker_id} placed on cordoned GPU {gpu_id}")
+                beside = sorted(w for w in _on(after, gpu_id) if w != command.worker_id)
+                if beside and not tenant_pool:
+                    found.append(
+                        f"1: {command.worker_id} of {command.pool}, which the arbiter does not "
+                        f"run, placed on GPU {gpu_id} beside {', '.join(beside)}"
+                    )
+            # 5. No failed slot replaced before its backoff has passed.
+            pool = before.pools.get(command.pool)
+            worker = after.workers.get(command.worker_id)
+            if pool is not None and worker is not None and worker.attempt:
+                rules = pool.spec.crash_loop
+                if not any(
+                    n == worker.attempt and t >= failed_t + rules.backoff_s(n)
+                    for failed_t, n in pool.retries
+                ):
+                    found.append(
+                        f"5: {command.worker_id} replaces a slot that failed {worker.attempt} "
+                        f"time(s) at t={t}, before its backoff ran out ({pool.retries})"
+                    )
+        elif isinstance(command, c.DrainWorker):
+            # 3. A measured drain deadline stays within its cap.
+            worker = after.workers.get(command.worker_id)
+            pool = after.pools.get(worker.pool) if worker is not None else None
+            auto = pool is not None and pool.spec.drain_timeout_s == AUTO
+            if auto and command.deadline_t - t > drains.CAP_S + 1e-6:
+                found.append(
+                    f"3: {command.worker_id} drain deadline {command.deadline_t - t:g}s away, "
+                    f"beyond the cap {drains.CAP_S:g}s"
+                )
+        elif isinstance(command, c.ScalePool) and command.source == DecisionSource.POLICY:
+            # 6. Only a fresh sample for the pool lets a policy decide.
+            fresh = (
+                isinstance(event, (e.QueueSampled, e.LoadSampled)) and event.pool == command.pool
+            )
+            if not fresh:
+                found.append(f"6: policy scaled {command.pool} on {type(event).__name__}")
+            # 4. No scale-down within the stabilization window after a scale-up.
+            pool = before.pools.get(command.pool)
+            if pool is not None and command.target < command.previous:
+                last_up = pool.last_scale_up_t
+                if last_up is not None and t - last_up < pool.spec.stabilization_s:
+                    found.append(
+                        f"4: {command.pool} scaled down at t={t}, {t - last_up:g}s after a "
+                        f"scale-up (window {pool.spec.stabilization_s:g}s)"
+                    )
+    return found
+
+
+#: The subject of the ``invariant_violated`` alert, and how many violations its reason names.
+INVARIANTS_SUBJECT = "deo"
+_NAMED_VIOLATIONS = 8
+
+
+def checked(
+    before: State, event: e.Event, after: State, commands: list[c.Command]
+) -> tuple[State, list[c.Command]]:
+    """``after`` and ``commands`` with deo's invariants checked, as every step of ``deo run``,
+    the simulator and replay does: each step's commands (:func:`command_violations`, as cheap as
+    the step), and on a tick the whole step and state (:func:`step_violations`, whose cost grows
+    with the workers: once a tick, not once an event). A violation raises ``invariant_violated``
+    (subject ``deo``) naming what broke; the first tick that finds none resolves it.
+
+    The commands are carried out all the same: the state already holds what they do (a withheld
+    spawn would leave a worker deo believes is starting), and a violation is either a fault of
+    deo's, which the property tests hunt, or a fact of the world deo must go on repairing (an
+    engine found awake beside another after a restart).
+    """
+    tick = isinstance(event, e.Tick)
+    if tick:
+        found = step_violations(before, event, after, commands)
+    else:
+        found = command_violations(before, event, after, commands)
+    key = (AlertName.INVARIANT_VIOLATED, INVARIANTS_SUBJECT)
+    if found and key not in after.alerts:
+        named = "; ".join(found[:_NAMED_VIOLATIONS])
+        more = len(found) - _NAMED_VIOLATIONS
+        reason = f"after {type(event).__name__} at t={event.t:g}: {named}" + (
+            f"; and {more} more" if more > 0 else ""
+        )
+        alert = c.RaiseAlert(alert=key[0], subject=key[1], reason=reason)
+        return replace(after, alerts=after.alerts | {key}), [*commands, alert]
+    if tick and not found and key in after.alerts:
+        resolved = c.ResolveAlert(
+            alert=key[0], subject=key[1], reason="every invariant holds again at this tick"
+        )
+        return replace(after, alerts=after.alerts - {key}), [*commands, resolved]
+    return after, commands
 
 
 def raise_on_violation(

@@ -27,7 +27,7 @@ from core.arbiter.served import (
 )
 from core.errors import InvalidEvent
 from core.handlers import HANDLERS, heartbeat_only, seen_only
-from core.invariants import raise_on_violation
+from core.invariants import checked, raise_on_violation
 from core.policies import BUILT_INS, PolicyCatalog
 from core.records import replace
 from core.state import State
@@ -39,7 +39,9 @@ __all__ = ["Reducer", "reduce"]
 def reduce(
     state: State, event: e.Event, policies: PolicyCatalog = BUILT_INS
 ) -> tuple[State, list[c.Command]]:
-    """One step of the fold; ``policies`` names the policies a pool may run (the core's).
+    """One step of the fold; ``policies`` names the policies a pool may run (the core's). Its
+    invariants are checked as it goes (:func:`core.invariants.checked`: a violation raises the
+    ``invariant_violated`` alert).
 
     Raises :class:`~core.errors.InvalidEvent` on bad input; the state given is left unchanged.
     """
@@ -47,6 +49,11 @@ def reduce(
         return heartbeat_only(state, event), []
     if type(event) is e.WorkersSeen:
         return seen_only(state, event), []
+    after, commands = _reduce(state, event, policies)
+    return checked(state, event, after, commands)
+
+
+def _reduce(state: State, event: e.Event, policies: PolicyCatalog) -> tuple[State, list[c.Command]]:
     if type(event) in ARBITER_EVENTS:
         check_engine_pools(state, event)
         after, commands = arbiter_step(state, event)

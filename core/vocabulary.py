@@ -58,6 +58,7 @@ class AlertName(enum.StrEnum):
     PLAN_REFUSED = "plan_refused"  # arbiter: a GPU plan broke a plan invariant and was not run
     HOLDER_OVERSTAYING = "holder_overstaying"  # arbiter cluster: holds GPUs a request waits for
     HOLD_ON_CORDONED = "hold_on_cordoned"  # arbiter cluster: its training hold has cordoned GPUs
+    INVARIANT_VIOLATED = "invariant_violated"  # deo: its state or a step broke an invariant
 
 
 class StopCause(enum.StrEnum):

@@ -22,6 +22,7 @@ from core import (
     WorkerReady,
     WorkerStarted,
     WorkerState,
+    reduce,
 )
 from core import commands as c
 from core.arbiter import (
@@ -232,3 +233,47 @@ def test_a_spawn_beside_an_asleep_engine_of_a_pool_the_arbiter_does_not_run_is_c
     )
     found = step_violations(state, Tick(t=state.now, interval_s=1.0), state, [bound])
     assert not any("does not run" in v for v in found)
+
+
+# --- checked as deo runs --------------------------------------------------------------------------
+
+
+def alerts(commands: list[Command], kind: type) -> list[tuple[str, str]]:
+    return [(a.alert.value, a.subject) for a in of(commands, kind)]
+
+
+def test_a_tick_finds_a_broken_invariant_and_alerts_until_it_holds_again() -> None:
+    broken = with_worker(tenanted(), "gen-0", state=S.ACTIVE, asleep_t=None)
+    t = broken.now + 1.0
+    after, commands = reduce(broken, Tick(t=t, interval_s=1.0))
+    (raised,) = of(commands, c.RaiseAlert)
+    assert (raised.alert.value, raised.subject) == ("invariant_violated", "deo")
+    assert "1: GPU 0 held by 2 live workers that hold its memory: gen-0, gen2-0" in raised.reason
+    # Raised once while it lasts; the state is carried on as it is, not refused.
+    again, more = reduce(after, Tick(t=t + 1.0, interval_s=1.0))
+    assert alerts(more, c.RaiseAlert) == [] and again.workers.keys() == broken.workers.keys()
+    # Mended (gen-0 asleep again), the next tick resolves it.
+    mended = with_worker(again, "gen-0", state=S.SLEEPING, asleep_t=t)
+    _, last = reduce(mended, Tick(t=t + 2.0, interval_s=1.0))
+    assert alerts(last, c.ResolveAlert) == [("invariant_violated", "deo")]
+
+
+def test_an_engine_found_awake_beside_the_memory_holder_goes_back_to_sleep_unrouted() -> None:
+    run = p_awake_then_q()
+    run.sleep("gen-0")
+    run.up("gen2-0")
+    run.reducer.check_invariants = False  # the world breaks invariant 1 here, not deo
+    # After a restart, gen-0 (asleep by the log) answers that it is awake: something woke it.
+    woke = run.feed(EngineAwake(t=run.at(), worker_id="gen-0"))
+    assert run.states()["gen-0"] == ("going_to_sleep", ("0",))  # never active: never routed
+    assert run.states()["gen2-0"] == ("active", ("0",))
+    assert [d.worker_id for d in of(woke, c.DrainEngine)] == ["gen-0"]
+    (control,) = of(woke, c.RaiseAlert)
+    assert control.subject == "gen-0" and "beside gen2-0" in control.reason
+    ticked = run.feed(Tick(t=run.at(), interval_s=1.0))
+    assert alerts(ticked, c.RaiseAlert) == [("invariant_violated", "deo")]
+    # Its sleep confirmed: both alerts resolved.
+    asleep = run.sleep("gen-0")
+    assert alerts(asleep, c.ResolveAlert) == [("engine_control", "gen-0")]
+    ticked = run.feed(Tick(t=run.at(), interval_s=1.0))
+    assert alerts(ticked, c.ResolveAlert) == [("invariant_violated", "deo")]
