@@ -14,13 +14,27 @@ from typing import Any
 import attrs
 import orjson
 
-from adapters.log import LogProblem, LogReader, not_reduced, segment_start, segments
+from adapters.log import (
+    EventRecord,
+    LogProblem,
+    LogReader,
+    not_reduced,
+    segment_start,
+    segments,
+)
 from core import Command, Configured, DeoError, Event, State, decode, encode, reduce
 from core.arbiter import PLANNER_SETTINGS_UNRECORDED, ArbiterGpusDeclared, PlannerSettings
 from core.codec import TYPE_KEY, types_with
 from core.policies import BUILT_INS, PolicyCatalog
 
-__all__ = ["Replayed", "apply_settings", "parse_setting", "replay", "state_difference"]
+__all__ = [
+    "Replayed",
+    "apply_settings",
+    "parse_setting",
+    "recorded_events",
+    "replay",
+    "state_difference",
+]
 
 
 # A mutable slots class: one is built per event of logs with millions of them, and a frozen
@@ -71,9 +85,7 @@ def replay(
     state (its earlier ones were dropped), replay starts from that state; each later segment's
     state must be the one replayed up to it.
     """
-    with path.open("rb") as f:
-        header = f.readline()
-    earlier = [segment for segment in segments(path) if _first_line(segment) == header]
+    earlier = _earlier_segments(path)
     state = State()
     seq = 0
     for index, file in enumerate([*earlier, path]):
@@ -128,6 +140,35 @@ def replay(
         seq = reader.seq
         if found is not problems:
             problems.extend(LogProblem(p.line, f"{p.message} (in {file.name})") for p in found)
+
+
+def recorded_events(path: Path, *, problems: list[LogProblem]) -> Iterator[EventRecord]:
+    """Every event the log at ``path`` accepted, segments oldest first, with the commands it
+    recorded for it, as written: nothing is re-reduced, so a log written by another version of
+    deo, or under other policy settings, reads as it ran. Events it refused are left out; lines
+    that cannot be read go to ``problems``."""
+    seq = 0
+    for file in [*_earlier_segments(path), path]:
+        found: list[LogProblem] = problems if file == path else []
+        begins = segment_start(file)
+        if begins is None:
+            reader = LogReader(file, seq=seq, problems=found)
+        else:
+            _, _, offset, lines = begins
+            reader = LogReader(file, offset=offset, first_line=lines + 1, seq=seq, problems=found)
+        for record in reader.events():
+            if record.error is None:
+                yield record
+        seq = reader.seq
+        if found is not problems:
+            problems.extend(LogProblem(p.line, f"{p.message} (in {file.name})") for p in found)
+
+
+def _earlier_segments(path: Path) -> list[Path]:
+    """The rotated segments of the log at ``path`` (same header), oldest first."""
+    with path.open("rb") as f:
+        header = f.readline()
+    return [segment for segment in segments(path) if _first_line(segment) == header]
 
 
 def state_difference(recorded: Any, replayed: Any, where: str = "state") -> str | None:

@@ -44,7 +44,7 @@ from typing import Any
 import attrs
 
 from adapters.log import LogProblem
-from adapters.postmortem.engine import replay
+from adapters.postmortem.engine import recorded_events
 from adapters.sim.scenario import FAULT_KINDS, EnvPool, Fault, Pause, Phase, Scenario, TrainerSpec
 from core import (
     Config,
@@ -139,11 +139,13 @@ class RunFacts:
         return self.end_t - self.t0
 
 
-def read_run(path: Path, policies: PolicyCatalog) -> RunFacts:
-    """The facts of the log at ``path``; :class:`FitError` when it has none to fit."""
+def read_run(path: Path) -> RunFacts:
+    """The facts of the log at ``path``, read from its events and the commands it recorded
+    (nothing re-reduced: a log of another deo or other settings reads as it ran);
+    :class:`FitError` when it has none to fit."""
     problems: list[LogProblem] = []
     facts: RunFacts | None = None
-    for step in replay(path, problems=problems, policies=policies):
+    for step in recorded_events(path, problems=problems):
         event = step.event
         if facts is None:
             if not isinstance(event, Configured):
@@ -156,7 +158,7 @@ def read_run(path: Path, policies: PolicyCatalog) -> RunFacts:
                     f"({names})"
                 )
             facts = RunFacts(path=path, config=event.config, pool=pools[0], t0=event.t)
-        _take(facts, event, step.recorded)
+        _take(facts, event, step.commands)
     if facts is None:
         raise FitError(f"{path}: no Configured event: nothing says what ran")
     facts.problems = problems
@@ -1102,7 +1104,7 @@ def _calibrate(
                 log = Path(tmp) / f"fit{seed}.jsonl"
                 run = attrs.evolve(with_latency(latency), seed=seed)
                 simulate(run, log_path=log, policies=policies)
-                values.append(reading(read_run(log, policies)))
+                values.append(reading(read_run(log)))
         return statistics.fmean(values)
 
     # Bisect on a log scale.

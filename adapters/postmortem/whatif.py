@@ -213,7 +213,7 @@ def _run(scenario: Scenario, seeds: int) -> Column:
         for seed in range(1, seeds + 1):
             log = Path(tmp) / f"seed{seed}.jsonl"
             result = simulate(attrs.evolve(scenario, seed=seed), log_path=log, policies=CATALOG)
-            observed.append(observe(read_run(log, CATALOG)))
+            observed.append(observe(read_run(log)))
             metrics.append(result.metrics)
     return Column(observed=tuple(observed), metrics=tuple(metrics))
 
@@ -237,7 +237,7 @@ def run_what_if(
     change = parse_changes(items)
     if seeds < 1:
         raise WhatIfError(f"--what-if-seeds {seeds}: at least 1")
-    facts = read_run(path, CATALOG)
+    facts = read_run(path)
     fitted = fit_scenario(facts, f"{path.stem}-fitted", CATALOG, calibrate=False)
     _apply(change, fitted.scenario)  # a change that does not apply fails before the simulations
     fitted = calibrated(facts, fitted, CATALOG)

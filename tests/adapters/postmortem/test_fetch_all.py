@@ -67,7 +67,7 @@ def demo_like(*, fetch_all: bool, duration_s: float = 600.0) -> Scenario:
 def test_a_fetch_all_trainer_takes_every_full_batch_and_holds_the_rest(tmp_path: Path) -> None:
     log = tmp_path / "run.jsonl"
     result = simulate(demo_like(fetch_all=True, duration_s=120.0), log_path=log, policies=CATALOG)
-    samples = read_run(log, CATALOG).queue
+    samples = read_run(log).queue
     jumps = [b[3] - a[3] for a, b in itertools.pairwise(samples) if b[3] > a[3]]
     assert max(jumps) >= 3  # at the off-policy limit (3 batches) a fetch takes them all
     # The counter counts batches taken: the steps taken so far, plus at most those held.
@@ -85,7 +85,7 @@ def test_the_fit_reads_step_times_whichever_way_the_trainer_fetches(
 ) -> None:
     log = tmp_path / "run.jsonl"
     simulate(demo_like(fetch_all=fetch_all), log_path=log, policies=CATALOG)
-    facts = read_run(log, CATALOG)
+    facts = read_run(log)
     assert facts.fetch_all is fetch_all
     fitted = fit_scenario(facts, "fitted", CATALOG, calibrate=False)
     trainer = fitted.scenario.trainer

@@ -19,11 +19,17 @@ import attrs
 import pytest
 from conftest import deo_command, write_simulated_log
 
+from adapters.log import LogProblem, LogReader
+from adapters.postmortem.engine import replay
 from adapters.postmortem.fit import FitError, Fitted, fit_scenario, read_run
 from adapters.postmortem.whatif import WhatIfError, parse_changes, run_what_if
 from adapters.sim.driver import simulate
-from adapters.sim.scenario import Scenario, load_scenario
+from adapters.sim.scenario import EnvPool, Scenario, load_scenario
 from bench.baselines import CATALOG
+from core import WorkerStarted
+from core.policies import PolicyCatalog
+from core.policies.base import Decision
+from core.policies.buffer import BufferPolicy
 
 REPO = Path(__file__).resolve().parents[3]
 SCENARIOS = REPO / "bench" / "scenarios"
@@ -63,7 +69,7 @@ def simulated_fit(tmp_path_factory: pytest.TempPathFactory) -> SimulatedFit:
             log = tmp_path_factory.mktemp("fit") / f"{name}-{duration_s}.jsonl"
             simulate(truth, log_path=log, policies=CATALOG)
             logs[name, duration_s] = log
-        fitted = fit_scenario(read_run(log, CATALOG), "fitted", CATALOG, calibrate=calibrate)
+        fitted = fit_scenario(read_run(log), "fitted", CATALOG, calibrate=calibrate)
         return truth, fitted
 
     return fit
@@ -127,7 +133,7 @@ def test_the_recorded_figures_are_the_simulators(recorded: Path) -> None:
     )
     log = recorded.with_name("steady.jsonl")
     truth = simulate(scenario, log_path=log, policies=CATALOG).metrics
-    observed = fit_scenario(read_run(log, CATALOG), "x", CATALOG, calibrate=False).observed
+    observed = fit_scenario(read_run(log), "x", CATALOG, calibrate=False).observed
     assert observed.worker_hours == pytest.approx(truth.worker_hours, rel=1e-6)
     assert abs(observed.starvation_share - truth.starvation_share) < 0.005
     assert observed.scale_actions == truth.scale_actions
@@ -138,7 +144,7 @@ def test_a_log_too_short_to_fit_says_so(tmp_path: Path) -> None:
     log = tmp_path / "short.jsonl"
     simulate(scenario, log_path=log, policies=CATALOG)
     with pytest.raises(FitError, match="too short to fit: 10 s and 5 queue samples"):
-        fit_scenario(read_run(log, CATALOG), "x", CATALOG)
+        fit_scenario(read_run(log), "x", CATALOG)
 
 
 # --- the changes -------------------------------------------------------------------------------
@@ -257,3 +263,38 @@ def test_a_what_if_writes_nothing_unless_asked(tmp_path: Path) -> None:
     assert "the change: starvation " in out.getvalue()
     assert "wrote" not in out.getvalue()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.jsonl"]
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class _SwingingBuffer(BufferPolicy):
+    """The buffer policy as another deo might have had it: all its workers, then 4, by turns."""
+
+    def decide(self, context: Any, memory: Any) -> Decision:
+        target = 4 if int(context.t // 120) % 2 else context.max_workers
+        return Decision(target=target, reason="by turns")
+
+
+def test_a_log_whose_replay_diverges_is_read_as_it_ran(tmp_path: Path) -> None:
+    scenario = Scenario(
+        name="diverged",
+        duration_s=600.0,
+        seed=3,
+        pools=(EnvPool(name="envs", max_workers=24, gpus_per_worker=0, startup_s=5.0),),
+    )
+    other = PolicyCatalog(policies={**CATALOG.policies, "buffer": _SwingingBuffer})
+    log = tmp_path / "run.jsonl"
+    simulate(scenario, log_path=log, policies=other)
+    started = sorted(
+        record.event.worker_id
+        for record in LogReader(log).events()
+        if isinstance(record.event, WorkerStarted)
+    )
+    facts = read_run(log)
+    assert facts.problems == []
+    assert sorted(w.worker_id for w in facts.workers.values() if w.started_t is not None) == started
+    # Re-reduced by today's buffer policy, the same log is refused in places (workers this deo
+    # would never have started): the fit reads what happened, not what this deo would have done.
+    problems: list[LogProblem] = []
+    for _ in replay(log, problems=problems, policies=CATALOG):
+        pass
+    assert problems
