@@ -33,6 +33,7 @@ from core.arbiter import (
     ProgressReported,
     RolloutOpened,
 )
+from core.invariants import STATE_CHECK_INTERVAL_S as SPAN
 from core.invariants import state_violations, step_violations
 from core.records import replace
 from core.state import State, count_workers
@@ -243,18 +244,19 @@ def alerts(commands: list[Command], kind: type) -> list[tuple[str, str]]:
 
 
 def test_a_tick_finds_a_broken_invariant_and_alerts_until_it_holds_again() -> None:
+    # The whole state is checked at the first tick of each span of STATE_CHECK_INTERVAL_S.
     broken = with_worker(tenanted(), "gen-0", state=S.ACTIVE, asleep_t=None)
-    t = broken.now + 1.0
+    t = broken.now + SPAN
     after, commands = reduce(broken, Tick(t=t, interval_s=1.0))
     (raised,) = of(commands, c.RaiseAlert)
     assert (raised.alert.value, raised.subject) == ("invariant_violated", "deo")
     assert "1: GPU 0 held by 2 live workers that hold its memory: gen-0, gen2-0" in raised.reason
     # Raised once while it lasts; the state is carried on as it is, not refused.
-    again, more = reduce(after, Tick(t=t + 1.0, interval_s=1.0))
+    again, more = reduce(after, Tick(t=t + SPAN, interval_s=1.0))
     assert alerts(more, c.RaiseAlert) == [] and again.workers.keys() == broken.workers.keys()
     # Mended (gen-0 asleep again), the next tick resolves it.
     mended = with_worker(again, "gen-0", state=S.SLEEPING, asleep_t=t)
-    _, last = reduce(mended, Tick(t=t + 2.0, interval_s=1.0))
+    _, last = reduce(mended, Tick(t=t + 2 * SPAN, interval_s=1.0))
     assert alerts(last, c.ResolveAlert) == [("invariant_violated", "deo")]
 
 
@@ -270,10 +272,12 @@ def test_an_engine_found_awake_beside_the_memory_holder_goes_back_to_sleep_unrou
     assert [d.worker_id for d in of(woke, c.DrainEngine)] == ["gen-0"]
     (control,) = of(woke, c.RaiseAlert)
     assert control.subject == "gen-0" and "beside gen2-0" in control.reason
+    run.t += SPAN
     ticked = run.feed(Tick(t=run.at(), interval_s=1.0))
     assert alerts(ticked, c.RaiseAlert) == [("invariant_violated", "deo")]
     # Its sleep confirmed: both alerts resolved.
     asleep = run.sleep("gen-0")
     assert alerts(asleep, c.ResolveAlert) == [("engine_control", "gen-0")]
+    run.t += SPAN
     ticked = run.feed(Tick(t=run.at(), interval_s=1.0))
     assert alerts(ticked, c.ResolveAlert) == [("invariant_violated", "deo")]
