@@ -357,50 +357,41 @@ def _memory_holders_beside(step: EngineStep, worker: Worker) -> list[str]:
 
 def _awake(step: EngineStep, event: e.EngineAwake) -> None:
     found = _engine(step, event.worker_id, event)
-    if found is None:
+    if found is None or found[0].state not in (S.WAKING, S.SLEEPING):
         return
     worker, spec = found
-    beside = _memory_holders_beside(step, worker) if worker.state is S.SLEEPING else []
-    if beside:
-        # Woken by something else while another worker holds its GPUs' memory: never routed
-        # to; back to sleep at once (the two-holder state is deo's invariant 1 broken by the
-        # world, alerted until the sleep is confirmed).
+    woke_alone = worker.state is S.SLEEPING  # not woken by deo: something else did
+    beside = _memory_holders_beside(step, worker) if woke_alone else []
+    if woke_alone:
+        outcome = (
+            f"beside {', '.join(beside)}, which hold its GPUs' memory: sent back to sleep, not "
+            "routed to"
+            if beside
+            else "back in service"
+        )
         step.raise_alert(
             AlertName.ENGINE_CONTROL,
             worker.worker_id,
-            f"{worker.worker_id} was to be asleep but says it is awake beside "
-            f"{', '.join(beside)}, which hold its GPUs' memory: sent back to sleep, not routed to",
+            f"{worker.worker_id} was to be asleep but says it is awake: {outcome}",
         )
-        worker = step.transition(
-            worker,
-            Trigger.AWAKE,
-            deadline_t=None,
-            control_attempts=0,
-            asleep_t=None,
-            in_flight_requests=None,
-        )
+    # The count from before it slept says nothing of what it will be sent: unknown until the
+    # next sample, so a later drain waits for one rather than trusting a stale 0.
+    worker = step.transition(
+        worker,
+        Trigger.AWAKE,
+        deadline_t=None,
+        control_attempts=0,
+        asleep_t=None,
+        in_flight_requests=None,
+    )
+    if beside:
+        # Two holders of one GPU's memory is deo's invariant 1 broken by the world (alerted
+        # until this sleep is confirmed): never routed to, back to sleep at once.
         _sleep(step, worker, f"{worker.worker_id} woke beside {', '.join(beside)}")
         return
-    if worker.state in (S.WAKING, S.SLEEPING):
-        if worker.state is S.SLEEPING:
-            step.raise_alert(
-                AlertName.ENGINE_CONTROL,
-                worker.worker_id,
-                f"{worker.worker_id} was to be asleep but says it is awake: back in service",
-            )
-        # The count from before it slept says nothing of what it will be sent: unknown until
-        # the next sample, so a later drain waits for one rather than trusting a stale 0.
-        worker = step.transition(
-            worker,
-            Trigger.AWAKE,
-            deadline_t=None,
-            control_attempts=0,
-            asleep_t=None,
-            in_flight_requests=None,
-        )
-        step.resolve_alert(AlertName.ENGINE_CONTROL, worker.worker_id, "engine awake")
-        step.came_up(worker)
-        step.dirty_pools.add(spec.name)
+    step.resolve_alert(AlertName.ENGINE_CONTROL, worker.worker_id, "engine awake")
+    step.came_up(worker)
+    step.dirty_pools.add(spec.name)
 
 
 def _sleep_failed(step: EngineStep, event: e.EngineSleepFailed) -> None:

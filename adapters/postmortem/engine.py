@@ -91,10 +91,8 @@ def replay(
     for index, file in enumerate([*earlier, path]):
         found: list[LogProblem] = problems if file == path else []
         begins = segment_start(file)
-        if begins is None:
-            reader = LogReader(file, seq=seq, problems=found)
-        else:
-            encoded, start_seq, offset, lines = begins
+        if begins is not None:
+            encoded, start_seq, _, _ = begins
             if index == 0:
                 # The segments before this one were dropped: start from the state it records.
                 try:
@@ -111,7 +109,7 @@ def replay(
                         f"the state this segment starts from is not the one replayed ({difference})"
                     )
                     found.append(LogProblem(2, message))
-            reader = LogReader(file, offset=offset, first_line=lines + 1, seq=seq, problems=found)
+        reader = _segment_reader(file, begins, seq, found)
         for record in reader.events():
             before = state
             event = transform(record.event) if transform is not None else record.event
@@ -150,18 +148,24 @@ def recorded_events(path: Path, *, problems: list[LogProblem]) -> Iterator[Event
     seq = 0
     for file in [*_earlier_segments(path), path]:
         found: list[LogProblem] = problems if file == path else []
-        begins = segment_start(file)
-        if begins is None:
-            reader = LogReader(file, seq=seq, problems=found)
-        else:
-            _, _, offset, lines = begins
-            reader = LogReader(file, offset=offset, first_line=lines + 1, seq=seq, problems=found)
+        reader = _segment_reader(file, segment_start(file), seq, found)
         for record in reader.events():
             if record.error is None:
                 yield record
         seq = reader.seq
         if found is not problems:
             problems.extend(LogProblem(p.line, f"{p.message} (in {file.name})") for p in found)
+
+
+def _segment_reader(
+    file: Path, begins: tuple[Any, int, int, int] | None, seq: int, problems: list[LogProblem]
+) -> LogReader:
+    """A reader of one segment's records after the state it starts from (``begins``, from
+    :func:`~adapters.log.segment_start`), if any."""
+    if begins is None:
+        return LogReader(file, seq=seq, problems=problems)
+    _, _, offset, lines = begins
+    return LogReader(file, offset=offset, first_line=lines + 1, seq=seq, problems=problems)
 
 
 def _earlier_segments(path: Path) -> list[Path]:
