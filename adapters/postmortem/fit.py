@@ -12,7 +12,9 @@ What a log shows, and how each value is read from it:
   batch queued at every sample in between, the trainer was fed, so that span is its step time;
   per window, merged into phases where it moves by more than a quarter. While it starves its
   demand is hidden: such a window only bounds the step time (the time it ran over the steps it
-  took), and keeps its phase unless that bound says the trainer got faster.
+  took), and keeps its phase unless that bound says the trainer got faster. Each change is then
+  moved from its window's edge to the step where the spans on either side split best, and each
+  phase's step time read from its own spans.
 * Pauses: a batch queued and no step for far longer than a step takes.
 * Starvation: non-paused time less the time the steps it took kept it busy.
 * Group size: the greatest common divisor of the sequences produced between samples (groups reach
@@ -416,7 +418,8 @@ def fit_trainer(facts: RunFacts, intervals: list[Interval]) -> TrainerFit:
     # take empties the queue, and a deep queue means a take is near.)
     spans: list[tuple[float, float, int]] = []  # (t, seconds, steps)
     in_pause = [_pause_overlap(pauses, i.start, i.end) > 0 for i in intervals]
-    if typical < statistics.median(i.dt for i in intervals):
+    per_interval = typical < statistics.median(i.dt for i in intervals)
+    if per_interval:
         spans = [
             (i.start, i.dt, i.steps)
             for i, paused in zip(intervals, in_pause, strict=True)
@@ -495,6 +498,10 @@ def fit_trainer(facts: RunFacts, intervals: list[Interval]) -> TrainerFit:
         phases[-1] = (phases[-1][0], statistics.fmean(current))
     if not phases:
         phases.append((0.0, typical))
+    # A span (t, seconds, steps) covers [t, t + seconds) read per interval, and ends at t read
+    # step to step.
+    covered = [(t, t + sec, n) if per_interval else (t - sec, t, n) for t, sec, n in spans]
+    phases = _placed(phases, covered, [b for _, b in pauses], end)
     return TrainerFit(
         batch_size_seqs=batch,
         phases=tuple((round(a, 1), round(s, 3)) for a, s in phases),
@@ -504,6 +511,83 @@ def fit_trainer(facts: RunFacts, intervals: list[Interval]) -> TrainerFit:
         hidden_s=hidden_s,
         seen=tuple(value is not None for value in measured),
     )
+
+
+def _placed(
+    phases: list[tuple[float, float]],
+    spans: list[tuple[float, float, int]],
+    pause_ends: list[float],
+    end: float,
+) -> list[tuple[float, float]]:
+    """Each change of step time moved from its window's edge to where the spans show it.
+
+    Phases are found window by window, so a change inside a window is first placed at one of its
+    edges and the window's step time mixes both speeds. Between the phases before and after a
+    change, the spans (start, end, steps) are split where the step times on either side are
+    closest to their own means (least squares on log step times). Spans show only where the
+    trainer was fed, so a gap around the split is starvation: a trainer that sped up starves
+    from its first fast step (the change goes to the end of the last slow span); one that
+    slowed down is fed again from its first slow step (the change goes to the start of the
+    first slow span). Each phase's step time is then read from its own spans where it has five
+    steps or more; one left with fewer joins the phase before, and so does one within
+    PHASE_CHANGE of it. A phase that begins at the end of a pause
+    (a trainer restarted) stays there.
+    """
+    if len(phases) < 2 or not spans:
+        return phases
+    spans = sorted(spans)
+    placed = list(phases)
+    for k in range(1, len(placed)):
+        begin = placed[k][0]
+        if begin in pause_ends:
+            continue
+        low = placed[k - 1][0]
+        high = placed[k + 1][0] if k + 1 < len(placed) else end
+        around = [span for span in spans if span[0] >= low and span[1] <= high]
+        if len(around) < 4:
+            continue
+        logs = [(math.log((b - a) / n), n) for a, b, n in around if b > a and n > 0]
+        if len(logs) != len(around):
+            continue
+        best: tuple[float, int] | None = None
+        for split in range(2, len(around) - 1):
+            cost = _spread(logs[:split]) + _spread(logs[split:])
+            if best is None or cost < best[0]:
+                best = (cost, split)
+        if best is None:
+            continue
+        before, after = logs[: best[1]], logs[best[1] :]
+        # Slower: fed again from the first slow step. Faster: starving from the last slow one.
+        slower = _mean(after) > _mean(before)
+        moved = around[best[1]][0] if slower else around[best[1] - 1][1]
+        if low < moved < high:
+            placed[k] = (moved, placed[k][1])
+    read: list[tuple[float, float]] = []
+    for k, (begin, step_s) in enumerate(placed):
+        stop = placed[k + 1][0] if k + 1 < len(placed) else end
+        inside = [(b - a, n) for a, b, n in spans if a >= begin and b <= stop]
+        steps = sum(n for _, n in inside)
+        if steps >= 5:
+            step_s = sum(seconds for seconds, _ in inside) / steps
+            if read and abs(step_s / read[-1][1] - 1) <= PHASE_CHANGE:
+                continue  # the same speed as the phase before: one phase
+            read.append((begin, step_s))
+        elif steps and read and begin not in pause_ends:
+            continue  # left with too few steps to tell a speed: part of the phase before
+        else:
+            read.append((begin, step_s))  # hidden (the trainer never fed): the window's bound
+    return read
+
+
+def _mean(logs: list[tuple[float, int]]) -> float:
+    """The mean of log step times, weighted by steps."""
+    return sum(value * n for value, n in logs) / sum(n for _, n in logs)
+
+
+def _spread(logs: list[tuple[float, int]]) -> float:
+    """Steps times the squared distance of each log step time from their weighted mean."""
+    mean = _mean(logs)
+    return sum(n * (value - mean) ** 2 for value, n in logs)
 
 
 # --- measuring a run ---------------------------------------------------------------------------

@@ -106,6 +106,38 @@ def test_the_fit_reads_what_the_log_shows(
 
 
 @pytest.mark.parametrize(
+    "phases",
+    [
+        # A trainer that speeds up, then slows down; then one that slows down twice.
+        ((437.0, 3.5), (1013.0, 9.0)),
+        ((517.0, 2.0), (1111.0, 12.0)),
+    ],
+)
+def test_speed_changes_are_placed_where_they_happened_not_at_a_window_edge(
+    tmp_path: Path, phases: tuple[tuple[float, float], ...]
+) -> None:
+    listed = ", ".join(f"{{at_s = {at}, step_s = {step}}}" for at, step in phases)
+    truth = load_scenario(
+        SCENARIOS / "trainer_speed_steps.toml",
+        {"duration_s": "1500", "trainer.phases": f"[{listed}]"},
+        policies=CATALOG,
+    )
+    log = tmp_path / "run.jsonl"
+    simulate(truth, log_path=log, policies=CATALOG)
+    trainer = fit_scenario(read_run(log), "fitted", CATALOG, calibrate=False).scenario.trainer
+    assert trainer.step_s == pytest.approx(truth.trainer.step_s, rel=0.05)
+    fitted = [(p.at_s, p.step_s) for p in trainer.phases]
+    # One fitted phase per change (a window straddling a change used to read a mixed speed as
+    # a phase of its own), each within two of the slower steps of where it happened.
+    assert len(fitted) == len(phases), fitted
+    slowest = truth.trainer.step_s
+    for (at_s, step_s), (true_at_s, true_step_s) in zip(fitted, phases, strict=True):
+        assert step_s == pytest.approx(true_step_s, rel=0.05), fitted
+        assert abs(at_s - true_at_s) <= 2 * max(slowest, true_step_s), fitted
+        slowest = true_step_s
+
+
+@pytest.mark.parametrize(
     ("name", "duration_s"), [("steady", 600), ("eval_checkpoint_pauses", 1200)]
 )
 def test_the_fitted_scenario_reproduces_a_simulated_run(
