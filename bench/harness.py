@@ -66,6 +66,7 @@ __all__ = [
     "run_bench",
     "run_scenario",
     "run_seeds",
+    "write_atomically",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -678,24 +679,32 @@ def _single_rows(report: ScenarioReport) -> list[str]:
     return lines
 
 
-def replace_section(text: str, section: str, *, where: str = "document") -> str:
-    """``text`` with the part between the markers replaced by ``section`` (markers included),
-    or with ``section`` appended when it has no markers yet. Everything else is kept as is."""
-    start, end = text.find(START_MARK), text.find(END_MARK)
+def replace_section(
+    text: str,
+    section: str,
+    *,
+    where: str = "document",
+    marks: tuple[str, str] = (START_MARK, END_MARK),
+) -> str:
+    """``text`` with the part between the markers (``marks``: deo bench's by default) replaced by
+    ``section`` (markers included), or with ``section`` appended when it has no markers yet.
+    Everything else is kept as is."""
+    start_mark, end_mark = marks
+    start, end = text.find(start_mark), text.find(end_mark)
     if start == -1 and end == -1:
         return (text.rstrip("\n") + "\n\n" if text.strip() else "") + section
     if start == -1 or end == -1 or end < start:
         raise BenchError(
-            f"{where}: the markers {START_MARK} and {END_MARK} must both be present, in that "
+            f"{where}: the markers {start_mark} and {end_mark} must both be present, in that "
             "order (fix or remove them)"
         )
-    if text.count(START_MARK) > 1 or text.count(END_MARK) > 1:
-        raise BenchError(f"{where}: the markers {START_MARK} / {END_MARK} appear more than once")
-    rest = text[end + len(END_MARK) :]
+    if text.count(start_mark) > 1 or text.count(end_mark) > 1:
+        raise BenchError(f"{where}: the markers {start_mark} / {end_mark} appear more than once")
+    rest = text[end + len(end_mark) :]
     return text[:start] + section + rest.removeprefix("\n")
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(
         "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", delete=False
@@ -857,6 +866,6 @@ def run_bench(
         )
     section = render_section(reports, command=command, out_dir=out.parent, plots=plots)
     text = out.read_text(encoding="utf-8") if out.exists() else ""
-    _write_atomically(out, replace_section(text, section, where=f"--out {out}"))
+    write_atomically(out, replace_section(text, section, where=f"--out {out}"))
     progress(f"wrote {out} and {len(plots)} plot(s) in {plots_dir}")
     return reports
