@@ -104,7 +104,7 @@ class Metrics:
 
     #: Share of the non-paused time the trainer waited for a batch.
     starvation_share: float
-    #: Starvation beyond the reactive oracle's, minute by minute (adapters.sim.metrics).
+    #: Starvation beyond the reactive oracle's, episode by episode (adapters.sim.metrics).
     avoidable_starvation_share: float
     #: GPU-hours held by workers (a 0-GPU worker counts one per hour).
     worker_hours: float
@@ -616,14 +616,15 @@ def render_section(
         ),
         "  Starvation: share of the non-paused time the trainer waited for a batch. "
         "Worker-hours: GPU-hours held (a CPU worker counts one an hour). Lag: trainer steps "
-        "between a sequence being queued and trained on. Flaps: a scale-up undone within the "
-        "stabilization window.",
+        "between a sequence being queued and trained on. Reversals: a scaling decision whose "
+        "direction undoes the one before it, however long after.",
         "- Policies:",
     ]
     lines += [f"  - `{name}`: {note}" for name, note in _POLICY_NOTES.items()]
     lines += [
         f"- deo's targets, per scenario: starvation at most {AVOIDABLE_STARVATION:.0%} beyond "
-        f"the reactive oracle's, minute by minute; worker-hours at most "
+        f"the reactive oracle's (over minutes it does not starve in, and over each stretch it "
+        f"does as a whole); worker-hours at most "
         f"{WORKER_HOURS_X_ORACLE:g} x the reactive oracle's; mean lag at most "
         f"{MEAN_LAG_STEPS:g} steps; at most "
         f"{REVERSALS_PER_HOUR:g} reversals of direction per hour on jitter-only scenarios "

@@ -3,11 +3,14 @@
 * ``starvation_share``: time the trainer waited for a batch (free, not paused, fewer than
   ``batch_size_seqs`` sequences queued) over the run's non-paused time.
 * ``avoidable_starvation_share``: starvation beyond the reactive oracle's
-  (:mod:`adapters.sim.oracle`), window by window of ``AVOIDABLE_WINDOW_S``: in each window, the
-  seconds the trainer waited less the seconds the reactive oracle's trainer waited (never below
-  0), over the non-paused time less the oracle's starvation. A partial shortfall excuses only its
-  part; the window is long enough that a real trainer's waits, which come a batch at a time,
-  compare with the oracle's fluid ones spread evenly.
+  (:mod:`adapters.sim.oracle`), over windows of ``AVOIDABLE_WINDOW_S``: a wait in a window the
+  oracle does not starve in is avoidable; over each run of consecutive windows the oracle starves
+  in (an episode), the seconds the trainer waited less the seconds the oracle's trainer waited
+  (never below 0). All over the non-paused time less the oracle's starvation. A partial
+  shortfall excuses only its part; comparing an episode as a whole lets a real trainer's waits,
+  which come a batch at a time, more in one minute and less in the next, compare with the
+  oracle's fluid ones spread evenly (compared window by window, a pool held all along at the
+  oracle's own count, short of capacity for most of the run, read 2.5% avoidable).
 * ``worker_hours``: GPU-hours, each worker's GPUs from its SpawnWorker until it exits (or the
   run ends); a worker of a pool with ``gpus_per_worker = 0`` counts one worker-hour per hour.
 * ``mean_lag_steps`` / ``p95_lag_steps``: per consumed sequence, the trainer steps taken between
@@ -146,6 +149,26 @@ def _lag(lag_seqs: dict[int, int]) -> tuple[float, float]:
     raise AssertionError("unreachable: the loop covers every sequence")
 
 
+def _avoidable_s(windows: list[tuple[float, float]]) -> float:
+    """Seconds waited beyond the oracle's, from (waited, oracle waited) per window.
+
+    Consecutive windows in which the oracle starves are one episode (a stretch its workers cannot
+    feed the trainer through, a start-up after a change): within it the waits are compared as a
+    whole, since a trainer short of capacity waits a batch at a time, more in one minute and less
+    in the next, around the oracle's even share. Every wait in a window the oracle does not
+    starve in is avoidable.
+    """
+    avoidable_s = episode_waited = episode_oracle = 0.0
+    for waited, oracle_waited in windows:
+        if oracle_waited > 0:
+            episode_waited += waited
+            episode_oracle += oracle_waited
+            continue
+        avoidable_s += max(episode_waited - episode_oracle, 0.0) + waited
+        episode_waited = episode_oracle = 0.0
+    return avoidable_s + max(episode_waited - episode_oracle, 0.0)
+
+
 def measure(scenario: Scenario, record: WorldRecord, oracle: OracleResult) -> Metrics:
     """The metrics of one run from what the world recorded and the scenario's oracle."""
     end = record.duration_s
@@ -158,10 +181,10 @@ def measure(scenario: Scenario, record: WorldRecord, oracle: OracleResult) -> Me
     unavoidable_s = sum(cells)
     waited = _per_cell(record.starved, len(cells))
     per = max(round(AVOIDABLE_WINDOW_S / GRID_S), 1)
-    avoidable_s = sum(
-        max(sum(waited[i : i + per]) - sum(cells[i : i + per]), 0.0)
-        for i in range(0, len(cells), per)
-    )
+    windows = [
+        (sum(waited[i : i + per]), sum(cells[i : i + per])) for i in range(0, len(cells), per)
+    ]
+    avoidable_s = _avoidable_s(windows)
     outside_s = running_s - unavoidable_s
     worker_s = sum(
         span.cost * (min(end if span.exited_t is None else span.exited_t, end) - span.spawned_t)

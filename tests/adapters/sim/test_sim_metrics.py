@@ -98,6 +98,26 @@ def test_a_partial_shortfall_excuses_only_its_part_within_a_minute() -> None:
     assert m.avoidable_starvation_share == pytest.approx(30 / 900)
 
 
+def test_a_stretch_the_oracle_starves_through_is_compared_as_a_whole() -> None:
+    # From 0 to 360 s the oracle is short of capacity: it starves 0.25 s of every second, 15 s
+    # a minute. The trainer, short too, waits a batch at a time: 5 s in one minute, 25 s in the
+    # next, 90 s in all against the oracle's 90. Minute by minute that would read 30 s avoidable
+    # (10 s in each minute it waited 25); as one stretch, none.
+    partial = {i: 0.25 for i in range(0, 360)}
+    waits = tuple(
+        (minute * 60.0, minute * 60.0 + (5.0 if minute % 2 == 0 else 25.0)) for minute in range(6)
+    )
+    m = metrics(starved=waits, oracle=make_oracle(partial=partial))
+    assert m.starvation_share == pytest.approx(90 / 900)
+    assert m.avoidable_starvation_share == 0.0
+    # A wait after the stretch, in a minute the oracle does not starve in, is avoidable whatever
+    # the trainer saved within the stretch; so is a stretch's excess.
+    m = metrics(starved=((0.0, 5.0), (400.0, 410.0)), oracle=make_oracle(partial=partial))
+    assert m.avoidable_starvation_share == pytest.approx(10 / (900 - 90))
+    m = metrics(starved=((0.0, 100.0),), oracle=make_oracle(partial=partial))
+    assert m.avoidable_starvation_share == pytest.approx(10 / (900 - 90))
+
+
 def test_worker_hours_count_gpus_from_spawn_to_exit_or_the_end() -> None:
     spans = (
         WorkerSpan(worker_id="envs-0", pool="envs", cost=2, spawned_t=0.0, exited_t=360.0),
