@@ -1,8 +1,8 @@
 """A stand-in for a vLLM or SGLang server, for tests and benchmarks without a GPU.
 
     python -m deo_worker.engine_standin --port P --engine vllm|sglang [--memory-mib M]
-        [--tokens-per-s R] [--max-concurrency C] [--startup-s S] [--model NAME]
-        [--control-delay-s D]
+        [--memory-on host|gpu] [--tokens-per-s R] [--max-concurrency C] [--startup-s S]
+        [--model NAME] [--control-delay-s D]
 
 It is *not* an inference engine: it answers the HTTP routes deo and its router use with the
 shapes and behaviours of the real servers (see docs/engines.md), generating placeholder tokens at
@@ -19,7 +19,10 @@ counted as waiting). What it serves:
 
 It holds ``--memory-mib`` of touched anonymous memory (standing in for the GPU memory an engine
 holds: visible in the process's RSS) that sleeping or releasing frees and waking takes back, so a
-test can see a sleep free memory. How it follows the real servers:
+test can see a sleep free memory. With ``--memory-on gpu`` that memory is on the first CUDA device
+it may use (``CUDA_VISIBLE_DEVICES``), through PyTorch, so NVML sees a sleep free it as it sees a
+real engine's (the CUDA context itself stays, as it does in a sleeping engine). How it follows the
+real servers:
 
 - vLLM: the API server listens only once the engine is up (``--startup-s`` later); ``/health`` is
   200 while alive, asleep or not. Level 1 and 2 free the memory, level 0 only pauses. ``mode``
@@ -45,6 +48,7 @@ Every completion names the stand-in that served it: ``system_fingerprint`` is
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import mmap
 import os
@@ -96,6 +100,37 @@ class _Memory:
             self._buffer = None
 
 
+class _GpuMemory:
+    """Memory on the GPU, through PyTorch (imported only for ``--memory-on gpu``)."""
+
+    def __init__(self, size_bytes: int) -> None:
+        try:
+            self._torch = importlib.import_module("torch")
+        except ImportError:
+            raise ValueError("--memory-on gpu needs PyTorch, which is not installed") from None
+        if not self._torch.cuda.is_available():
+            raise ValueError("--memory-on gpu: PyTorch sees no CUDA device")
+        self.size_bytes = size_bytes
+        self._block: Any = None
+
+    @property
+    def held_bytes(self) -> int:
+        return self.size_bytes if self._block is not None else 0
+
+    def take(self) -> None:
+        if self._block is not None or self.size_bytes == 0:
+            return
+        torch = self._torch
+        self._block = torch.ones(self.size_bytes, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+
+    def release(self) -> None:
+        if self._block is not None:
+            self._block = None
+            # Back to the driver, not kept in PyTorch's cache: a sleeping engine's memory is free.
+            self._torch.cuda.empty_cache()
+
+
 class _Aborted(Exception):
     """The request was aborted by a sleep or pause: it ends with finish_reason "abort"."""
 
@@ -109,6 +144,7 @@ class EngineStandin:
         engine: str,
         port: int,
         memory_mib: int = 64,
+        memory_on: str = "host",
         tokens_per_s: float = 100.0,
         max_concurrency: int = 8,
         startup_s: float = 0.0,
@@ -117,6 +153,8 @@ class EngineStandin:
     ) -> None:
         if engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        if memory_on not in ("host", "gpu"):
+            raise ValueError(f"--memory-on must be host or gpu, got {memory_on!r}")
         if (
             memory_mib < 0
             or not tokens_per_s > 0
@@ -133,7 +171,7 @@ class EngineStandin:
         self.model = model
         self.token_interval_s = 1.0 / tokens_per_s
         self.startup_s = startup_s
-        self.memory = _Memory(memory_mib * _MIB)
+        self.memory = (_Memory if memory_on == "host" else _GpuMemory)(memory_mib * _MIB)
         self.started = False
         self.running = 0
         self.waiting = 0
@@ -546,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=ENGINES, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--memory-mib", type=int, default=64)
+    parser.add_argument("--memory-on", choices=("host", "gpu"), default="host")
     parser.add_argument("--tokens-per-s", type=float, default=100.0)
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--startup-s", type=float, default=0.0)
@@ -557,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
             engine=args.engine,
             port=args.port,
             memory_mib=args.memory_mib,
+            memory_on=args.memory_on,
             tokens_per_s=args.tokens_per_s,
             max_concurrency=args.max_concurrency,
             startup_s=args.startup_s,

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import anyio
@@ -11,6 +15,8 @@ import pytest
 from engine_standins import Standin
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_for
+
+from deo_worker.engine_standin import EngineStandin
 
 MIB = 1024 * 1024
 DEADLINE_S = 60.0
@@ -200,3 +206,29 @@ def test_injected_failures_answer_before_any_body() -> None:
         statuses.append(client.post("/v1/completions", json={"max_tokens": 1}).status_code)
         statuses.append(client.post("/v1/completions", json={"max_tokens": 1}).status_code)
         assert statuses == [502, 502, 200]
+
+
+def _cuda_torch() -> bool:
+    try:
+        torch = importlib.import_module("torch")
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.skipif(_cuda_torch(), reason="PyTorch with CUDA is here: --memory-on gpu works")
+def test_memory_on_a_gpu_without_pytorch_and_cuda_is_refused_by_name() -> None:
+    argv = ["--port", "1", "--engine", "vllm", "--memory-on", "gpu"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "deo_worker.engine_standin", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert re.search(r"--memory-on gpu(: PyTorch sees no CUDA device| needs PyTorch)", proc.stderr)
+
+
+def test_memory_on_an_unknown_place_is_refused() -> None:
+    with pytest.raises(ValueError, match="--memory-on must be host or gpu, got 'disk'"):
+        EngineStandin(engine="vllm", port=1, memory_on="disk")

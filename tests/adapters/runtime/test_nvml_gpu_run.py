@@ -13,54 +13,15 @@ show it freed once deo drained the worker; ``tools/replay`` verifies the log.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import httpx
-import pynvml
-import pytest
+from real_gpu import NEEDS_GPU, nvml_gpus
 from test_nvml_run import GIB, TOKEN, Deo
 from waiting import wait_for
 
-
-def _cuda_torch() -> bool:
-    """This Python has PyTorch with a CUDA device (asked in a child: CUDA stays out of pytest)."""
-    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
-    try:
-        return subprocess.run([sys.executable, "-c", probe], timeout=120).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-def _nvml_gpus() -> list[dict[str, Any]]:
-    """Every GPU NVML counts: index, UUID and memory used (empty without a driver)."""
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return []
-    try:
-        found = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            uuid = pynvml.nvmlDeviceGetUUID(handle)
-            found.append(
-                {
-                    "index": str(index),
-                    "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
-                    "used": pynvml.nvmlDeviceGetMemoryInfo(handle).used,
-                }
-            )
-        return found
-    finally:
-        pynvml.nvmlShutdown()
-
-
-pytestmark = pytest.mark.skipif(
-    not _nvml_gpus() or not _cuda_torch(),
-    reason="needs an NVIDIA driver and PyTorch with CUDA (a real GPU)",
-)
+pytestmark = NEEDS_GPU
 
 #: What the worker allocates on its GPU.
 ALLOCATION_BYTES = 2 * GIB
@@ -98,7 +59,7 @@ def _same_gpu(nvml_uuid: str, torch_uuid: str) -> bool:
 def test_a_worker_on_a_real_gpu_is_seen_by_nvml_and_its_memory_freed_after_a_drain(
     tmp_path: Path,
 ) -> None:
-    gpus = _nvml_gpus()
+    gpus = nvml_gpus()
     baseline = {g["index"]: g["used"] for g in gpus}
     script = tmp_path / "gpu_worker.py"
     script.write_text(GPU_WORKER)
