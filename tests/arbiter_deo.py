@@ -51,20 +51,24 @@ class ArbiterDeo:
         self.output = tmp_path / "deo.out"
         self.process: subprocess.Popen[bytes] | None = None
 
-    def write_config(self, arbiter_gpus: list[str], extra_config: str = "") -> None:
-        """Write deo's config, for the next start."""
-        self.config.write_text(
-            f"""
-[deo]
-log = "run.jsonl"
-tick_interval_s = 0.2
-gpus = {json.dumps(GPUS)}
-[api]
-port = {self.port}
+    #: deo's GPUs and where their health comes from: ``GPUS``, from the NVML file backend.
+    GPU_SOURCE = f"""gpus = {json.dumps(GPUS)}
 [nvml]
 backend = "file"
 file = "gpus.json"
 interval_s = 0.5
+"""
+
+    def write_config(self, arbiter_gpus: list[str], extra_config: str = "") -> None:
+        """Write deo's config, for the next start."""
+        self.config.write_text(
+            f"""
+[api]
+port = {self.port}
+[deo]
+log = "run.jsonl"
+tick_interval_s = 0.2
+{self.GPU_SOURCE}
 [arbiter]
 gpus = {json.dumps(arbiter_gpus)}
 """
@@ -120,6 +124,18 @@ gpus = {json.dumps(arbiter_gpus)}
         assert self.process is not None
         self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout=30)
+
+    def stop_draining(self, timeout_s: float = 60.0) -> None:
+        """``POST /v1/stop`` with a drain: deo drains every worker and exits 0."""
+        stop = httpx.post(
+            f"{self.url}/v1/stop",
+            json={"drain": True},
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=10,
+        )
+        assert stop.status_code == 200, stop.text
+        assert self.process is not None
+        assert self.process.wait(timeout=timeout_s) == 0
 
     def replays(self) -> None:
         """``deo replay`` of the log succeeds."""

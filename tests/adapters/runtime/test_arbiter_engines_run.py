@@ -158,15 +158,7 @@ def test_training_preempts_engines_and_a_kill_mid_preemption_loses_nothing(
         assert {g: w["id"] for g, w in deo.on_gpu().items()} == ids
         p1.close()
         p2.close()
-        stop = httpx.post(
-            f"{deo.url}/v1/stop",
-            json={"drain": True},
-            headers={"Authorization": f"Bearer {TOKEN}"},
-            timeout=10,
-        )
-        assert stop.status_code == 200
-        assert deo.process is not None
-        assert deo.process.wait(timeout=60) == 0
+        deo.stop_draining()
         deo.replays()
     finally:
         if deo.process is not None and deo.process.poll() is None:

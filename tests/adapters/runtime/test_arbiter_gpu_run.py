@@ -38,11 +38,21 @@ SEEN_BYTES = MEMORY_MIB * 2**20 * 9 // 10
 class Deo(ArbiterDeo):
     """``deo run`` on this machine's GPU 0, read through NVML, with one stand-in engine on it."""
 
+    # A reading goes to the log once it moves by 1% of the GPU's memory (the engine's 4 GiB is 3%
+    # of an H200's), and every second regardless.
+    GPU_SOURCE = """gpus = "auto"
+[nvml]
+backend = "pynvml"
+interval_s = 0.2
+memory_tolerance = 0.01
+keepalive_s = 1.0
+"""
+
     def __init__(self, tmp_path: Path) -> None:
         first = reserve_port_range(2).first
         argv = [sys.executable, "-m", "deo_worker.engine_standin", "--port", "{port}"]
         argv += ["--engine", "vllm", "--memory-mib", str(MEMORY_MIB), "--memory-on", "gpu"]
-        self.pools = f"""[pools.gen]
+        pools = f"""[pools.gen]
 kind = "engine"
 engine = "vllm"
 argv = {json.dumps(argv)}
@@ -59,29 +69,7 @@ stop_timeout_s = 5.0
 name = "static"
 count = 0
 """
-        super().__init__(tmp_path, TOKEN, arbiter_gpus=["0"])
-
-    def write_config(self, arbiter_gpus: list[str], extra_config: str = "") -> None:
-        self.config.write_text(
-            f"""
-[deo]
-log = "run.jsonl"
-tick_interval_s = 0.2
-gpus = "auto"
-[api]
-port = {self.port}
-[nvml]
-backend = "pynvml"
-interval_s = 0.2
-# A reading goes to the log once it moves by 1% of the GPU's memory (the engine's 4 GiB is 3% of
-# an H200's), and every second regardless.
-memory_tolerance = 0.01
-keepalive_s = 1.0
-[arbiter]
-gpus = {json.dumps(arbiter_gpus)}
-"""
-            + self.pools
-        )
+        super().__init__(tmp_path, TOKEN, arbiter_gpus=["0"], extra_config=pools)
 
     def engine(self) -> dict[str, Any]:
         [worker] = httpx.get(f"{self.url}/v1/workers", timeout=10).json()["workers"]
@@ -131,15 +119,7 @@ def test_a_training_grant_comes_once_the_engines_gpu_memory_is_free(tmp_path: Pa
         wait_for("deo reading the memory taken back", lambda: deo.used_bytes() >= awake - 2**28)
         p1.close()
         p2.close()
-        stop = httpx.post(
-            f"{deo.url}/v1/stop",
-            json={"drain": True},
-            headers={"Authorization": f"Bearer {TOKEN}"},
-            timeout=10,
-        )
-        assert stop.status_code == 200
-        assert deo.process is not None
-        assert deo.process.wait(timeout=120) == 0
+        deo.stop_draining(timeout_s=120)
         wait_for("the GPU memory back to its baseline", lambda: used_bytes("0") < baseline + 2**28)
         deo.replays()
     finally:

@@ -195,15 +195,7 @@ def test_two_pipelines_engines_time_share_gpus_one_holding_each_at_a_time(
 
         p.close()
         q.close()
-        stop = httpx.post(
-            f"{deo.url}/v1/stop",
-            json={"drain": True},
-            headers={"Authorization": f"Bearer {TOKEN}"},
-            timeout=10,
-        )
-        assert stop.status_code == 200
-        assert deo.process is not None
-        assert deo.process.wait(timeout=60) == 0
+        deo.stop_draining()
         assert memory_holders_in_log(deo.log) == []
         deo.replays()
     finally:
