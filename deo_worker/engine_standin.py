@@ -1,4 +1,5 @@
-"""A stand-in for a vLLM or SGLang server, for tests and benchmarks without a GPU.
+"""A stand-in for a vLLM or SGLang server, for tests and benchmarks: no model, and no GPU unless
+asked to hold its memory on one (``--memory-on gpu``).
 
     python -m deo_worker.engine_standin --port P --engine vllm|sglang [--memory-mib M]
         [--memory-on host|gpu] [--tokens-per-s R] [--max-concurrency C] [--startup-s S]

@@ -530,8 +530,7 @@ def _placed(
     slowed down is fed again from its first slow step (the change goes to the start of the
     first slow span). Each phase's step time is then read from its own spans where it has five
     steps or more; one left with fewer joins the phase before, and so does one within
-    PHASE_CHANGE of it. A phase that begins at the end of a pause
-    (a trainer restarted) stays there.
+    PHASE_CHANGE of it. A phase that begins at the end of a pause (a trainer restarted) stays.
     """
     if len(phases) < 2 or not spans:
         return phases
