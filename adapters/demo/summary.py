@@ -15,6 +15,7 @@ simulation: it holds its maximum for the whole run.
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Callable, Iterable
 
@@ -236,4 +237,13 @@ def render(
     out(f"  decisions: {len(facts.decisions)} scaling decisions by the {policy} policy:")
     for d in facts.decisions:
         verb = "up" if d.target > d.previous else "down"
-        out(f"    {d.t_s:5.1f}s  {verb} {d.previous} -> {d.target} workers: {d.reason}")
+        out(f"    {d.t_s:5.1f}s  {verb} {d.previous} -> {d.target} workers: {_bounded(d)}")
+
+
+def _bounded(decision: Decision) -> str:
+    """The reason, saying so where the pool's bounds held the count short of what it names."""
+    wanted = re.search(r"-> (\d+) workers$", decision.reason)
+    if wanted is None or int(wanted.group(1)) == decision.target:
+        return decision.reason
+    bound = "maximum" if int(wanted.group(1)) > decision.target else "minimum"
+    return f"{decision.reason} ({decision.target}: the pool's {bound})"

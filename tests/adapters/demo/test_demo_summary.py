@@ -25,9 +25,13 @@ def spawn(i: int) -> SpawnWorker:
     )
 
 
-def scale(previous: int, target: int, source: str = "policy") -> ScalePool:
+def scale(previous: int, target: int, source: str = "policy", reason: str = "") -> ScalePool:
     return ScalePool(
-        pool="envs", previous=previous, target=target, source=source, reason=f"to {target}"
+        pool="envs",
+        previous=previous,
+        target=target,
+        source=source,
+        reason=reason or f"to {target}",
     )
 
 
@@ -39,6 +43,7 @@ STEPS: list[tuple[float, object, list[object]]] = [
     (103.0, WorkerHeartbeat(t=103.0, worker_id="envs-1"), []),  # only the first counts
     (104.0, WorkerHeartbeat(t=104.0, worker_id="envs-2"), []),
     (110.0, Tick(t=110.0), [scale(3, 2)]),
+    (115.0, Tick(t=115.0), [scale(2, 4, reason="queue short -> 6 workers")]),
     (111.0, WorkerExited(t=111.0, worker_id="envs-2", exit_code=0, signal=None), []),
     (120.0, Tick(t=120.0), []),
 ]
@@ -51,6 +56,7 @@ def test_facts_are_every_policy_decision_worker_seconds_and_start_ups() -> None:
     assert [(d.t_s, d.previous, d.target, d.reason) for d in facts.decisions] == [
         (1.0, 1, 3, "to 3"),
         (10.0, 3, 2, "to 2"),
+        (15.0, 2, 4, "queue short -> 6 workers"),
     ]
     # envs-0: 100 -> 120 (still running), envs-1: 101 -> 120, envs-2: 101 -> 111.
     assert facts.worker_s == 20.0 + 19.0 + 10.0
@@ -111,6 +117,10 @@ def test_the_summary_says_what_a_static_pool_would_have_done_and_shows_every_dec
     # 8 workers x 20 s = 160 worker-seconds against 49 here.
     assert "and used 160 worker-seconds; deo used 49: 111 saved (69%), for" in text
     assert "simulated the same way, buffer waits" in text
-    assert "decisions: 2 scaling decisions by the buffer policy:" in text
+    assert "decisions: 3 scaling decisions by the buffer policy:" in text
     assert "      1.0s  up 1 -> 3 workers: to 3" in lines
     assert "     10.0s  down 3 -> 2 workers: to 2" in lines
+    # The policy asked for 6; the pool's maximum held it at 4, and the line says so.
+    assert (
+        "     15.0s  up 2 -> 4 workers: queue short -> 6 workers (4: the pool's maximum)" in lines
+    )
