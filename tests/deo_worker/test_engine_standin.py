@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import subprocess
@@ -14,6 +13,7 @@ import httpx
 import pytest
 from engine_standins import Standin
 from prometheus_client.parser import text_string_to_metric_families
+from real_gpu import cuda_torch
 from waiting import wait_for
 
 from deo_worker.engine_standin import EngineStandin
@@ -208,15 +208,7 @@ def test_injected_failures_answer_before_any_body() -> None:
         assert statuses == [502, 502, 200]
 
 
-def _cuda_torch() -> bool:
-    try:
-        torch = importlib.import_module("torch")
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-@pytest.mark.skipif(_cuda_torch(), reason="PyTorch with CUDA is here: --memory-on gpu works")
+@pytest.mark.skipif(cuda_torch(), reason="PyTorch with CUDA is here: --memory-on gpu works")
 def test_memory_on_a_gpu_without_pytorch_and_cuda_is_refused_by_name() -> None:
     argv = ["--port", "1", "--engine", "vllm", "--memory-on", "gpu"]
     proc = subprocess.run(

@@ -16,9 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-import httpx
 from real_gpu import NEEDS_GPU, nvml_gpus
-from test_nvml_run import GIB, TOKEN, Deo
+from test_nvml_run import GIB, Deo
 from waiting import wait_for
 
 pytestmark = NEEDS_GPU
@@ -109,12 +108,7 @@ def test_a_worker_on_a_real_gpu_is_seen_by_nvml_and_its_memory_freed_after_a_dra
         )
         assert used <= deo.gpus()[gpu]["memory_total_bytes"]
         # ...and, once deo drained the worker, the memory back.
-        response = httpx.post(
-            f"{deo.url}/v1/pools/envs/pin",
-            json={"count": 0},
-            headers={"Authorization": f"Bearer {TOKEN}"},
-            timeout=10,
-        )
+        response = deo.post("/v1/pools/envs/pin", {"count": 0})
         assert response.status_code == 200, response.text
         wait_for("the worker gone", lambda: not deo.workers())
         wait_for(

@@ -165,9 +165,12 @@ count = 2
             and r["event"]["gpu_id"] == gpu
         ]
 
-    def post(self, path: str) -> httpx.Response:
+    def post(self, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
         return httpx.post(
-            f"{self.url}{path}", json={}, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+            f"{self.url}{path}",
+            json=body or {},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=10,
         )
 
     def verified(self) -> None:
