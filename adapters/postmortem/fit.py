@@ -530,7 +530,9 @@ def _placed(
     slowed down is fed again from its first slow step (the change goes to the start of the
     first slow span). Each phase's step time is then read from its own spans where it has five
     steps or more; one left with fewer joins the phase before, and so does one within
-    PHASE_CHANGE of it. A phase that begins at the end of a pause (a trainer restarted) stays.
+    PHASE_CHANGE of it. A phase that begins at the end of a pause (a trainer restarted) stays,
+    and so does one whose best split leaves one speed on both sides (within PHASE_CHANGE): there
+    the least cost is noise, not a change.
     """
     if len(phases) < 2 or not spans:
         return phases
@@ -556,6 +558,12 @@ def _placed(
         if best is None:
             continue
         before, after = logs[: best[1]], logs[best[1] :]
+        if abs(_mean(after) - _mean(before)) <= math.log1p(PHASE_CHANGE):
+            # One speed on both sides (a window that straddled a change read as a phase of its
+            # own, and the change before has moved to where it happened): every split costs
+            # about the same, so the least one is rounding. The phase stays, and is read as
+            # part of its neighbour below.
+            continue
         # Slower: fed again from the first slow step. Faster: starving from the last slow one.
         slower = _mean(after) > _mean(before)
         moved = around[best[1]][0] if slower else around[best[1] - 1][1]

@@ -21,7 +21,7 @@ from conftest import deo_command, write_simulated_log
 
 from adapters.log import LogProblem, LogReader
 from adapters.postmortem.engine import replay
-from adapters.postmortem.fit import FitError, Fitted, fit_scenario, read_run
+from adapters.postmortem.fit import FitError, Fitted, _placed, fit_scenario, read_run
 from adapters.postmortem.whatif import WhatIfError, parse_changes, run_what_if
 from adapters.sim.driver import simulate
 from adapters.sim.scenario import EnvPool, Scenario, load_scenario
@@ -135,6 +135,20 @@ def test_speed_changes_are_placed_where_they_happened_not_at_a_window_edge(
         assert step_s == pytest.approx(true_step_s, rel=0.05), fitted
         assert abs(at_s - true_at_s) <= 2 * max(slowest, true_step_s), fitted
         slowest = true_step_s
+
+
+def test_a_phase_between_two_of_one_speed_is_not_moved_by_noise() -> None:
+    # Windows found a change near 1017 s as a mixed phase (5.4 s from 972 s) and a slow one
+    # (9 s from 1080 s). Moving the mixed phase to the change leaves one speed on both sides of
+    # the next change (9.5 s steps, then 8 s ones): its least-squares split is noise, and it
+    # once left the mixed phase too few steps to be read, so the change landed at 1036 s.
+    fast = [(t, t + 4.0, 1) for t in range(901, 1017, 4)]
+    slow = [(1017.0, 1026.5, 1), (1026.5, 1036.0, 1)]
+    slow += [(1036.0 + 8 * k, 1044.0 + 8 * k, 1) for k in range(40)]
+    phases = [(0.0, 4.0), (972.0, 5.4), (1080.0, 9.0)]
+    placed = _placed(phases, [(float(a), b, n) for a, b, n in fast] + slow, [], 1400.0)
+    assert [at for at, _ in placed] == [0.0, 1017.0], placed
+    assert placed[1][1] == pytest.approx(8.0, rel=0.1), placed
 
 
 @pytest.mark.parametrize(
