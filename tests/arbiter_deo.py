@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 from waiting import wait_for
 
-from bench.ports import reserve_port
+from bench.ports import reserve_port, reserve_port_range
 
 GPUS = ["0", "1", "2", "3"]
 HEALTHY = {
@@ -27,6 +27,30 @@ HEALTHY = {
     "throttle_reasons": [],
     "errors_total": 0,
 }
+
+
+def standin_engine_pool(name: str, engines: int, standin_args: list[str], **settings: float) -> str:
+    """TOML for engine pool ``name``: up to ``engines`` stand-in engines (vLLM's routes), one GPU
+    each and all of them allowed asleep, started only for the arbiter (its policy holds 0).
+    ``standin_args`` go to each stand-in (memory, delays); ``settings`` are the pool's keys
+    (timeouts, attempts)."""
+    first = reserve_port_range(2 * engines).first
+    argv = [sys.executable, "-m", "deo_worker.engine_standin", "--port", "{port}"]
+    argv += ["--engine", "vllm", *standin_args]
+    keys = "".join(f"{key} = {value}\n" for key, value in settings.items())
+    return f"""[pools.{name}]
+kind = "engine"
+engine = "vllm"
+argv = {json.dumps(argv)}
+gpus_per_worker = 1
+min_workers = 0
+max_workers = {engines}
+max_asleep = {engines}
+ports = [{first}, {first + 2 * engines - 1}]
+{keys}[pools.{name}.policy]
+name = "static"
+count = 0
+"""
 
 
 class ArbiterDeo:

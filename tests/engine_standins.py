@@ -18,6 +18,14 @@ REPO = Path(__file__).resolve().parents[1]
 START_DEADLINE_S = 60.0
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (a stand-in's weights and KV cache live there)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
 class Standin:
     """One ``python -m deo_worker.engine_standin`` process on a free loopback port."""
 
@@ -83,10 +91,7 @@ class Standin:
         return self.proc.pid
 
     def rss_bytes(self) -> int:
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS")
+        return rss_bytes(self.pid)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -8,19 +8,17 @@ none twice and gives no GPU to two owners."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
-from arbiter_deo import GPUS, ArbiterDeo
+from arbiter_deo import GPUS, ArbiterDeo, standin_engine_pool
+from engine_standins import rss_bytes
 from waiting import wait_for
 
-from bench.ports import reserve_port_range
 from deo_worker.arbiter_client import ArbiterClient, Cluster, Grant
 
 TOKEN = "arbiter-engines-token"
@@ -29,41 +27,24 @@ MEMORY_MIB = 64
 CONTROL_DELAY_S = 5.0
 
 
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
-
 class Deo(ArbiterDeo):
     """``deo run`` whose engine pool ``gen`` starts a stand-in engine per GPU, each answering
     sleep and wake calls CONTROL_DELAY_S late."""
 
     def __init__(self, tmp_path: Path) -> None:
-        first = reserve_port_range(8).first
-        argv = [sys.executable, "-m", "deo_worker.engine_standin", "--port", "{port}"]
-        argv += ["--engine", "vllm", "--memory-mib", str(MEMORY_MIB), "--startup-s", "0.5"]
         # Every sleep and wake call answers CONTROL_DELAY_S late, so an engine stays
         # falling_asleep long enough for the test to see it and kill deo there.
-        argv += ["--control-delay-s", str(CONTROL_DELAY_S)]
-        pools = f"""[pools.gen]
-kind = "engine"
-engine = "vllm"
-argv = {json.dumps(argv)}
-gpus_per_worker = 1
-min_workers = 0
-max_workers = 4
-max_asleep = 4
-ports = [{first}, {first + 7}]
-drain_timeout_s = 2.0
-control_timeout_s = {4 * CONTROL_DELAY_S}
-control_attempts = 2
-stop_timeout_s = 2.0
-[pools.gen.policy]
-name = "static"
-count = 0
-"""
+        standin = ["--memory-mib", str(MEMORY_MIB), "--startup-s", "0.5"]
+        standin += ["--control-delay-s", str(CONTROL_DELAY_S)]
+        pools = standin_engine_pool(
+            "gen",
+            engines=4,
+            standin_args=standin,
+            drain_timeout_s=2.0,
+            control_timeout_s=4 * CONTROL_DELAY_S,
+            control_attempts=2,
+            stop_timeout_s=2.0,
+        )
         super().__init__(tmp_path, TOKEN, extra_config=pools)
 
     def workers(self) -> dict[str, dict[str, Any]]:

@@ -12,19 +12,16 @@ training loop asks for the same GPU through ``deo_worker.arbiter_client``.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
-from arbiter_deo import ArbiterDeo
+from arbiter_deo import ArbiterDeo, standin_engine_pool
 from real_gpu import NEEDS_GPU, used_bytes
 from waiting import wait_for
 
-from bench.ports import reserve_port_range
 from deo_worker.arbiter_client import ArbiterClient, Cluster
 
 pytestmark = NEEDS_GPU
@@ -49,26 +46,15 @@ keepalive_s = 1.0
 """
 
     def __init__(self, tmp_path: Path) -> None:
-        first = reserve_port_range(2).first
-        argv = [sys.executable, "-m", "deo_worker.engine_standin", "--port", "{port}"]
-        argv += ["--engine", "vllm", "--memory-mib", str(MEMORY_MIB), "--memory-on", "gpu"]
-        pools = f"""[pools.gen]
-kind = "engine"
-engine = "vllm"
-argv = {json.dumps(argv)}
-gpus_per_worker = 1
-min_workers = 0
-max_workers = 1
-max_asleep = 1
-ports = [{first}, {first + 1}]
-drain_timeout_s = 5.0
-start_timeout_s = 120.0
-control_timeout_s = 60.0
-stop_timeout_s = 5.0
-[pools.gen.policy]
-name = "static"
-count = 0
-"""
+        pools = standin_engine_pool(
+            "gen",
+            engines=1,
+            standin_args=["--memory-mib", str(MEMORY_MIB), "--memory-on", "gpu"],
+            drain_timeout_s=5.0,
+            start_timeout_s=120.0,
+            control_timeout_s=60.0,
+            stop_timeout_s=5.0,
+        )
         super().__init__(tmp_path, TOKEN, arbiter_gpus=["0"], extra_config=pools)
 
     def engine(self) -> dict[str, Any]:

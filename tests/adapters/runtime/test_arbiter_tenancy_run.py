@@ -7,20 +7,18 @@ again. Watched all along and in the log: never two engines holding one GPU's mem
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
-from arbiter_deo import ArbiterDeo
+from arbiter_deo import ArbiterDeo, standin_engine_pool
+from engine_standins import rss_bytes
 from waiting import wait_for
 
 from adapters.log import LogReader
-from bench.ports import reserve_port_range
 from core.invariants import state_violations
 from core.reducer import reduce
 from core.state import State
@@ -33,35 +31,18 @@ MEMORY_MIB = 64
 CONTROL_DELAY_S = 0.3
 
 
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
-
 def engine_pool_toml(name: str) -> str:
-    first = reserve_port_range(4).first
-    argv = [sys.executable, "-m", "deo_worker.engine_standin", "--port", "{port}"]
-    argv += ["--engine", "vllm", "--memory-mib", str(MEMORY_MIB), "--startup-s", "0.5"]
-    argv += ["--control-delay-s", str(CONTROL_DELAY_S)]
-    return f"""[pools.{name}]
-kind = "engine"
-engine = "vllm"
-argv = {json.dumps(argv)}
-gpus_per_worker = 1
-min_workers = 0
-max_workers = 2
-max_asleep = 2
-ports = [{first}, {first + 3}]
-drain_timeout_s = 2.0
-control_timeout_s = {10 * CONTROL_DELAY_S}
-control_attempts = 2
-stop_timeout_s = 2.0
-[pools.{name}.policy]
-name = "static"
-count = 0
-"""
+    standin = ["--memory-mib", str(MEMORY_MIB), "--startup-s", "0.5"]
+    standin += ["--control-delay-s", str(CONTROL_DELAY_S)]
+    return standin_engine_pool(
+        name,
+        engines=2,
+        standin_args=standin,
+        drain_timeout_s=2.0,
+        control_timeout_s=10 * CONTROL_DELAY_S,
+        control_attempts=2,
+        stop_timeout_s=2.0,
+    )
 
 
 class Deo(ArbiterDeo):

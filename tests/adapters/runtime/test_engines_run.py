@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from engine_standins import rss_bytes
 from spawned import alive, kill_marked
 from waiting import wait_for
 
@@ -29,13 +30,6 @@ OPERATOR = {"Authorization": f"Bearer {TOKEN}"}
 DEADLINE_S = 60.0
 #: The stand-in's memory: what a sleep must visibly free (its RSS falls by most of it).
 MEMORY_MIB = 64
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 class Deo:

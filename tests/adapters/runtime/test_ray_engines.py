@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from engine_standins import rss_bytes
 from test_ray import NODE_ARGS, RayCluster, cluster, node_resources, ray, ray_deo
 from test_run import Deo, alive, pool, verified
 from waiting import wait_for
@@ -84,13 +85,6 @@ def engine_pool(router_port: int, count: int, **fields: Any) -> str:
     }
     settings.update(fields)
     return pool("gen", standin(), policy=f'name = "static"\ncount = {count}', **settings)
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def environ_of(pid: int) -> dict[str, str]:
