@@ -45,7 +45,13 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
   worker fell below 70% of its best, an eighth when it was never measured with a pool an
   eighth smaller (a pool saturated from its first measurement). Production that held up
   (fell by less than a quarter of the share removed) means saturation: while the trainer
-  still waits, another eighth, and so on; the step that passes the knee shows production
+  still waits, fewer: first the count that makes the most the series made at the best
+  production per worker ever measured, when the pool is larger (sharing only lowers production
+  per worker, so that many make as much and the knee is no higher; at most half the pool at a
+  time), then steps of twice the last (at most a quarter, and at most the share whose loss for
+  the time a step past the knee takes to be judged and brought back, two settle times and a
+  start-up, is 36 s of the pool's production: 1% of an hour); the step that passes the knee
+  shows production
   falling, and workers there run unshared, so the knee is the count that makes, at their
   production per worker, the most a pool of the series made (a fall of less than half the
   share removed is measured for up to four settle times before it is told from noise). That
@@ -137,6 +143,10 @@ _FELL = 0.7
 #: A smaller pool whose production fell by less than this share of the workers removed (a
 #: quarter of a proportional fall): saturated.
 _HELD = 0.25
+#: A step past the knee loses what it removes until it is judged and brought back: at most this
+#: many seconds of the pool's production (1% of an hour) per step, and at most a quarter.
+_PAST_KNEE_COST_S = 36.0
+_SHED_MAX_SHARE = 1 / 4
 #: At the off-policy limit a removal takes a twentieth of the pool; with the queue held there
 #: for a whole cooldown, up to a tenth (the batches the full queue holds above the band cover
 #: the shortfall for this many trainer steps per start-up).
@@ -778,7 +788,8 @@ class BufferPolicy:
         """After a removal made short at the maximum: production that held up means saturation
         (keep the smaller pool, and while the queue stays short try another quarter fewer);
         production that fell with the workers means the trainer simply wants more than that
-        pool can make. After a saturated step that places the knee: the count at which workers
+        pool can make. Saturated and still short: a larger step (see the module docstring).
+        After a saturated step that places the knee: the count at which workers
         at the production per worker now measured (unshared) make what the saturated pool made,
         held until demand or the inference changes. With no saturated step before: back to the
         maximum, and no such removal for a while."""
@@ -837,9 +848,19 @@ class BufferPolicy:
             )
             if memory.queue_seqs < low_seqs and active >= 4:
                 # Still short with fewer workers making as much: the knee is lower still.
-                # An eighth at a time: the step that passes the knee costs what it removes
-                # until judged and brought back.
-                target = current - max(1, current // 8)
+                # Workers making the best production per worker measured (sharing only lowers
+                # it) make the capacity at this count or fewer, so the knee is no higher: to
+                # that count first (at most half the pool). From there, twice the last step, as
+                # far as a step past the knee may cost (it loses what it removes until judged
+                # and brought back).
+                best = memory.best_per_worker_seqs_s
+                known = math.ceil(capacity / best - 1e-9) if best > 0 else current
+                if known < current:
+                    target = max(known, current // 2)
+                else:
+                    most = min(_SHED_MAX_SHARE, _PAST_KNEE_COST_S / (2 * settle + startup))
+                    share = min(2 * removed, max(most, 1 / 8))
+                    target = current - max(1, math.floor(current * share))
                 return Decision(
                     target=target,
                     reason=f"{made}: the shared inference saturates; still short, trying "

@@ -491,23 +491,49 @@ def saturated_series(**changes: Any) -> BufferMemory:
     return settled(**fields)
 
 
-def test_a_saturated_pool_still_short_is_tried_an_eighth_smaller() -> None:
+def test_a_saturated_pool_still_short_goes_to_the_count_its_best_rate_makes_the_capacity() -> None:
     # 24 workers made as much as 27 did (80 seq/s) and the trainer still waits: the knee is
-    # lower still, so an eighth fewer (a smaller step: passing the knee costs what it removes).
+    # lower still. Workers once made 3.5 seq/s each (sharing only lowers that), so 23 make the
+    # 80: the knee is no higher, and 23 is the next count tried.
     memory = saturated_series(
         shed_workers=27, production_seqs_s=80.0, last_active=24, last_desired=24
     )
     decision = probe(memory, 24, queued=40, steps=2, active=24, max_workers=40)
-    assert decision.target == 21, decision.reason
-    assert "saturates; still short, trying 21 workers" in decision.reason
+    assert decision.target == 23, decision.reason
+    assert "saturates; still short, trying 23 workers" in decision.reason
     after = decision.memory
     assert (after.shed_workers, after.saturated_workers) == (24, 24)
     assert after.capacity_seqs_s == pytest.approx(80.0, rel=0.02)
+    # Far above that count, at most half the pool at a time.
+    crowded = saturated_series(shed_workers=54, production_seqs_s=80.0, last_active=48)
+    halved = probe(crowded, 48, queued=40, steps=2, active=48, max_workers=64)
+    assert halved.target == 24, halved.reason
     # Fed again (the queue in the band), it holds where it is.
     fed = replace(memory, queue_seqs=60.0)
     held = probe(fed, 24, queued=60, active=24, max_workers=40)
     assert held.target == 24, held.reason
     assert held.memory.shed_workers == 0
+
+
+def test_below_that_count_each_saturated_step_is_twice_the_last_within_its_cost() -> None:
+    # The best rate measured is this pool's own (80 seq/s over 24, 3.3 each): it puts the knee
+    # at no more than 25, no help at 24. The last step removed 3 of 27 (a ninth): this one
+    # twice that share, 5 of 24 (steps of 0.8 s and 20-s start-ups: a step past the knee is
+    # judged and undone within 68 s, so up to a quarter costs less than 36 s of production).
+    memory = saturated_series(
+        shed_workers=27,
+        production_seqs_s=80.0,
+        last_active=24,
+        last_desired=24,
+        per_worker_seqs_s=3.3,
+        best_per_worker_seqs_s=3.3,
+    )
+    decision = probe(memory, 24, queued=40, steps=2, active=24, max_workers=40)
+    assert decision.target == 19, decision.reason
+    # With 300-s start-ups a step past the knee would cost 5 minutes: an eighth at a time.
+    slow = replace(memory, startup_s=300.0, startups_seen=3)
+    careful = probe(slow, 24, queued=40, steps=2, active=24, max_workers=40)
+    assert careful.target == 21, careful.reason
 
 
 def test_the_step_that_passes_the_knee_places_it() -> None:
