@@ -43,7 +43,8 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
   trainer that waits (less than a batch queued, the queue not near the off-policy limit, where
   envs hold back), a removal tests for saturation: a quarter of the pool when production per
   worker fell below 70% of its best, an eighth when it was never measured with a pool an
-  eighth smaller (a pool saturated from its first measurement). Production that held up
+  eighth smaller (a pool saturated from its first measurement), and then no more than a step
+  past the knee may cost (below). Production that held up
   (fell by less than a quarter of the share removed) means saturation: while the trainer
   still waits, fewer: first the count that makes the most the series made at the best
   production per worker ever measured, when the pool is larger (sharing only lowers production
@@ -757,8 +758,14 @@ class BufferPolicy:
         # A trainer short of the band but fed (a batch queued) is not worth a test's cost.
         waiting = memory.queue_seqs < sample.batch_size_seqs
         if quiet and clean and waiting and active >= 4 and p > 0 and fell:
-            # Without a sign of saturation, a smaller test: it costs less if there is none.
-            target = current - max(1, current // (4 if tested or p < _FELL * best else 8))
+            if tested or p < _FELL * best:
+                share = 1 / 4
+            else:
+                # Without a sign of saturation, a smaller test: an eighth, and no more than a
+                # step past the knee may cost (it loses its share until judged and brought
+                # back), so a pool with long start-ups that is simply short loses little.
+                share = min(1 / 8, _PAST_KNEE_COST_S / (2 * settle + startup))
+            target = current - max(1, math.floor(current * share))
             return Decision(
                 target=target,
                 reason=f"{figures}; short at the pool's maximum, production per worker {why}: "

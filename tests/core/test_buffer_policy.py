@@ -614,6 +614,11 @@ def test_a_pool_saturated_from_its_first_measurement_is_tested_with_an_eighth() 
     assert decision.target == 35, decision.reason
     assert "never measured with fewer workers" in decision.reason
     assert decision.memory.shed_workers == 40
+    # With 5-minute start-ups a test that finds no saturation keeps its workers away for two
+    # settle times and a start-up (348 s here): 4 of 40 (35 s of the pool's production), not 5.
+    slow = replace(memory, startup_s=300.0, startups_seen=3)
+    small = probe(slow, 40, queued=40, steps=2, max_workers=40)
+    assert small.target == 36, small.reason
     # Measured at 30 workers before (as much per worker): no sign of saturation, no test.
     known = probe(
         replace(memory, fewest_measured_workers=30), 40, queued=40, steps=2, max_workers=40
