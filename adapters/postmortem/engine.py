@@ -82,8 +82,12 @@ def replay(
 
     A rotated log is read segment by segment, oldest first (:func:`~adapters.log.segments`);
     the problems of an earlier segment name it. When the first segment there is starts from a
-    state (its earlier ones were dropped), replay starts from that state; each later segment's
-    state must be the one replayed up to it.
+    state (its earlier ones were dropped), replay starts from that state, with ``transform``'s
+    changes to the configuration and the arbiter's planner it holds (declared again at its
+    time, as ``deo run`` would on a reload; the commands that would follow are not listed, and
+    a change the reducer refuses there raises :class:`~core.DeoError`);
+    each later segment's state must be the one replayed up to it (unless ``transform`` changed
+    what was replayed).
     """
     earlier = _earlier_segments(path)
     state = State()
@@ -102,7 +106,9 @@ def replay(
                 else:
                     if isinstance(start, State):
                         state, seq = start, start_seq
-            else:
+                        if transform is not None:
+                            state = _restated(state, transform, policies)
+            elif transform is None:  # a change makes the replayed state differ by design
                 difference = state_difference(encoded, encode(state))
                 if difference is not None:
                     message = (
@@ -138,6 +144,23 @@ def replay(
         seq = reader.seq
         if found is not problems:
             problems.extend(LogProblem(p.line, f"{p.message} (in {file.name})") for p in found)
+
+
+def _restated(state: State, transform: Callable[[Event], Event], policies: PolicyCatalog) -> State:
+    """``state`` (a replay's start) with ``transform``'s changes: its configuration and its
+    arbiter's planner declared again, changed, through the reducer, which raises
+    :class:`~core.DeoError` where it refuses the change there."""
+    declared: list[Event] = [Configured(t=state.now, config=state.config)]
+    if state.arbiter.gpus:
+        arbiter = state.arbiter
+        declared.append(
+            ArbiterGpusDeclared(t=state.now, gpus=arbiter.gpus, planner=arbiter.planner)
+        )
+    for event in declared:
+        changed = transform(event)
+        if changed != event:
+            state, _ = reduce(state, changed, policies)
+    return state
 
 
 def recorded_events(path: Path, *, problems: list[LogProblem]) -> Iterator[EventRecord]:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import hypothesis.strategies as st
 import orjson
 import pytest
@@ -32,7 +33,7 @@ from adapters.log import (
     snapshot_path,
 )
 from adapters.postmortem import replay as replay_command
-from adapters.postmortem.engine import replay, state_difference
+from adapters.postmortem.engine import apply_settings, parse_setting, replay, state_difference
 from adapters.run import run_id_of
 from core import (
     Config,
@@ -44,12 +45,16 @@ from core import (
     PoolSpec,
     QueueSampled,
     Reducer,
+    SpawnWorker,
     State,
     Tick,
+    WorkerHeartbeat,
     WorkerStarted,
     decode,
     encode,
+    reduce,
 )
+from core.arbiter import ArbiterGpusDeclared
 
 # --- helpers ---------------------------------------------------------------------------------
 
@@ -1285,3 +1290,72 @@ def test_segments_of_another_log_beside_a_first_segment_do_not_stop_recovery(
     log, recovery = EventLog.open(path)
     log.close()
     assert recovery.state == reducer.state
+
+
+def test_settings_apply_to_the_state_a_replay_starts_from(
+    tmp_path: Path, demo_events: list[Event]
+) -> None:
+    # A long run keeps only its last segments: replay starts from the state the oldest kept one
+    # records, and a changed setting must apply there, not only from the next Configured event.
+    path = tmp_path / "run.jsonl"
+    write_log(
+        path, demo_events, fsync=False, snapshot_every=50, segment_bytes=20_000, keep_segments=2
+    )
+    first = demo_events[0]
+    assert isinstance(first, Configured)
+    [pool] = first.config.pools
+    change = apply_settings([parse_setting(f"pools.{pool.name}.max_workers=2")])
+    problems: list[LogProblem] = []
+    steps = list(replay(path, problems=problems, transform=change))
+    assert problems == []
+    assert not any(isinstance(step.event, Configured) for step in steps)
+    assert steps[0].before.config.pools[0].max_workers == 2
+    assert steps[0].before.pools[pool.name].spec.max_workers == 2
+    # Without the change, the state is the one recorded.
+    assert next(iter(replay(path, problems=[]))).before.config.pools[0].max_workers == 24
+    # deo replay --set: the later segments' states differ from the replayed ones by design
+    # (not reported as damage), and the decisions a pool of 2 makes differ from the log's.
+    out = io.StringIO()
+    args = replay_args(path)
+    args.set = [f"pools.{pool.name}.max_workers=2"]
+    assert replay_command.run(args, out) == 0, out.getvalue()
+    assert "not the one replayed" not in out.getvalue()
+    differing = re.search(
+        r"(\d+) of \d+ events would have led to different decisions", out.getvalue()
+    )
+    assert differing is not None and int(differing[1]) > 0, out.getvalue()
+
+
+def test_a_change_refused_at_the_state_a_replay_starts_from_says_why(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    pool = attrs.evolve(static_pool(1), min_workers=0, gpus_per_worker=1)
+    events: list[Event] = [Configured(t=0.0, config=Config(gpus=["0"], pools=[pool]))]
+    _, commands = reduce(State(), events[0])
+    [worker_id] = [c.worker_id for c in commands if isinstance(c, SpawnWorker)]
+    events.append(WorkerStarted(t=1.0, worker_id=worker_id, pid=100, start_time=1))
+    for k in range(1500):
+        events += [WorkerHeartbeat(t=2.0 + k, worker_id=worker_id), Tick(t=2.5 + k)]
+    write_log(path, events, fsync=False, snapshot_every=50, segment_bytes=20_000, keep_segments=1)
+    assert len(segments(path)) == 1
+    start = next(iter(replay(path, problems=[]))).before
+    assert [w.gpus for w in start.workers.values()] == [("0",)]
+    # The worker spawned on GPU 0 still holds it where replay starts: the GPU cannot go.
+    with pytest.raises(DeoError, match="GPU '0' is held by worker"):
+        list(replay(path, problems=[], transform=apply_settings([(["gpus"], ["1"])])))
+
+
+def test_the_arbiter_planner_setting_applies_to_the_state_a_replay_starts_from(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "run.jsonl"
+    events: list[Event] = [configured(), ArbiterGpusDeclared(t=0.5, gpus=("0", "1"))]
+    events += [Tick(t=1.0 + k) for k in range(3000)]
+    write_log(path, events, fsync=False, snapshot_every=50, segment_bytes=20_000, keep_segments=1)
+    assert len(segments(path)) == 1  # the declaration is in a dropped segment
+    change = apply_settings([parse_setting("arbiter.planner.name=rlix")])
+    steps = list(replay(path, problems=[], transform=change))
+    assert not any(isinstance(step.event, ArbiterGpusDeclared) for step in steps)
+    planner = steps[0].before.arbiter.planner
+    assert planner is not None and planner.name == "rlix"
+    recorded = next(iter(replay(path, problems=[]))).before.arbiter.planner
+    assert recorded is None or recorded.name == "deo"
