@@ -1326,6 +1326,22 @@ def test_settings_apply_to_the_state_a_replay_starts_from(
     assert differing is not None and int(differing[1]) > 0, out.getvalue()
 
 
+def test_a_change_replayed_over_a_whole_rotated_log_is_not_taken_for_damage(
+    tmp_path: Path, demo_events: list[Event]
+) -> None:
+    # Every segment kept: replay starts from the first, and under a change the states the later
+    # segments record differ from the replayed ones by design.
+    path = tmp_path / "run.jsonl"
+    write_log(path, demo_events, fsync=False, snapshot_every=50, segment_bytes=60_000)
+    assert len(segments(path)) >= 2
+    problems: list[LogProblem] = []
+    change = apply_settings([parse_setting("pools.envs.max_workers=2")])
+    steps = list(replay(path, problems=problems, transform=change))
+    assert problems == []
+    assert steps[-1].after.config.pools[0].max_workers == 2
+    assert any(not step.matches for step in steps)
+
+
 def test_a_change_refused_at_the_state_a_replay_starts_from_says_why(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     pool = attrs.evolve(static_pool(1), min_workers=0, gpus_per_worker=1)
