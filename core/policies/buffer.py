@@ -44,7 +44,8 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
   envs hold back), a removal tests for saturation: a quarter of the pool when production per
   worker fell below 70% of its best, an eighth when it was never measured with a pool an
   eighth smaller (a pool saturated from its first measurement), and then no more than a step
-  past the knee may cost (below). Production that held up
+  past the knee may cost (below) but at least a sixteenth (a smaller fall is lost in the noise
+  of production). Production that held up
   (fell by less than a quarter of the share removed) means saturation: while the trainer
   still waits, fewer: first the count that makes the most the series made at the best
   production per worker ever measured, when the pool is larger (sharing only lowers production
@@ -763,8 +764,9 @@ class BufferPolicy:
             else:
                 # Without a sign of saturation, a smaller test: an eighth, and no more than a
                 # step past the knee may cost (it loses its share until judged and brought
-                # back), so a pool with long start-ups that is simply short loses little.
-                share = min(1 / 8, _PAST_KNEE_COST_S / (2 * settle + startup))
+                # back), so a pool with long start-ups that is simply short loses little; but
+                # a sixteenth at least, or production's noise hides what the test shows.
+                share = min(1 / 8, max(1 / 16, _PAST_KNEE_COST_S / (2 * settle + startup)))
             target = current - max(1, math.floor(current * share))
             return Decision(
                 target=target,

@@ -619,6 +619,10 @@ def test_a_pool_saturated_from_its_first_measurement_is_tested_with_an_eighth() 
     slow = replace(memory, startup_s=300.0, startups_seen=3)
     small = probe(slow, 40, queued=40, steps=2, max_workers=40)
     assert small.target == 36, small.reason
+    # However long the start-ups, a sixteenth at least: a smaller fall is lost in the noise.
+    slower = replace(memory, startup_s=3000.0, startups_seen=3)
+    least = probe(slower, 40, queued=40, steps=2, max_workers=40)
+    assert least.target == 38, least.reason
     # Measured at 30 workers before (as much per worker): no sign of saturation, no test.
     known = probe(
         replace(memory, fewest_measured_workers=30), 40, queued=40, steps=2, max_workers=40
