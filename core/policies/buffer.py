@@ -45,22 +45,21 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
   worker fell below 70% of its best, an eighth when it was never measured with a pool an
   eighth smaller (a pool saturated from its first measurement), and then no more than a step
   past the knee may cost (below) but at least a sixteenth (a smaller fall is lost in the noise
-  of production). Production that held up
-  (fell by less than a quarter of the share removed) means saturation: while the trainer
-  still waits, fewer: first the count that makes the most the series made at the best
-  production per worker ever measured, when the pool is larger (sharing only lowers production
-  per worker, so that many make as much and the knee is no higher; at most half the pool at a
-  time), then steps of twice the last (at most a quarter, and at most the share whose loss for
-  the time a step past the knee takes to be judged and brought back, two settle times and a
-  start-up, is 36 s of the pool's production: 1% of an hour); the step that passes the knee
-  shows production
-  falling, and workers there run unshared, so the knee is the count that makes, at their
-  production per worker, the most a pool of the series made (a fall of less than half the
-  share removed is measured for up to four settle times before it is told from noise). That
-  count is held for 30 start-ups. A fall already clear after one settle time is judged then,
-  on the level it is heading for, so a pool below the knee is not kept there long. Production
-  that fell at the first removal means the trainer simply wants more: back to the maximum, not
-  tested again until production per worker falls well below what it was then.
+  of production). Production that held up (fell by less than a quarter of the share removed)
+  means saturation: while the trainer still waits, fewer: first the count that makes the most
+  the series made at the best production per worker ever measured, when the pool is larger
+  (sharing only lowers production per worker, so that many make as much and the knee is no
+  higher; at most half the pool at a time), then steps of twice the last (an eighth at least;
+  at most a quarter, and at most the share whose loss for the time a step past the knee takes
+  to be judged and brought back, two settle times and a start-up, is 36 s of the pool's
+  production: 1% of an hour). The step that passes the knee shows production falling, and
+  workers there run unshared, so the knee is the count that makes, at their production per
+  worker, the most a pool of the series made (a fall of less than half the share removed is
+  measured for up to four settle times before it is told from noise). That count is held for
+  30 start-ups. A fall already clear after one settle time is judged then, on the level it is
+  heading for, so a pool below the knee is not kept there long. Production that fell at the
+  first removal means the trainer simply wants more: back to the maximum, not tested again
+  until production per worker falls well below what it was then.
 
 The count the policy works from is the one the reducer applied: ``PolicyContext.desired``
 tells, on the next call, whether the last decision was applied or dropped (stabilization window,
@@ -795,10 +794,10 @@ class BufferPolicy:
         low_seqs: float,
     ) -> Decision:
         """After a removal made short at the maximum: production that held up means saturation
-        (keep the smaller pool, and while the queue stays short try another quarter fewer);
+        (keep the smaller pool, and while the queue stays short try fewer);
         production that fell with the workers means the trainer simply wants more than that
-        pool can make. Saturated and still short: a larger step (see the module docstring).
-        After a saturated step that places the knee: the count at which workers
+        pool can make (the steps: see the module docstring). After a saturated step, one
+        that places the knee: the count at which workers
         at the production per worker now measured (unshared) make what the saturated pool made,
         held until demand or the inference changes. With no saturated step before: back to the
         maximum, and no such removal for a while."""
