@@ -92,6 +92,7 @@ def replay(
     earlier = _earlier_segments(path)
     state = State()
     seq = 0
+    changed = False  # whether ``transform`` changed anything replayed so far
     for index, file in enumerate([*earlier, path]):
         found: list[LogProblem] = problems if file == path else []
         begins = segment_start(file)
@@ -107,8 +108,10 @@ def replay(
                     if isinstance(start, State):
                         state, seq = start, start_seq
                         if transform is not None:
-                            state = _restated(state, transform, policies)
-            elif transform is None:  # a change makes the replayed state differ by design
+                            restated = _restated(state, transform, policies)
+                            changed = restated is not state
+                            state = restated
+            elif not changed:  # once a change applied, the replayed state differs by design
                 difference = state_difference(encoded, encode(state))
                 if difference is not None:
                     message = (
@@ -119,6 +122,7 @@ def replay(
         for record in reader.events():
             before = state
             event = transform(record.event) if transform is not None else record.event
+            changed = changed or (event is not record.event and event != record.event)
             try:
                 state, produced = reduce(before, event, policies)
                 error = None
@@ -149,7 +153,8 @@ def replay(
 def _restated(state: State, transform: Callable[[Event], Event], policies: PolicyCatalog) -> State:
     """``state`` (a replay's start) with ``transform``'s changes: its configuration and its
     arbiter's planner declared again, changed, through the reducer, which raises
-    :class:`~core.DeoError` where it refuses the change there."""
+    :class:`~core.DeoError` where it refuses the change there; ``state`` itself where nothing
+    changed."""
     declared: list[Event] = [Configured(t=state.now, config=state.config)]
     if state.arbiter.gpus:
         arbiter = state.arbiter
@@ -157,9 +162,9 @@ def _restated(state: State, transform: Callable[[Event], Event], policies: Polic
             ArbiterGpusDeclared(t=state.now, gpus=arbiter.gpus, planner=arbiter.planner)
         )
     for event in declared:
-        changed = transform(event)
-        if changed != event:
-            state, _ = reduce(state, changed, policies)
+        altered = transform(event)
+        if altered != event:
+            state, _ = reduce(state, altered, policies)
     return state
 
 

@@ -42,21 +42,22 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
   production, and tried again only after 10 start-ups. Short at the pool's maximum with a
   trainer that waits (less than a batch queued, the queue not near the off-policy limit, where
   envs hold back), a removal tests for saturation: a quarter of the pool when production per
-  worker fell below 70% of its best, an eighth when it was never measured with a pool an
-  eighth smaller (a pool saturated from its first measurement), and then no more than a step
-  past the knee may cost (below) but at least a sixteenth (a smaller fall is lost in the noise
-  of production). Production that held up (fell by less than a quarter of the share removed)
-  means saturation: while the trainer still waits, fewer: first the count that makes the most
-  the series made at the best production per worker ever measured, when the pool is larger
-  (sharing only lowers production per worker, so that many make as much and the knee is no
-  higher; at most half the pool at a time), then steps of twice the last (an eighth at least;
-  at most a quarter, and at most the share whose loss for the time a step past the knee takes
-  to be judged and brought back, two settle times and a start-up, is 36 s of the pool's
-  production: 1% of an hour). The step that passes the knee shows production falling, and
-  workers there run unshared, so the knee is the count that makes, at their production per
-  worker, the most a pool of the series made (a fall of less than half the share removed is
-  measured for up to four settle times before it is told from noise). That count is held for
-  30 start-ups. A fall already clear after one settle time is judged then, on the level it is
+  worker fell below 70% of its best; without such a sign (a pool saturated from its first
+  measurement), an eighth, no more than a step past the knee may cost (below) but a sixteenth
+  at least (a smaller fall is lost in the noise of production), and only if the pool was never
+  measured at the count the test would try. Production that held up (fell by less than a
+  quarter of the share removed) means saturation: while the trainer still waits, fewer: first
+  the count that makes the most the series made at the best production per worker ever
+  measured, when the pool is larger (sharing only lowers production per worker, so that many
+  make as much and the knee is no higher; at most half the pool at a time), then steps of twice
+  the last, capped at a quarter and at the share whose loss for the time a step past the knee
+  takes to be judged and brought back (two settle times and a start-up) is 36 s of the pool's
+  production, 1% of an hour, but the cap never below an eighth. The step that passes the knee
+  shows production falling, and workers there run unshared, so the knee is the count that
+  makes, at their production per worker, the most a pool of the series made (a fall of less
+  than half the share removed is measured for up to four settle times before it is told from
+  noise), and their production per worker is the best from then on. That count is held for 30
+  start-ups. A fall already clear after one settle time is judged then, on the level it is
   heading for, so a pool below the knee is not kept there long. Production that fell at the
   first removal means the trainer simply wants more: back to the maximum, not tested again
   until production per worker falls well below what it was then.
@@ -724,8 +725,9 @@ class BufferPolicy:
         startup: float,
     ) -> Decision:
         """Short at the pool's maximum. The shared inference may be saturated (production per
-        worker fell well below its best, or no such test has been made yet): remove a quarter
-        and see whether production falls with them (judged by :meth:`_judge_shed`)."""
+        worker fell well below its best, or no such test has been made yet): remove some (a
+        quarter, or less without a sign of saturation: see the module docstring) and see
+        whether production falls with them (judged by :meth:`_judge_shed`)."""
         t, current, active = context.t, self.in_force(context), context.active
         p, best = memory.per_worker_seqs_s or 0.0, memory.best_per_worker_seqs_s
         # The queue is short of the band, never near the limit: all the pool makes is in this
@@ -735,37 +737,36 @@ class BufferPolicy:
         since_down = math.inf if memory.last_down_t is None else t - memory.last_down_t
         quiet = min(since_up, since_down) >= 2 * startup and t >= memory.no_shed_until_t
         tested = memory.unsaturated_per_worker_seqs_s
-        # A pool that made its best at the maximum tells nothing: it may have been saturated
-        # from its first measurement. One test; the next only once p falls well below that.
-        if tested:
-            fell, why = p < _FELL * tested, f"fell from {tested:.2f} to {p:.2f} seq/s since"
-        elif p < _FELL * best:
-            fell, why = True, f"fell from {best:.2f} to {p:.2f} seq/s"
-        else:
-            # Only once p is measured over its window (not the cold start's first groups), and
-            # never measured with a pool an eighth smaller (which made as much per worker).
-            fewest = memory.fewest_measured_workers
-            fell = memory.production_seen_s >= self.production_window_s and (
-                not fewest or fewest > active - max(1, active // 8)
-            )
-            why = f"is {p:.2f} seq/s, never measured with fewer workers"
         sample = context.queue
         assert sample is not None
         # Production is what the pool can make only if the envs were not held back at the
         # off-policy limit within the time it is averaged over.
         settle = self._production_settle_s(memory, sample.batch_size_seqs)
+        # A pool that made its best at the maximum tells nothing: it may have been saturated
+        # from its first measurement. One test; the next only once p falls well below that.
+        if tested:
+            fell, why = p < _FELL * tested, f"fell from {tested:.2f} to {p:.2f} seq/s since"
+            share = 1 / 4
+        elif p < _FELL * best:
+            fell, why = True, f"fell from {best:.2f} to {p:.2f} seq/s"
+            share = 1 / 4
+        else:
+            # Without a sign of saturation, a smaller test: an eighth, and no more than a step
+            # past the knee may cost (it loses its share until judged and brought back), so a
+            # pool with long start-ups that is simply short loses little; but a sixteenth at
+            # least, or production's noise hides what the test shows. Only once p is measured
+            # over its window (not the cold start's first groups), and never with the pool
+            # measured at the count the test would try (it made as much per worker there).
+            share = min(1 / 8, max(1 / 16, _PAST_KNEE_COST_S / (2 * settle + startup)))
+            fewest = memory.fewest_measured_workers
+            fell = memory.production_seen_s >= self.production_window_s and (
+                not fewest or fewest > active - max(1, math.floor(active * share))
+            )
+            why = f"is {p:.2f} seq/s, never measured with fewer workers"
         clean = memory.limit_t is None or t - memory.limit_t >= 2 * settle
         # A trainer short of the band but fed (a batch queued) is not worth a test's cost.
         waiting = memory.queue_seqs < sample.batch_size_seqs
         if quiet and clean and waiting and active >= 4 and p > 0 and fell:
-            if tested or p < _FELL * best:
-                share = 1 / 4
-            else:
-                # Without a sign of saturation, a smaller test: an eighth, and no more than a
-                # step past the knee may cost (it loses its share until judged and brought
-                # back), so a pool with long start-ups that is simply short loses little; but
-                # a sixteenth at least, or production's noise hides what the test shows.
-                share = min(1 / 8, max(1 / 16, _PAST_KNEE_COST_S / (2 * settle + startup)))
             target = current - max(1, math.floor(current * share))
             return Decision(
                 target=target,
@@ -908,11 +909,14 @@ class BufferPolicy:
                 reason=f"{made}: below the knee; at {per_worker:.2f} seq/s per worker "
                 f"{target} workers make {capacity:.1f}, the most the shared inference gave "
                 f"-> {target}",
+                # The best production per worker is this one from now on: an older best (shorter
+                # groups then) would put the next series' first step below the knee.
                 memory=replace(
                     cleared,
                     saturated_workers=target,
                     saturated_until_t=t + _KNEE_STARTUPS * startup,
                     capacity_seqs_s=0.0,
+                    best_per_worker_seqs_s=per_worker,
                 ),
             )
         # Production fell with the workers and no saturation was seen: the trainer simply wants

@@ -1108,6 +1108,11 @@ def test_a_segment_whose_state_is_not_the_replayed_one_is_reported(
     problems: list[LogProblem] = []
     list(replay(path, problems=problems))
     assert [(p.line, second.name in p.message) for p in problems] == [(2, True)]
+    # A --set that changes nothing (no such pool) still reports it.
+    problems = []
+    no_op = apply_settings([parse_setting("pools.nosuch.max_workers=2")])
+    list(replay(path, problems=problems, transform=no_op))
+    assert [(p.line, second.name in p.message) for p in problems] == [(2, True)]
 
 
 OLD_ROTATED_LOG = Path(__file__).resolve().parent / "data" / "rotated_log_7d51f41"

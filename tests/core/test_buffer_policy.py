@@ -546,6 +546,12 @@ def test_the_step_that_passes_the_knee_places_it() -> None:
     assert after.saturated_workers == 23
     assert after.saturated_until_t == pytest.approx(402.0 + 30 * 20.0)
     assert after.shed_workers == 0
+    # That production per worker is the best from then on: a higher one measured long before
+    # (shorter groups then) would put the next search's first step below the knee.
+    stale = probe(saturated_series(best_per_worker_seqs_s=7.0), 21, queued=27, steps=2,
+                  active=21, max_workers=40)  # fmt: skip
+    assert stale.target == 23, stale.reason
+    assert stale.memory.best_per_worker_seqs_s == pytest.approx(3.5, rel=0.02)
     # Without a saturated step before (the first test removed these), production that fell
     # with the workers means no saturation: back to the maximum.
     first = saturated_series(saturated_workers=None, saturated_until_t=0.0, production_seqs_s=64.0)
@@ -623,6 +629,11 @@ def test_a_pool_saturated_from_its_first_measurement_is_tested_with_an_eighth() 
     slower = replace(memory, startup_s=3000.0, startups_seen=3)
     least = probe(slower, 40, queued=40, steps=2, max_workers=40)
     assert least.target == 38, least.reason
+    # Once measured at 38 (that test made, whatever it found), no test tries 38 again.
+    again = probe(
+        replace(slower, fewest_measured_workers=38), 40, queued=40, steps=2, max_workers=40
+    )
+    assert again.target == 40, again.reason
     # Measured at 30 workers before (as much per worker): no sign of saturation, no test.
     known = probe(
         replace(memory, fewest_measured_workers=30), 40, queued=40, steps=2, max_workers=40
