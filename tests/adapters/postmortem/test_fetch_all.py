@@ -100,9 +100,10 @@ def test_the_fit_reads_step_times_whichever_way_the_trainer_fetches(
 def test_a_real_demo_log_is_fitted_with_its_fit_error_reported_and_bounded(
     tmp_path: Path,
 ) -> None:
-    proc = deo(
-        "replay", DEMO_LOG, "--what-if", "policy=static", "--fitted-out", "f.toml", cwd=tmp_path
-    )
+    # 12 seeds: over 3, the simulated starvation of a 60 s run moves by a few points from one
+    # controller version to the next (seed noise, not the fit).
+    args = ["--what-if", "policy=static", "--what-if-seeds", "12", "--fitted-out", "f.toml"]
+    proc = deo("replay", DEMO_LOG, *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "the trainer takes every full batch queued at once (atroposlib's /batch)" in out

@@ -108,9 +108,11 @@ def test_the_fit_reads_what_the_log_shows(
 @pytest.mark.parametrize(
     "phases",
     [
-        # A trainer that speeds up, then slows down; then one that slows down twice.
+        # A trainer that speeds up, then slows down, at two sets of times (both speeds within
+        # what the pool's 32 workers make: a trainer faster than that starves throughout its
+        # phase, and a step time never seen fed is only bounded, not read).
         ((437.0, 3.5), (1013.0, 9.0)),
-        ((517.0, 2.0), (1111.0, 12.0)),
+        ((517.0, 3.5), (1111.0, 12.0)),
     ],
 )
 def test_speed_changes_are_placed_where_they_happened_not_at_a_window_edge(
