@@ -12,11 +12,10 @@ Everything the rules need is measured from the samples, so one set of defaults s
 stepping every 0.3 s and one stepping every minute, workers that start in 5 s and in 3 minutes:
 
 * the step time s = B / D and the demand D (seq/s): batches taken x B between trainer advances,
-  averaged over 30 steps (at most ``rate_window_s``); an estimate over 3 steps (of the steps it
-  measures: after a speed-up, of the new ones) replaces it when 25% higher or lower (a trainer
-  that changed speed). A span without an advance while a batch waited for more than four steps
-  is a pause (evaluation, checkpoint, restart): demand is measured afresh after it, and nothing
-  is removed until it has been;
+  averaged over 30 steps (at most ``rate_window_s``); an estimate over 3 steps replaces it when
+  25% higher or lower (a trainer that changed speed). A span without an advance while a batch
+  waited for more than four steps is a pause (evaluation, checkpoint, restart): demand is
+  measured afresh after it, and nothing is removed until it has been;
 * the queue Q, smoothed over two steps (the saw-tooth of batches taken is noise);
 * per-worker production p (seq/s/worker): what entered the queue (its change plus what the
   trainer took) over the workers active throughout the interval, over ``production_window_s``,
@@ -57,12 +56,11 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
   shows production falling, and workers there run unshared, so the knee is the count that
   makes, at their production per worker, the most a pool of the series made (a fall of less
   than half the share removed is measured for up to four settle times before it is told from
-  noise; a count judged saturated may have passed the knee within the noise, so the knee may
-  lie a step above it), and their production per worker is the best from then on. That count
-  is held for 30 start-ups. A fall already clear after one settle time is judged then, on the
-  level it is heading for, so a pool below the knee is not kept there long. Production that
-  fell at the first removal means the trainer simply wants more: back to the maximum, not
-  tested again until production per worker falls well below what it was then.
+  noise), and their production per worker is the best from then on. That count is held for 30
+  start-ups. A fall already clear after one settle time is judged then, on the level it is
+  heading for, so a pool below the knee is not kept there long. Production that fell at the
+  first removal means the trainer simply wants more: back to the maximum, not tested again
+  until production per worker falls well below what it was then.
 
 The count the policy works from is the one the reducer applied: ``PolicyContext.desired``
 tells, on the next call, whether the last decision was applied or dropped (stabilization window,
@@ -905,11 +903,6 @@ class BufferPolicy:
             per_worker = production / active
             before = memory.shed_workers if last is None else max(last, memory.shed_workers)
             knee = math.ceil(capacity / per_worker - 1e-9)
-            if above and kept < 1 - removed / 2:
-                # A clear fall after a count judged saturated: these workers run unshared, and
-                # that count (its own fall within the noise) may have been past the knee
-                # already, so the knee may lie up to a step above it.
-                before = max(before, 2 * memory.shed_workers - active)
             target = min(max(knee, current + 1), before)
             return Decision(
                 target=target,
@@ -1030,10 +1023,7 @@ class BufferPolicy:
                     rate,
                     memory.demand_seen_s,
                     span,
-                    # Three of the steps just measured, in steps, not seconds: after a
-                    # speed-up, three of the new ones (three of the old would take twice as
-                    # many new ones), and a step that ran long weighs one step, not more.
-                    min(_FAST_STEPS * span / steps, demand_window),
+                    min(_FAST_STEPS * (step_s or span), demand_window),
                 )
                 if not 0.75 * demand <= fast <= 1.25 * demand:
                     demand = fast  # the trainer sped up or slowed down (not step-timing noise)

@@ -203,30 +203,13 @@ def test_a_trainer_that_changes_speed_is_believed_within_a_few_steps(step_s: flo
     policy = BufferPolicy()
     memory = settled(demand_seqs_s=32.0, fast_demand_seqs_s=32.0, demand_seen_s=60.0)
     t, step, progress = 100.0, 50, 0.0
-    # 4x faster: 12 steps; 3x slower: 10 steps (each step that ran long weighs one step).
-    for _ in range(30 if step_s > 2 else 3):
+    for _ in range(10 if step_s > 2 else 3):
         progress += 2.0 / step_s
         taken = int(progress) - (step - 50)
         t, step = t + 2.0, step + taken
         memory = policy.decide(ctx(t, 80, step, current=8), memory).memory
     assert memory.demand_seqs_s is not None
     assert memory.demand_seqs_s == pytest.approx(64 / step_s, rel=0.35)
-
-
-def test_a_trainer_that_doubles_its_speed_is_believed_in_steps_of_the_new_speed() -> None:
-    # 2 s steps, then 1 s ones: the quick estimate spans three of the steps it measures, so four
-    # new steps (two of the old) bring the demand within a fifth of the new 64 seq/s (it was
-    # 46 seq/s when the estimate spanned three of the old steps, six of the new).
-    policy = BufferPolicy()
-    memory = settled(
-        demand_seqs_s=32.0, fast_demand_seqs_s=32.0, demand_seen_s=60.0, last_advance_t=100.0
-    )
-    t, step = 100.0, 50
-    for _ in range(4):
-        t, step = t + 1.0, step + 1
-        memory = policy.decide(ctx(t, 80, step, current=8), memory).memory
-    assert memory.demand_seqs_s is not None
-    assert memory.demand_seqs_s > 0.78 * 64, memory.demand_seqs_s
 
 
 def test_start_up_is_measured_from_counted_to_active() -> None:
@@ -575,15 +558,6 @@ def test_the_step_that_passes_the_knee_places_it() -> None:
     back = probe(first, 21, queued=8, steps=2, active=21, max_workers=40)
     assert back.target == 40, back.reason
     assert "not saturated" in back.reason
-
-
-def test_a_knee_may_lie_a_step_above_the_count_judged_saturated() -> None:
-    # 24 was judged saturated (its fall within the noise), then 21 make 67.2 seq/s: 3.2 each,
-    # unshared, so 25 make the 80 the series made. 24 had passed the knee already: 25, not 24.
-    memory = saturated_series(production_seqs_s=67.2, per_worker_seqs_s=3.2)
-    decision = probe(memory, 21, queued=27, steps=2, active=21, max_workers=40)
-    assert "below the knee" in decision.reason, decision.reason
-    assert decision.target == 25
 
 
 def test_a_fall_already_clear_is_judged_before_the_second_settle_time() -> None:
