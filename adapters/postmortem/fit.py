@@ -550,14 +550,10 @@ def _placed(
         logs = [(math.log((b - a) / n), n) for a, b, n in around if b > a and n > 0]
         if len(logs) != len(around):
             continue
-        best: tuple[float, int] | None = None
-        for split in range(2, len(around) - 1):
-            cost = _spread(logs[:split]) + _spread(logs[split:])
-            if best is None or cost < best[0]:
-                best = (cost, split)
-        if best is None:
+        split = _best_split(logs)
+        if split is None:
             continue
-        before, after = logs[: best[1]], logs[best[1] :]
+        before, after = logs[:split], logs[split:]
         if abs(_mean(after) - _mean(before)) <= math.log1p(PHASE_CHANGE):
             # One speed on both sides (a window that straddled a change read as a phase of its
             # own, and the change before has moved to where it happened): every split costs
@@ -566,7 +562,7 @@ def _placed(
             continue
         # Slower: fed again from the first slow step. Faster: starving from the last slow one.
         slower = _mean(after) > _mean(before)
-        moved = around[best[1]][0] if slower else around[best[1] - 1][1]
+        moved = around[split][0] if slower else around[split - 1][1]
         if low < moved < high:
             placed[k] = (moved, placed[k][1])
     read: list[tuple[float, float]] = []
@@ -591,10 +587,32 @@ def _mean(logs: list[tuple[float, int]]) -> float:
     return sum(value * n for value, n in logs) / sum(n for _, n in logs)
 
 
-def _spread(logs: list[tuple[float, int]]) -> float:
-    """Steps times the squared distance of each log step time from their weighted mean."""
-    mean = _mean(logs)
-    return sum(n * (value - mean) ** 2 for value, n in logs)
+def _best_split(logs: list[tuple[float, int]]) -> int | None:
+    """The split of ``logs`` (log step times, weighted by steps) into a head of at least two and
+    a tail of at least two whose spreads (steps times the squared distance from the side's mean)
+    sum least; the first of equal ones. None with fewer than four.
+
+    One pass over running sums (of steps, and of their distances from the overall mean and the
+    squares of those, which keeps the sums small): a long log has tens of thousands of spans.
+    """
+    center = _mean(logs) if logs else 0.0
+    sums = [(0.0, 0.0, 0.0)]
+    for value, n in logs:
+        weight, first, second = sums[-1]
+        distance = value - center
+        sums.append((weight + n, first + n * distance, second + n * distance * distance))
+
+    def spread(lo: int, hi: int) -> float:
+        weight = sums[hi][0] - sums[lo][0]
+        first = sums[hi][1] - sums[lo][1]
+        return sums[hi][2] - sums[lo][2] - first * first / weight
+
+    best: tuple[float, int] | None = None
+    for split in range(2, len(logs) - 1):
+        cost = spread(0, split) + spread(split, len(logs))
+        if best is None or cost < best[0]:
+            best = (cost, split)
+    return None if best is None else best[1]
 
 
 # --- measuring a run ---------------------------------------------------------------------------

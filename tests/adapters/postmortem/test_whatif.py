@@ -8,6 +8,8 @@ run; ``deo replay --what-if`` runs as a real executable. The real ``deo demo`` l
 from __future__ import annotations
 
 import io
+import math
+import random
 import re
 import statistics
 import subprocess
@@ -21,7 +23,7 @@ from conftest import deo_command, write_simulated_log
 
 from adapters.log import LogProblem, LogReader
 from adapters.postmortem.engine import replay
-from adapters.postmortem.fit import FitError, Fitted, _placed, fit_scenario, read_run
+from adapters.postmortem.fit import FitError, Fitted, _best_split, _placed, fit_scenario, read_run
 from adapters.postmortem.whatif import WhatIfError, parse_changes, run_what_if
 from adapters.sim.driver import simulate
 from adapters.sim.scenario import EnvPool, Scenario, load_scenario
@@ -137,6 +139,22 @@ def test_speed_changes_are_placed_where_they_happened_not_at_a_window_edge(
         assert step_s == pytest.approx(true_step_s, rel=0.05), fitted
         assert abs(at_s - true_at_s) <= 2 * max(slowest, true_step_s), fitted
         slowest = true_step_s
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_best_split_is_the_least_squares_one(seed: int) -> None:
+    # One pass over running sums picks the split that spreads computed side by side pick.
+    rng = random.Random(seed)
+    logs = [(math.log(rng.choice([2.0, 5.0]) * rng.uniform(0.8, 1.2)), rng.randint(1, 3))]
+    logs += [(math.log(rng.uniform(1.0, 9.0)), rng.randint(1, 3)) for _ in range(40)]
+
+    def spread(side: list[tuple[float, int]]) -> float:
+        mean = sum(v * n for v, n in side) / sum(n for _, n in side)
+        return sum(n * (v - mean) ** 2 for v, n in side)
+
+    costs = [(spread(logs[:k]) + spread(logs[k:]), k) for k in range(2, len(logs) - 1)]
+    assert _best_split(logs) == min(costs)[1]
+    assert _best_split(logs[:3]) is None
 
 
 def test_a_phase_between_two_of_one_speed_is_not_moved_by_noise() -> None:
