@@ -12,8 +12,9 @@ Everything the rules need is measured from the samples, so one set of defaults s
 stepping every 0.3 s and one stepping every minute, workers that start in 5 s and in 3 minutes:
 
 * the step time s = B / D and the demand D (seq/s): batches taken x B between trainer advances,
-  averaged over 30 steps (at most ``rate_window_s``); an estimate over 3 steps replaces it when
-  25% higher or lower (a trainer that changed speed). A span without an advance while a batch
+  averaged over 30 steps (at most ``rate_window_s``); a quick estimate, the step time averaged
+  over the last 3 steps (after a speed-up, 3 of the new ones), replaces it when 25% higher or
+  lower (a trainer that changed speed). A span without an advance while a batch
   waited for more than four steps is a pause (evaluation, checkpoint, restart): demand is
   measured afresh after it, and nothing is removed until it has been;
 * the queue Q, smoothed over two steps (the saw-tooth of batches taken is noise);
@@ -23,9 +24,12 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
   there (envs hold back near atroposlib's limit and take a group latency to produce at full rate
   again), and a few steps after workers came (their first groups are all in generation; a cold
   pool's first reading too: the interval its workers came in reads their first groups landing
-  together). For its first settle time of measurement p counts intervals soon after the queue
-  was near the limit too (a queue that nears it every few steps would leave p unmeasured). At
-  the limit a queue that stays full proves p >= D / active, which is used when higher;
+  together). p is measured over a quarter of that window too, and where that reads 10% lower,
+  it is used instead: production per worker that falls as responses grow longer reads high
+  over the whole window, and the pool falls short. For its first settle time of measurement p
+  counts intervals soon after the queue was near the limit too (a queue that nears it every
+  few steps would leave p unmeasured). At the limit a queue that stays full proves
+  p >= D / active, which is used when higher;
 * the start-up time T: from the sample at which a worker was first counted to the one at which it
   was first active (``startup_prior_s`` until one has been seen, or the age of the oldest worker
   still starting when longer);
@@ -39,7 +43,9 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
 * saturation: while the trainer starves the pool grows in steps (below); when a step's workers are
   active and the total production rose by less than half of what they should have added, the
   shared inference service is the bottleneck: the pool is held at the count that makes that
-  production, and tried again only after 10 start-ups. Short at the pool's maximum with a
+  production, and tried again only after 10 start-ups. Production is averaged, so that is
+  judged two settle times after the workers came; a rise already half as large before then
+  passes at once (the trainer is starving meanwhile). Short at the pool's maximum with a
   trainer that waits (less than a batch queued, the queue not near the off-policy limit, where
   envs hold back), a removal tests for saturation: a quarter of the pool when production per
   worker fell below 70% of its best; without such a sign (a pool saturated from its first
@@ -155,6 +161,10 @@ _SHED_MAX_SHARE = 1 / 4
 _LIMIT_SHARE = 1 / 20
 _PINNED_SHARE = 1 / 10
 _PINNED_STEPS = 2.0
+#: p is also measured over this share of its window; where that reads this share of p or
+#: less, production per worker is falling (groups growing longer) and it is used instead.
+_RECENT_WINDOW_SHARE = 1 / 4
+_FALLING = 0.9
 
 
 def _floats(value: Iterable[float]) -> tuple[float, ...]:
@@ -178,6 +188,8 @@ class BufferMemory:
     #: When the trainer took a batch again after a pause (None: no pause seen).
     resumed_t: float | None = None
     per_worker_seqs_s: float | None = None
+    #: The same over a quarter of its window: it shows a fall (longer groups) sooner.
+    recent_per_worker_seqs_s: float | None = None
     #: Share of the samples of the last start-up that found less than half a batch queued.
     hungry_share: float = 0.0
     #: Everything that entered the queue (seq/s), over the demand window.
@@ -384,6 +396,11 @@ class BufferPolicy:
         excess_since = memory.excess_since_t
         memory = replace(self._measure(context, memory), excess_since_t=None)
         demand, per_worker = memory.demand_seqs_s, memory.per_worker_seqs_s
+        recent = memory.recent_per_worker_seqs_s
+        if per_worker and recent and recent <= _FALLING * per_worker:
+            # Production per worker is falling (longer groups): the average over the window
+            # trails it, and the pool it sizes falls short.
+            per_worker = recent
         queue = memory.queue_seqs
         measurable = queue < self._offpolicy_seqs(batch)
         if demand and not measurable and context.active:
@@ -671,9 +688,14 @@ class BufferPolicy:
             and active >= max(1.2 * memory.probe_workers, memory.probe_workers + 2)
             and t - memory.probe_t <= 3 * startup + 3 * settle
         )
+        added = (active - memory.probe_workers) / max(memory.probe_workers, 1)
+        gained = production / memory.probe_seqs_s - 1 if memory.probe_seqs_s > 0 else added
+        if probing and not settled and gained >= added / 2:
+            # Production, averaged, lags what the pool makes: a rise that already shows half
+            # of what the workers added should make passes the test early (the trainer is
+            # starving meanwhile); only a shortfall needs the settle times to be told.
+            probing = False
         if probing and settled:
-            added = (active - memory.probe_workers) / memory.probe_workers
-            gained = production / memory.probe_seqs_s - 1 if memory.probe_seqs_s > 0 else added
             if gained < added / 2:
                 per_worker = memory.probe_seqs_s / memory.probe_workers
                 cap = max(memory.probe_workers, math.ceil(production / per_worker - 1e-9))
@@ -1018,13 +1040,18 @@ class BufferPolicy:
                 demand = _average(
                     memory.demand_seqs_s, rate, memory.demand_seen_s, span, demand_window
                 )
-                fast = _average(
-                    memory.fast_demand_seqs_s,
-                    rate,
-                    memory.demand_seen_s,
-                    span,
-                    min(_FAST_STEPS * (step_s or span), demand_window),
+                # The quick estimate averages step times over steps, not rates over seconds:
+                # after a speed-up three of the new steps move it (three seconds of the old
+                # length would take twice as many), and one short span between two samples
+                # moves it by a step's share, not by its rate (rates of short spans are large).
+                step_now = span / steps
+                fast_step = (
+                    step_now
+                    if memory.fast_demand_seqs_s is None or memory.demand_seen_s <= 0
+                    else batch / memory.fast_demand_seqs_s
                 )
+                fast_step += (1.0 - math.exp(-steps / _FAST_STEPS)) * (step_now - fast_step)
+                fast = batch / fast_step
                 if not 0.75 * demand <= fast <= 1.25 * demand:
                     demand = fast  # the trainer sped up or slowed down (not step-timing noise)
                 elif not 0.9 * demand <= fast <= 1.1 * demand:
@@ -1064,6 +1091,13 @@ class BufferPolicy:
                 memory.production_seen_s,
                 dt,
                 self.production_window_s,
+            )
+            changes["recent_per_worker_seqs_s"] = _average(
+                memory.recent_per_worker_seqs_s or memory.per_worker_seqs_s,
+                produced / dt / throughout,
+                memory.production_seen_s,
+                dt,
+                self.production_window_s * _RECENT_WINDOW_SHARE,
             )
             changes["production_seen_s"] = min(
                 memory.production_seen_s + dt, self.production_window_s

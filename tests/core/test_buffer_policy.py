@@ -212,6 +212,36 @@ def test_a_trainer_that_changes_speed_is_believed_within_a_few_steps(step_s: flo
     assert memory.demand_seqs_s == pytest.approx(64 / step_s, rel=0.35)
 
 
+def test_a_speed_up_is_believed_within_ten_of_the_new_steps() -> None:
+    # 4 s steps, then 0.5 s, sampled every second: two new steps per sample. The quick estimate
+    # averages step times over steps, so ten of the new steps move it most of the way (over
+    # three old steps' worth of seconds, as before, it read 81 seq/s of the 128 here).
+    policy = BufferPolicy()
+    memory = settled(demand_seqs_s=16.0, fast_demand_seqs_s=16.0, demand_seen_s=120.0)
+    t, step = 100.0, 50
+    for _ in range(5):
+        t, step = t + 1.0, step + 2
+        memory = policy.decide(ctx(t, 80, step, current=8), memory).memory
+    assert memory.demand_seqs_s is not None
+    assert memory.demand_seqs_s >= 0.7 * 128
+
+
+def test_production_per_worker_that_falls_is_read_from_the_recent_quarter_of_its_window() -> None:
+    # 8 workers made 4 seq/s each; their groups grow longer and they make 3 (the trainer takes
+    # 3 batches per 8 s sample, as much as they make, so the queue stays put). After 96 s the
+    # 300 s average still reads 3.73; the quarter-window one reads 3.28 and sizes the pool.
+    policy = BufferPolicy()
+    memory = settled(demand_seqs_s=24.0, fast_demand_seqs_s=24.0, production_seen_s=300.0)
+    t, step = 100.0, 50
+    for _ in range(12):
+        t, step = t + 8.0, step + 3
+        decision = policy.decide(ctx(t, 80, step, current=8), memory)
+        memory = decision.memory
+    assert memory.per_worker_seqs_s == pytest.approx(3.73, abs=0.01)
+    assert memory.recent_per_worker_seqs_s == pytest.approx(3.28, abs=0.01)
+    assert "3.28 seq/s per worker" in decision.reason, decision.reason
+
+
 def test_start_up_is_measured_from_counted_to_active() -> None:
     policy = BufferPolicy()
     memory = policy.decide(ctx(0.0, 0, 0, current=4, active=0), None).memory
@@ -331,6 +361,33 @@ def test_a_starving_trainer_grows_the_pool_in_proportion_to_how_long_it_waited()
         queue_seqs=8.0, last_queued_seqs=8, hungry_share=1.0, last_up_t=90.0, last_desired=10
     )
     assert probe(recent, 10, queued=8).target < 20
+
+
+def test_growth_that_already_shows_in_production_goes_on_before_the_settle_times() -> None:
+    # The last growth took 10 workers making 40 seq/s to 20, active for 20 s of the two settle
+    # times (2 x 60 s) saturation is judged over; the averaged production already reads 65
+    # seq/s (+62% for +100% workers, and still rising). Not saturated: a trainer still
+    # starving grows again now rather than waiting out the settle times.
+    memory = settled(
+        queue_seqs=8.0,
+        last_queued_seqs=8,
+        hungry_share=1.0,
+        production_seqs_s=65.0,
+        last_active=20,
+        probe_workers=10,
+        probe_seqs_s=40.0,
+        probe_t=60.0,
+        active_changed_t=80.0,
+        last_up_t=60.0,
+        last_desired=20,
+    )
+    decision = probe(memory, 20, queued=8)
+    assert decision.target > 20, decision.reason
+    # A rise of less than half of what was added is not judged before the settle times.
+    slow = replace(memory, production_seqs_s=55.0)
+    held = probe(slow, 20, queued=8)
+    assert held.target == 20, held.reason
+    assert "warming up" in held.reason
 
 
 def test_a_production_outage_holds_the_pool() -> None:
