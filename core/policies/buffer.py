@@ -365,6 +365,16 @@ class BufferPolicy:
         demand = memory.demand_seqs_s
         return batch / demand if demand else None
 
+    @staticmethod
+    def per_worker(memory: BufferMemory) -> float | None:
+        """Production per worker as the rules use it: over its window, or over the recent
+        quarter of it where that reads 10% lower (production falling as groups grow longer,
+        which the whole window trails: the pool it sizes would fall short)."""
+        whole, recent = memory.per_worker_seqs_s, memory.recent_per_worker_seqs_s
+        if whole and recent and recent <= _FALLING * whole:
+            return recent
+        return whole
+
     def _demand_window_s(self, step_s: float | None) -> float:
         if step_s is None:
             return self.rate_window_s
@@ -395,12 +405,7 @@ class BufferPolicy:
         # Each sample decides anew whether the excess lasts (only the removal rule carries it).
         excess_since = memory.excess_since_t
         memory = replace(self._measure(context, memory), excess_since_t=None)
-        demand, per_worker = memory.demand_seqs_s, memory.per_worker_seqs_s
-        recent = memory.recent_per_worker_seqs_s
-        if per_worker and recent and recent <= _FALLING * per_worker:
-            # Production per worker is falling (longer groups): the average over the window
-            # trails it, and the pool it sizes falls short.
-            per_worker = recent
+        demand, per_worker = memory.demand_seqs_s, self.per_worker(memory)
         queue = memory.queue_seqs
         measurable = queue < self._offpolicy_seqs(batch)
         if demand and not measurable and context.active:
@@ -563,9 +568,10 @@ class BufferPolicy:
             memory.limit_t is not None and t - memory.limit_t < settle
         )
         # p measured over two start-ups of the present pool is trusted over its bound.
-        fresh = memory.fresh_s >= 2 * startup and memory.per_worker_seqs_s is not None
-        if fresh and memory.per_worker_seqs_s:
-            per_worker = memory.per_worker_seqs_s
+        measured = self.per_worker(memory)
+        fresh = memory.fresh_s >= 2 * startup and measured is not None
+        if fresh and measured:
+            per_worker = measured
         need = demand / per_worker
         if at_limit and not fresh:
             # The envs hold back at the off-policy limit, so p is not measured there and may
@@ -590,7 +596,7 @@ class BufferPolicy:
             if floor:
                 # A count was found short, with p measured as the queue drained: down to the
                 # need plus the spread, never below what was short.
-                measured = memory.per_worker_seqs_s or per_worker
+                measured = measured or per_worker
                 spread = self.removal_margin_workers(memory, measured, startup)
                 kept = math.ceil(demand / measured + spread - 1e-9)
                 target = max(current - step, kept, floor, 0)
