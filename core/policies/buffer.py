@@ -24,12 +24,13 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
   there (envs hold back near atroposlib's limit and take a group latency to produce at full rate
   again), and a few steps after workers came (their first groups are all in generation; a cold
   pool's first reading too: the interval its workers came in reads their first groups landing
-  together). p is measured over a quarter of that window too, and where that reads 10% lower,
-  it is used instead: production per worker that falls as responses grow longer reads high
-  over the whole window, and the pool falls short. For its first settle time of measurement p
-  counts intervals soon after the queue was near the limit too (a queue that nears it every
-  few steps would leave p unmeasured). At the limit a queue that stays full proves
-  p >= D / active, which is used when higher;
+  together). p is measured over a quarter of that window too, and where that reads 10% lower
+  with the same workers active throughout the window, it is used instead: production per
+  worker that falls as responses grow longer reads high over the whole window, and the pool
+  falls short (a fall that came with more workers may be a saturating inference service).
+  For its first settle time of measurement p counts intervals soon after the queue was near
+  the limit too (a queue that nears it every few steps would leave p unmeasured). At the
+  limit a queue that stays full proves p >= D / active, which is used when higher;
 * the start-up time T: from the sample at which a worker was first counted to the one at which it
   was first active (``startup_prior_s`` until one has been seen, or the age of the oldest worker
   still starting when longer);
@@ -365,13 +366,15 @@ class BufferPolicy:
         demand = memory.demand_seqs_s
         return batch / demand if demand else None
 
-    @staticmethod
-    def per_worker(memory: BufferMemory) -> float | None:
+    def per_worker(self, memory: BufferMemory) -> float | None:
         """Production per worker as the rules use it: over its window, or over the recent
-        quarter of it where that reads 10% lower (production falling as groups grow longer,
-        which the whole window trails: the pool it sizes would fall short)."""
+        quarter of it where that reads 10% lower with the same workers active over the whole
+        window (their groups grow longer, which the whole window trails: the pool it sizes
+        would fall short). A fall that came with more workers may be a shared inference
+        saturating, which more workers would not help: the growth rule judges that."""
         whole, recent = memory.per_worker_seqs_s, memory.recent_per_worker_seqs_s
-        if whole and recent and recent <= _FALLING * whole:
+        unchanged = memory.last_t - memory.active_changed_t >= self.production_window_s
+        if whole and recent and unchanged and recent <= _FALLING * whole:
             return recent
         return whole
 

@@ -227,11 +227,17 @@ def test_a_speed_up_is_believed_within_ten_of_the_new_steps() -> None:
 
 
 def test_production_per_worker_that_falls_is_read_from_the_recent_quarter_of_its_window() -> None:
-    # 8 workers made 4 seq/s each; their groups grow longer and they make 3 (the trainer takes
-    # 3 batches per 8 s sample, as much as they make, so the queue stays put). After 96 s the
-    # 300 s average still reads 3.73; the quarter-window one reads 3.28 and sizes the pool.
+    # The same 8 workers for 5 minutes made 4 seq/s each; their groups grow longer and they make
+    # 3 (the trainer takes 3 batches per 8 s sample, as much as they make, so the queue stays
+    # put). After 96 s the 300 s average still reads 3.73; the quarter-window one reads 3.28 and
+    # sizes the pool.
     policy = BufferPolicy()
-    memory = settled(demand_seqs_s=24.0, fast_demand_seqs_s=24.0, production_seen_s=300.0)
+    memory = settled(
+        demand_seqs_s=24.0,
+        fast_demand_seqs_s=24.0,
+        production_seen_s=300.0,
+        active_changed_t=-300.0,
+    )
     t, step = 100.0, 50
     for _ in range(12):
         t, step = t + 8.0, step + 3
@@ -240,6 +246,11 @@ def test_production_per_worker_that_falls_is_read_from_the_recent_quarter_of_its
     assert memory.per_worker_seqs_s == pytest.approx(3.73, abs=0.01)
     assert memory.recent_per_worker_seqs_s == pytest.approx(3.28, abs=0.01)
     assert "3.28 seq/s per worker" in decision.reason, decision.reason
+    # The same fall right after workers came may be a shared inference saturating (more
+    # workers would not help): the whole window's p sizes the pool.
+    assert policy.per_worker(memory) == memory.recent_per_worker_seqs_s
+    crowded = replace(memory, active_changed_t=t - 100.0)
+    assert policy.per_worker(crowded) == memory.per_worker_seqs_s
 
 
 def test_start_up_is_measured_from_counted_to_active() -> None:
