@@ -112,12 +112,17 @@ Rules, in order:
    measured and rests on its bound) a twentieth of the pool at a time; with the queue held there
    for a whole cooldown, up to a tenth: the share whose shortfall (at most that share of D, since
    every worker makes at least D / n) the two batches above the band cover for a start-up, 2
-   steps / start-up. Once a count has been found short, a twentieth, and only down to the need
-   plus the spread at the p last measured. No removal goes
-   back to the last count found short (rule 3 added to it with the pool in place, its workers'
-   groups in) unless demand fell by more than a worker makes and by 40%: that count emptied the
-   queue once. At most once per max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal
-   shows in the queue before the next.
+   steps / start-up. With the queue full (within an eighth of a batch of the limit) at every
+   sample for a whole cooldown while the trainer took batches, each batch taken was made again
+   within a sample interval, so the pool makes at least D x (1 + step / interval): up to
+   step / (interval + step) of it (and ``max_down_fraction``) goes at once, whatever p reads.
+   Once a count has been found short, a twentieth, and only down to the need plus the spread
+   at the p last measured. No removal goes back to the last count found short (rule 3 added to
+   it with the pool in place, its workers' groups in, and p measured over its window, the
+   queue about to empty, or the queue fallen from the limit this pool held it at) unless
+   demand fell by more than a worker makes and by 40%: that count emptied the queue once. At
+   most once per max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in the
+   queue before the next.
 """
 
 from __future__ import annotations
@@ -162,6 +167,8 @@ _SHED_MAX_SHARE = 1 / 4
 _LIMIT_SHARE = 1 / 20
 _PINNED_SHARE = 1 / 10
 _PINNED_STEPS = 2.0
+#: A sample this close to the off-policy limit (in batches) finds the queue full.
+_FULL_SLACK_BATCHES = 1 / 8
 #: p is also measured over this share of its window; where that reads this share of p or
 #: less, production per worker is falling (groups growing longer) and it is used instead.
 _RECENT_WINDOW_SHARE = 1 / 4
@@ -259,6 +266,10 @@ class BufferMemory:
     #: When a sample last found the queue away from the off-policy limit for a settle time
     #: (None: never).
     away_t: float | None = None
+    #: Since when every sample found the queue full (within an eighth of a batch of the
+    #: off-policy limit), and the trainer step then (None: the last sample was not full).
+    full_since_t: float | None = None
+    full_since_step: int = 0
 
 
 def _average(
@@ -496,7 +507,13 @@ class BufferPolicy:
                     # (its workers' groups in): no removal comes back to this count.
                     placed = t - memory.active_changed_t >= max(startup, 2 * settle_s)
                     known = memory.production_seen_s >= self.production_window_s
-                    if placed and (known or projected < 0) and context.active >= current:
+                    # This pool held the queue at the off-policy limit and let it fall below
+                    # the band: short, whatever p reads.
+                    drained = memory.limit_t is not None and (
+                        memory.limit_t >= memory.active_changed_t
+                    )
+                    told = known or projected < 0 or drained
+                    if placed and told and context.active >= current:
                         memory = replace(memory, short_workers=current, short_demand_seqs_s=demand)
                     return Decision(
                         target=target,
@@ -523,7 +540,7 @@ class BufferPolicy:
                 f"trainer resumed, {window:.0f}s needed -> hold {current}",
                 memory=memory,
             )
-        return self._remove(context, memory, figures, batch, per_worker, excess_since)
+        return self._remove(context, memory, figures, batch, per_worker, excess_since, dt)
 
     def removal_margin_workers(
         self, memory: BufferMemory, per_worker: float, startup: float
@@ -543,6 +560,7 @@ class BufferPolicy:
         batch: int,
         per_worker: float,
         excess_since: float | None,
+        interval_s: float,
     ) -> Decision:
         """Rule 5: the queue is above the band. Whole workers and a fractional need would
         alternate between neighbouring counts, so a removal keeps the need plus the production
@@ -596,6 +614,19 @@ class BufferPolicy:
                 share = min(covered, _PINNED_SHARE, self.max_down_fraction)
                 how = f"{share:.0%} of the pool, the queue held there for {cooldown:.0f}s"
             step = max(1, math.floor(current * share))
+            full_s = 0.0 if memory.full_since_t is None else t - memory.full_since_t
+            assert context.queue is not None
+            taken = context.queue.trainer_step - memory.full_since_step
+            full = not floor and full_s >= cooldown and taken >= 2
+            if full:
+                # Full at every sample for a cooldown while the trainer took batches: each
+                # batch taken was made again within a sample interval, so the pool makes at
+                # least D x (1 + step / interval); removing step / (interval + step) of it
+                # still makes D.
+                interval_s = interval_s if interval_s > 0 else step_s
+                share = min(self.max_down_fraction, step_s / (interval_s + step_s))
+                step = max(1, math.floor(current * share))
+                how = f"{share:.0%} of the pool, the queue full at every sample for {full_s:.0f}s"
             if floor:
                 # A count was found short, with p measured as the queue drained: down to the
                 # need plus the spread, never below what was short.
@@ -604,7 +635,7 @@ class BufferPolicy:
                 kept = math.ceil(demand / measured + spread - 1e-9)
                 target = max(current - step, kept, floor, 0)
             else:
-                balanced = math.ceil(need - 1e-9)
+                balanced = math.ceil(need - 1e-9) if not full else 0
                 target = max(min(balanced, current - 1), current - step, 0)
             if target < current and since_down >= cooldown:
                 return Decision(
@@ -1083,6 +1114,11 @@ class BufferPolicy:
             changes["limit_t"] = t
         elif memory.limit_t is None or t - memory.limit_t >= max(4 * (step_s or 0.0), 10.0):
             changes["away_t"] = t
+        if queued >= self.max_batches_offpolicy * batch - _FULL_SLACK_BATCHES * batch:
+            if memory.full_since_t is None:
+                changes.update(full_since_t=t, full_since_step=sample.trainer_step)
+        else:
+            changes["full_since_t"] = None
         # Until p has been measured for a settle time it is provisional: once the pool has
         # settled, intervals soon after the queue was near the limit count too. Where the queue
         # reaches the limit every few steps (a trainer that fetches every full batch at once),

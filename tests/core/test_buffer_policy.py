@@ -813,3 +813,37 @@ def test_a_queue_held_at_the_limit_for_a_cooldown_steps_down_by_up_to_a_tenth() 
     assert probe(short, 40).target == 38
     # A removal share below a tenth is respected.
     assert probe(pinned, 40, policy=BufferPolicy(max_down_fraction=0.05)).target == 38
+
+
+def test_a_queue_full_at_every_sample_for_a_cooldown_steps_down_by_a_quarter() -> None:
+    # 40 workers whose production was never measured above its bound (p reads 0.5 seq/s, the
+    # need the whole pool), the queue full (3 batches) at every 2 s sample while the trainer
+    # takes a batch each: a worker at a time at first, then, full for a cooldown (a 20 s
+    # start-up), each batch taken was made again within a sample interval, so the pool makes
+    # at least twice what the trainer takes: a quarter of it goes.
+    def run(queued: list[int]) -> list[int]:
+        memory, count, targets = settled(per_worker_seqs_s=0.5, last_active=40), 40, []
+        for sample in queued:
+            decision = probe(memory, count, queued=sample, desired=count)
+            memory, count = decision.memory, decision.target
+            targets.append(count)
+        return targets
+
+    full = run([192] * 12)
+    assert full[0] == 39
+    assert full[-1] == 39 - 9, full
+    # One sample a batch short within the cooldown: only a worker at a time.
+    sagged = run([192] * 5 + [128] + [192] * 6)
+    assert sagged[-1] == 38, sagged
+
+
+def test_a_pool_that_let_the_queue_fall_from_the_limit_is_short() -> None:
+    # 8 workers that held the queue at the off-policy limit (90 s ago) now let it fall below
+    # the band with p measured for less than its window: more, and 8 is marked short (a
+    # removal at the limit would otherwise bring the pool back to 8, again and again).
+    memory = settled(queue_seqs=20.0, last_queued_seqs=64, active_changed_t=0.0, limit_t=10.0)
+    decision = probe(memory, 8, queued=16)
+    assert decision.target >= 9, decision.reason
+    assert decision.memory.short_workers == 8
+    # Without the limit since the pool came, the same p does not tell.
+    assert probe(replace(memory, limit_t=None), 8, queued=16).memory.short_workers is None
