@@ -115,12 +115,14 @@ Rules, in order:
    steps / start-up. With the queue full (within an eighth of a batch of the limit) at every
    sample for a whole cooldown while the trainer took batches, each batch taken was made again
    within a sample interval, so the pool makes at least D x (1 + step / interval): up to
-   step / (interval + step) of it (and ``max_down_fraction``) goes at once, whatever p reads.
-   Once a count has been found short, a twentieth, and only down to the need plus the spread
-   at the p last measured. No removal goes back to the last count found short (rule 3 added to
-   it with the pool in place, its workers' groups in, and p measured over its window, the
-   queue about to empty, or the queue fallen from the limit this pool held it at) unless
-   demand fell by more than a worker makes and by 40%: that count emptied the queue once. At
+   step / (interval + step) of it (and ``max_down_fraction``) goes at once, whatever p reads,
+   and again once the queue has been full for four steps (or samples, if longer) since, not
+   a start-up: the proof needs no more. Once a count has been found short, a twentieth, and
+   only down to the need plus the spread at the p last measured. No removal goes back to the
+   last count found short (rule 3 added to it with the pool in place, its workers' groups in,
+   and p measured over its window or the queue about to empty; or rule 3 or 2 added to it
+   after this pool had held the queue at the limit) unless demand fell by more than a worker
+   makes and by 40%: that count emptied the queue once. At
    most once per max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in the
    queue before the next.
 """
@@ -169,6 +171,9 @@ _PINNED_SHARE = 1 / 10
 _PINNED_STEPS = 2.0
 #: A sample this close to the off-policy limit (in batches) finds the queue full.
 _FULL_SLACK_BATCHES = 1 / 8
+#: Full for this many trainer steps or samples (the longer, up to a cooldown) proves what the
+#: pool makes again: removals on that proof may follow one another that often.
+_FULL_PROOF_STEPS = 4.0
 #: p is also measured over this share of its window; where that reads this share of p or
 #: less, production per worker is falling (groups growing longer) and it is used instead.
 _RECENT_WINDOW_SHARE = 1 / 4
@@ -507,12 +512,7 @@ class BufferPolicy:
                     # (its workers' groups in): no removal comes back to this count.
                     placed = t - memory.active_changed_t >= max(startup, 2 * settle_s)
                     known = memory.production_seen_s >= self.production_window_s
-                    # This pool held the queue at the off-policy limit and let it fall below
-                    # the band: short, whatever p reads.
-                    drained = memory.limit_t is not None and (
-                        memory.limit_t >= memory.active_changed_t
-                    )
-                    told = known or projected < 0 or drained
+                    told = known or projected < 0 or self._fell_from_limit(memory)
                     if placed and told and context.active >= current:
                         memory = replace(memory, short_workers=current, short_demand_seqs_s=demand)
                     return Decision(
@@ -614,16 +614,19 @@ class BufferPolicy:
                 share = min(covered, _PINNED_SHARE, self.max_down_fraction)
                 how = f"{share:.0%} of the pool, the queue held there for {cooldown:.0f}s"
             step = max(1, math.floor(current * share))
+            # Full at every sample while the trainer took batches: each batch taken was made
+            # again within a sample interval, so the pool makes at least D x (1 + step /
+            # interval), and removing step / (interval + step) of it still makes D. The proof
+            # needs a few steps (and samples) with the pool as it is, not a start-up.
             full_s = 0.0 if memory.full_since_t is None else t - memory.full_since_t
             assert context.queue is not None
             taken = context.queue.trainer_step - memory.full_since_step
-            full = not floor and full_s >= cooldown and taken >= 2
+            interval_s = interval_s if interval_s > 0 else step_s
+            proof_s = _FULL_PROOF_STEPS * max(step_s, interval_s)
+            proof_s = min(cooldown, max(self.down_cooldown_s, proof_s))
+            full = not floor and full_s >= proof_s and since_down >= proof_s and taken >= 2
             if full:
-                # Full at every sample for a cooldown while the trainer took batches: each
-                # batch taken was made again within a sample interval, so the pool makes at
-                # least D x (1 + step / interval); removing step / (interval + step) of it
-                # still makes D.
-                interval_s = interval_s if interval_s > 0 else step_s
+                cooldown = proof_s
                 share = min(self.max_down_fraction, step_s / (interval_s + step_s))
                 step = max(1, math.floor(current * share))
                 how = f"{share:.0%} of the pool, the queue full at every sample for {full_s:.0f}s"
@@ -772,12 +775,24 @@ class BufferPolicy:
         factor = 1 + (self.max_up_factor - 1) * memory.hungry_share
         grown = max(current + 1, math.ceil(current * factor - 1e-9))
         target = max(workers, grown)
+        memory = replace(memory, probe_workers=active, probe_seqs_s=production, probe_t=t)
+        placed = t - memory.active_changed_t >= startup
+        if placed and self._fell_from_limit(memory) and active >= current:
+            memory = replace(
+                memory, short_workers=current, short_demand_seqs_s=memory.demand_seqs_s or 0.0
+            )
         return Decision(
             target=target,
             reason=f"{figures}; trainer starving, what it takes is only what the envs make: "
             f"growing x{factor:.2f} -> {target} workers",
-            memory=replace(memory, probe_workers=active, probe_seqs_s=production, probe_t=t),
+            memory=memory,
         )
+
+    @staticmethod
+    def _fell_from_limit(memory: BufferMemory) -> bool:
+        """The pool held the queue at the off-policy limit since its last worker came: if the
+        queue is now short, so is the pool, whatever p reads."""
+        return memory.limit_t is not None and memory.limit_t >= memory.active_changed_t
 
     def _at_maximum(
         self,
