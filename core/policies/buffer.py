@@ -14,9 +14,9 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
 * the step time s = B / D and the demand D (seq/s): batches taken x B between trainer advances,
   averaged over 30 steps (at most ``rate_window_s``); a quick estimate, the step time averaged
   over the last 3 steps (after a speed-up, 3 of the new ones), replaces it when 25% higher or
-  lower (a trainer that changed speed). A span without an advance while a batch
-  waited for more than four steps is a pause (evaluation, checkpoint, restart): demand is
-  measured afresh after it, and nothing is removed until it has been;
+  lower (a trainer that changed speed). A span without an advance while a batch waited for
+  more than four steps is a pause (evaluation, checkpoint, restart): demand is measured afresh
+  after it, and nothing is removed until it has been;
 * the queue Q, smoothed over two steps (the saw-tooth of batches taken is noise);
 * per-worker production p (seq/s/worker): what entered the queue (its change plus what the
   trainer took) over the workers active throughout the interval, over ``production_window_s``,
@@ -113,18 +113,18 @@ Rules, in order:
    for a whole cooldown, up to a tenth: the share whose shortfall (at most that share of D, since
    every worker makes at least D / n) the two batches above the band cover for a start-up, 2
    steps / start-up. With the queue full (within an eighth of a batch of the limit) at every
-   sample for a whole cooldown while the trainer took batches, each batch taken was made again
-   within a sample interval, so the pool makes at least D x (1 + step / interval): up to
-   step / (interval + step) of it (and ``max_down_fraction``) goes at once, whatever p reads,
-   and again once the queue has been full for four steps (or samples, if longer) since, not
-   a start-up: the proof needs no more. Once a count has been found short, a twentieth, and
-   only down to the need plus the spread at the p last measured. No removal goes back to the
-   last count found short (rule 3 added to it with the pool in place, its workers' groups in,
-   and p measured over its window or the queue about to empty; or rule 3 or 2 added to it
-   after this pool had held the queue at the limit) unless demand fell by more than a worker
-   makes and by 40%: that count emptied the queue once. At
-   most once per max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in the
-   queue before the next.
+   sample for four trainer steps (or samples, if longer; at most a cooldown) while the trainer
+   took batches, each batch taken was made again within a sample interval, so the pool makes
+   at least D x (1 + step / interval): up to step / (interval + step) of it (and
+   ``max_down_fraction``) goes at once, whatever p reads, and again once the queue has been
+   full that long since (the proof needs no start-up). Once a count has been found short, a
+   twentieth, and only down to the need plus the spread at the p last measured. No removal
+   goes back to the last count found short (rule 3 added to it with the pool in place, its
+   workers' groups in, and p measured over its window or the queue about to empty; or rule 3
+   or 2 added to it after this pool had held the queue at the limit) unless demand fell by
+   more than a worker makes and by 40%: that count emptied the queue once. Otherwise at most
+   once per max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in the queue
+   before the next.
 """
 
 from __future__ import annotations
