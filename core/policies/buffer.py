@@ -112,19 +112,18 @@ Rules, in order:
    measured and rests on its bound) a twentieth of the pool at a time; with the queue held there
    for a whole cooldown, up to a tenth: the share whose shortfall (at most that share of D, since
    every worker makes at least D / n) the two batches above the band cover for a start-up, 2
-   steps / start-up. With the queue full (within an eighth of a batch of the limit) at every
-   sample for four trainer steps (or samples, if longer; at most a cooldown) while the trainer
-   took batches, each batch taken was made again within a sample interval, so the pool makes
-   at least D x (1 + step / interval): up to step / (interval + step) of it (and
-   ``max_down_fraction``) goes at once, whatever p reads, and again once the queue has been
-   full that long since (the proof needs no start-up). Once a count has been found short, a
+   steps / start-up. With the queue full (within an eighth of a batch of the limit, either
+   side: a backlog above it proves nothing) at every sample for a whole cooldown while the
+   trainer took batches, each batch taken was made again within a sample interval, so the pool
+   makes at least D x (1 + step / interval): up to step / (interval + step) of it (and
+   ``max_down_fraction``) goes at once, whatever p reads. Once a count has been found short, a
    twentieth, and only down to the need plus the spread at the p last measured. No removal
    goes back to the last count found short (rule 3 added to it with the pool in place, its
    workers' groups in, and p measured over its window or the queue about to empty; or rule 3
    or 2 added to it after this pool had held the queue at the limit) unless demand fell by
-   more than a worker makes and by 40%: that count emptied the queue once. Otherwise at most
-   once per max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in the queue
-   before the next.
+   more than a worker makes and by 40%: that count emptied the queue once. At most once per
+   max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in the queue before the
+   next.
 """
 
 from __future__ import annotations
@@ -169,11 +168,8 @@ _SHED_MAX_SHARE = 1 / 4
 _LIMIT_SHARE = 1 / 20
 _PINNED_SHARE = 1 / 10
 _PINNED_STEPS = 2.0
-#: A sample this close to the off-policy limit (in batches) finds the queue full.
+#: A sample this close to the off-policy limit (in batches, either side) finds the queue full.
 _FULL_SLACK_BATCHES = 1 / 8
-#: Full for this many trainer steps or samples (the longer, up to a cooldown) proves what the
-#: pool makes again: removals on that proof may follow one another that often.
-_FULL_PROOF_STEPS = 4.0
 #: p is also measured over this share of its window; where that reads this share of p or
 #: less, production per worker is falling (groups growing longer) and it is used instead.
 _RECENT_WINDOW_SHARE = 1 / 4
@@ -614,19 +610,18 @@ class BufferPolicy:
                 share = min(covered, _PINNED_SHARE, self.max_down_fraction)
                 how = f"{share:.0%} of the pool, the queue held there for {cooldown:.0f}s"
             step = max(1, math.floor(current * share))
-            # Full at every sample while the trainer took batches: each batch taken was made
-            # again within a sample interval, so the pool makes at least D x (1 + step /
-            # interval), and removing step / (interval + step) of it still makes D. The proof
-            # needs a few steps (and samples) with the pool as it is, not a start-up.
+            # Full at every sample for a cooldown while the trainer took batches: each batch
+            # taken was made again within a sample interval, so the pool makes at least
+            # D x (1 + step / interval), and removing step / (interval + step) of it still
+            # makes D. (Not sooner than a cooldown: with heavy tails a pool held at the limit
+            # refills from its shortest groups, and what it makes once the queue leaves the
+            # limit shows only later.)
             full_s = 0.0 if memory.full_since_t is None else t - memory.full_since_t
             assert context.queue is not None
             taken = context.queue.trainer_step - memory.full_since_step
-            interval_s = interval_s if interval_s > 0 else step_s
-            proof_s = _FULL_PROOF_STEPS * max(step_s, interval_s)
-            proof_s = min(cooldown, max(self.down_cooldown_s, proof_s))
-            full = not floor and full_s >= proof_s and since_down >= proof_s and taken >= 2
+            full = not floor and full_s >= cooldown and taken >= 2
             if full:
-                cooldown = proof_s
+                interval_s = interval_s if interval_s > 0 else step_s
                 share = min(self.max_down_fraction, step_s / (interval_s + step_s))
                 step = max(1, math.floor(current * share))
                 how = f"{share:.0%} of the pool, the queue full at every sample for {full_s:.0f}s"
@@ -1129,7 +1124,10 @@ class BufferPolicy:
             changes["limit_t"] = t
         elif memory.limit_t is None or t - memory.limit_t >= max(4 * (step_s or 0.0), 10.0):
             changes["away_t"] = t
-        if queued >= self.max_batches_offpolicy * batch - _FULL_SLACK_BATCHES * batch:
+        # Full: at the limit, not above it (groups that were in flight when it was reached
+        # may land on top: a backlog above the limit stays full whatever the pool makes).
+        limit_seqs = self.max_batches_offpolicy * batch
+        if abs(queued - limit_seqs) <= _FULL_SLACK_BATCHES * batch:
             if memory.full_since_t is None:
                 changes.update(full_since_t=t, full_since_step=sample.trainer_step)
         else:

@@ -815,13 +815,12 @@ def test_a_queue_held_at_the_limit_for_a_cooldown_steps_down_by_up_to_a_tenth() 
     assert probe(pinned, 40, policy=BufferPolicy(max_down_fraction=0.05)).target == 38
 
 
-def test_a_queue_full_at_every_sample_steps_down_by_a_quarter() -> None:
+def test_a_queue_full_at_every_sample_for_a_cooldown_steps_down_by_a_quarter() -> None:
     # 40 workers whose production was never measured above its bound (p reads 0.5 seq/s, the
     # need the whole pool), the queue full (3 batches) at every 2 s sample while the trainer
-    # takes a batch each: a worker at a time at first, then, full for four steps (8 s, less
-    # than the 20 s start-up), each batch taken was made again within a sample interval, so
-    # the pool makes at least twice what the trainer takes: a quarter of it goes, and again
-    # after four more steps full.
+    # takes a batch each: a worker at a time at first, then, full for a cooldown (a 20 s
+    # start-up), each batch taken was made again within a sample interval, so the pool makes
+    # at least twice what the trainer takes: a quarter of it goes.
     def run(queued: list[int]) -> list[int]:
         memory, count, targets = settled(per_worker_seqs_s=0.5, last_active=40), 40, []
         for sample in queued:
@@ -830,11 +829,16 @@ def test_a_queue_full_at_every_sample_steps_down_by_a_quarter() -> None:
             targets.append(count)
         return targets
 
-    full = run([192] * 10)
-    assert full == [39] * 4 + [30] * 4 + [23] * 2, full
-    # One sample a batch short: the proof starts again from the next full sample.
-    sagged = run([192] * 3 + [128] + [192] * 6)
-    assert sagged == [39] * 8 + [30] * 2, sagged
+    full = run([192] * 12)
+    assert full == [39] * 10 + [30] * 2, full
+    # One sample a batch short within the cooldown: the proof starts again; meanwhile the
+    # queue held at the limit takes a worker at a time.
+    sagged = run([192] * 5 + [128] + [192] * 6)
+    assert sagged[-1] == 38, sagged
+    # A backlog above the limit (groups in flight when it was reached landed on top) stays
+    # full whatever the pool makes: no proof.
+    backlog = run([320] * 12)
+    assert backlog[-1] == 38, backlog
 
 
 def test_a_pool_that_let_the_queue_fall_from_the_limit_is_short() -> None:
