@@ -15,6 +15,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+from waiting import wait_for
 
 from adapters.api.app import serve
 from adapters.run import find_spawned
@@ -152,28 +153,30 @@ async def test_a_heartbeat_of_a_worker_gone_since_the_last_look_keeps_the_watch(
     assert seen == ["envs-1"]
 
 
+def _sleeper(env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """A child with ``env``, returned once it runs with it: until its exec, a child's
+    /proc/PID/environ is still its parent's (on a loaded machine, long enough to be read)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)"], env=env, start_new_session=True
+    )
+    marker = f"DEO_RUN_ID={env['DEO_RUN_ID']}".encode()
+    wait_for(
+        f"child {child.pid} running with its environment",
+        lambda: marker in Path(f"/proc/{child.pid}/environ").read_bytes().split(b"\0"),
+    )
+    return child
+
+
 def test_find_spawned_finds_this_logs_worker_by_its_environment() -> None:
     worker_id = f"probe-{os.getpid()}"
     env = {**os.environ, "DEO_WORKER_ID": worker_id}
-    ours = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(30)"],
-        env={**env, "DEO_RUN_ID": "ours"},
-        start_new_session=True,
-    )
-    theirs = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(30)"],
-        env={**env, "DEO_RUN_ID": "theirs"},
-        start_new_session=True,
-    )
+    ours = _sleeper({**env, "DEO_RUN_ID": "ours"})
+    theirs = _sleeper({**env, "DEO_RUN_ID": "theirs"})
     try:
         found = find_spawned(worker_id, "ours")
         assert found is not None and found[0] == ours.pid  # not the other log's namesake
         assert find_spawned(worker_id + "-other", "ours") is None
-        twin = subprocess.Popen(
-            [sys.executable, "-c", "import time; time.sleep(30)"],
-            env={**env, "DEO_RUN_ID": "ours"},
-            start_new_session=True,
-        )
+        twin = _sleeper({**env, "DEO_RUN_ID": "ours"})
         try:
             assert find_spawned(worker_id, "ours") is None  # ambiguous: adopt neither
         finally:
