@@ -154,10 +154,10 @@ async def test_a_heartbeat_of_a_worker_gone_since_the_last_look_keeps_the_watch(
 
 
 def _sleeper(env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """A child with ``env``, returned once it runs with it: until its exec, a child's
-    /proc/PID/environ is still its parent's (on a loaded machine, long enough to be read)."""
+    """A child with ``env`` that outlives the test however slow the machine (it is killed at
+    the end), returned once /proc shows it running with ``env``."""
     child = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(30)"], env=env, start_new_session=True
+        [sys.executable, "-c", "import time; time.sleep(3600)"], env=env, start_new_session=True
     )
     marker = f"DEO_RUN_ID={env['DEO_RUN_ID']}".encode()
     wait_for(
