@@ -44,9 +44,11 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
 * saturation: while the trainer starves the pool grows in steps (below); when a step's workers are
   active and the total production rose by less than half of what they should have added, the
   shared inference service is the bottleneck: the pool is held at the count that makes that
-  production, and tried again only after 10 start-ups. Production is averaged, so that is
-  judged two settle times after the workers came; a rise already half as large before then
-  passes at once (the trainer is starving meanwhile). Short at the pool's maximum with a
+  production, and tried again only after 10 start-ups. That is judged on what the grown pool
+  made over eight steps (30 s at least) from a settle time after its workers came (their first
+  groups are in generation until then); without that much, on the average, two settle times
+  after they came, and a rise already half as large before then passes at once (the trainer is
+  starving meanwhile). Short at the pool's maximum with a
   trainer that waits (less than a batch queued, the queue not near the off-policy limit, where
   envs hold back), a removal tests for saturation: a quarter of the pool when production per
   worker fell below 70% of its best; without such a sign (a pool saturated from its first
@@ -109,10 +111,12 @@ Rules, in order:
    start-ups and 8 steps in a row. The removal goes to max(ceil(need + spread), safe, count -
    ``max_down_fraction`` x count), where safe is the fewest workers that keep the queue inside
    the band for a start-up at the measured demand. At the off-policy limit (where p is not
-   measured and rests on its bound) a twentieth of the pool at a time; with the queue held there
-   for a whole cooldown, up to a tenth: the share whose shortfall (at most that share of D, since
-   every worker makes at least D / n) the two batches above the band cover for a start-up, 2
-   steps / start-up. With the queue full (within an eighth of a batch of the limit, either
+   measured and rests on its bound, which sizes no need: it says only that the workers
+   suffice) a removal waits until the trainer took two batches from the workers active now
+   (the queue shows nothing about them before), and takes a twentieth of the pool at a time;
+   with the queue held there for a whole cooldown, up to a tenth: the share whose shortfall (at
+   most that share of D, since every worker makes at least D / n) the two batches above the
+   band cover for a start-up, 2 steps / start-up. With the queue full (within an eighth of a batch of the limit, either
    side: a backlog above it proves nothing) at every sample for a whole cooldown while the
    trainer took batches, each batch taken was made again within a sample interval, so the pool
    makes at least D x (1 + step / interval): up to step / (interval + step) of it (and
@@ -170,6 +174,13 @@ _PINNED_SHARE = 1 / 10
 _PINNED_STEPS = 2.0
 #: A sample this close to the off-policy limit (in batches, either side) finds the queue full.
 _FULL_SLACK_BATCHES = 1 / 8
+#: A growth while starving is judged on what the grown pool made over this many steps (and
+#: seconds) once its workers were in.
+_PROBE_STEPS = 8.0
+_PROBE_MIN_S = 30.0
+#: At the off-policy limit a removal waits until the trainer took this many batches from the
+#: workers active now: the queue held there only then shows that they make what it takes.
+_HELD_STEPS = 2
 #: p is also measured over this share of its window; where that reads this share of p or
 #: less, production per worker is falling (groups growing longer) and it is used instead.
 _RECENT_WINDOW_SHARE = 1 / 4
@@ -234,6 +245,11 @@ class BufferMemory:
     probe_workers: int = 0
     probe_seqs_s: float = 0.0
     probe_t: float = 0.0
+    #: What the grown pool made once its workers were in (active and past their first groups):
+    #: sequences and seconds, so the growth is judged on its own production, not on an average
+    #: that still holds the pool before it.
+    probe_made_seqs: float = 0.0
+    probe_made_s: float = 0.0
     #: The highest per-worker production measured (inference not yet shared by many).
     best_per_worker_seqs_s: float = 0.0
     #: A removal made to see whether production falls with it (at the maximum, starving):
@@ -271,6 +287,8 @@ class BufferMemory:
     #: off-policy limit), and the trainer step then (None: the last sample was not full).
     full_since_t: float | None = None
     full_since_step: int = 0
+    #: The trainer step when the active count last changed (either way).
+    active_since_step: int = 0
 
 
 def _average(
@@ -633,9 +651,16 @@ class BufferPolicy:
                 kept = math.ceil(demand / measured + spread - 1e-9)
                 target = max(current - step, kept, floor, 0)
             else:
-                balanced = math.ceil(need - 1e-9) if not full else 0
+                # Only a measured p sizes the need here: its bound D / active says no more
+                # than that the active workers suffice (as the need, it would hold the pool
+                # to a worker per cooldown).
+                balanced = math.ceil(need - 1e-9) if measured and not full else 0
                 target = max(min(balanced, current - 1), current - step, 0)
-            if target < current and since_down >= cooldown:
+            # The queue shows what the present workers make only once the trainer took
+            # batches from them: a trainer stepping less often than the cooldown would see the
+            # pool shrink several times between two of its steps, on no evidence.
+            held = context.queue.trainer_step - memory.active_since_step >= _HELD_STEPS
+            if target < current and since_down >= cooldown and held:
                 return Decision(
                     target=target,
                     reason=f"{figures}; queue at the off-policy limit -> stepping down to "
@@ -722,11 +747,15 @@ class BufferPolicy:
                 memory=memory,
             )
         probing = (
-            memory.probe_workers > 0
-            and active >= max(1.2 * memory.probe_workers, memory.probe_workers + 2)
-            and t - memory.probe_t <= 3 * startup + 3 * settle
+            self._probe_grown(memory, active) and t - memory.probe_t <= 3 * startup + 3 * settle
         )
         added = (active - memory.probe_workers) / max(memory.probe_workers, 1)
+        # What the grown pool made over eight of its steps (and 30 s) is its production: the
+        # average over the settle time would hold a starving trainer for two of them.
+        step_s = self.step_s(memory, batch) or math.inf
+        if memory.probe_made_s >= max(_PROBE_STEPS * step_s, _PROBE_MIN_S):
+            production = memory.probe_made_seqs / memory.probe_made_s
+            settled = True
         gained = production / memory.probe_seqs_s - 1 if memory.probe_seqs_s > 0 else added
         if probing and not settled and gained >= added / 2:
             # Production, averaged, lags what the pool makes: a rise that already shows half
@@ -770,7 +799,14 @@ class BufferPolicy:
         factor = 1 + (self.max_up_factor - 1) * memory.hungry_share
         grown = max(current + 1, math.ceil(current * factor - 1e-9))
         target = max(workers, grown)
-        memory = replace(memory, probe_workers=active, probe_seqs_s=production, probe_t=t)
+        memory = replace(
+            memory,
+            probe_workers=active,
+            probe_seqs_s=production,
+            probe_t=t,
+            probe_made_seqs=0.0,
+            probe_made_s=0.0,
+        )
         placed = t - memory.active_changed_t >= startup
         if placed and self._fell_from_limit(memory) and active >= current:
             memory = replace(
@@ -1005,6 +1041,23 @@ class BufferPolicy:
             ),
         )
 
+    @staticmethod
+    def _probe_grown(memory: BufferMemory, active: int) -> bool:
+        """The last growth while starving is in place (enough workers to tell its effect)."""
+        probe = memory.probe_workers
+        return probe > 0 and active >= max(1.2 * probe, probe + 2)
+
+    def _probe_in(
+        self, memory: BufferMemory, active: int, t: float, step_s: float | None
+    ) -> bool:
+        """The grown pool's workers are past their first groups: what it makes counts."""
+        warm_s = max(4 * (step_s or 0.0), 10.0)
+        return (
+            self._probe_grown(memory, active)
+            and active == memory.last_active
+            and t - memory.active_changed_t >= warm_s
+        )
+
     def _production_settle_s(self, memory: BufferMemory, batch: int) -> float:
         """How long after the active count changes production reflects it."""
         step = self.step_s(memory, batch)
@@ -1054,6 +1107,7 @@ class BufferPolicy:
             changes["active_changed_t"] = t
         if context.active != memory.last_active:
             changes["fresh_s"] = 0.0
+            changes["active_since_step"] = sample.trainer_step
         if dt <= 0:
             return replace(memory, **changes)
         step_s = self.step_s(memory, batch)
@@ -1110,6 +1164,9 @@ class BufferPolicy:
                 changes["fast_demand_seqs_s"] = fast
                 changes["demand_seen_s"] = min(memory.demand_seen_s + span, demand_window)
         produced = max(queued - memory.last_queued_seqs + consumed, 0)
+        if self._probe_in(memory, context.active, t, step_s):
+            changes["probe_made_seqs"] = memory.probe_made_seqs + produced
+            changes["probe_made_s"] = memory.probe_made_s + dt
         changes["production_seqs_s"] = _average(
             memory.production_seqs_s, produced / dt, memory.production_seen_s, dt, demand_window
         )

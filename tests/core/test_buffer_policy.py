@@ -401,6 +401,50 @@ def test_growth_that_already_shows_in_production_goes_on_before_the_settle_times
     assert "warming up" in held.reason
 
 
+def test_a_growth_is_judged_on_what_the_grown_pool_made_not_on_the_average() -> None:
+    # The last growth took 10 workers making 40 seq/s to 20; the average over the settle time
+    # still reads 45 seq/s (it holds the pool before the growth), but over the 30 s since the
+    # new workers were in the pool made 76 seq/s: not saturated, and a trainer still starving
+    # grows again now rather than waiting out two settle times.
+    memory = settled(
+        queue_seqs=8.0,
+        last_queued_seqs=8,
+        hungry_share=1.0,
+        production_seqs_s=45.0,
+        last_active=20,
+        probe_workers=10,
+        probe_seqs_s=40.0,
+        probe_t=60.0,
+        active_changed_t=65.0,
+        last_up_t=60.0,
+        last_desired=20,
+        probe_made_seqs=76.0 * 30,
+        probe_made_s=30.0,
+    )
+    grown = probe(memory, 20, queued=8)
+    assert grown.target > 20, grown.reason
+    # What it made rose by a tenth for twice the workers: the shared inference saturates.
+    flat = replace(memory, probe_made_seqs=44.0 * 30)
+    capped = probe(flat, 20, queued=8)
+    assert "saturates" in capped.reason and capped.target < 20, capped.reason
+    # Measured for less than 30 s (and eight steps): the average decides, and waits.
+    early = replace(memory, probe_made_s=10.0, probe_made_seqs=760.0)
+    assert "warming up" in probe(early, 20, queued=8).reason
+
+
+def test_what_the_grown_pool_makes_counts_once_its_workers_are_past_their_first_groups() -> None:
+    base = settled(
+        queue_seqs=8.0, last_queued_seqs=8, last_active=20, probe_workers=10, probe_seqs_s=40.0
+    )
+    # Active for 2 s: their first groups are still in generation.
+    fresh = probe(replace(base, active_changed_t=100.0), 20, queued=72)
+    assert fresh.memory.probe_made_s == 0.0
+    # Active for a settle time (four steps, 10 s at least): 2 s in which 72 - 8 + 64 entered.
+    warm = probe(replace(base, active_changed_t=80.0), 20, queued=72)
+    assert warm.memory.probe_made_s == 2.0
+    assert warm.memory.probe_made_seqs == 128.0
+
+
 def test_a_production_outage_holds_the_pool() -> None:
     # A settled pool of 8 (p = 4 seq/s, the trainer fed); then nothing enters the queue and the
     # trainer takes nothing for ten minutes. Every worker reported active at once.
@@ -813,6 +857,38 @@ def test_a_queue_held_at_the_limit_for_a_cooldown_steps_down_by_up_to_a_tenth() 
     assert probe(short, 40).target == 38
     # A removal share below a tenth is respected.
     assert probe(pinned, 40, policy=BufferPolicy(max_down_fraction=0.05)).target == 38
+
+
+def test_at_the_limit_a_removal_waits_for_two_batches_from_the_workers_active_now() -> None:
+    # A trainer stepping every 50 s, workers that start in 6 s: the cooldown (12 s) passes
+    # between two steps, but a queue held at the limit shows nothing about the present workers
+    # until the trainer has taken batches from them.
+    slow = settled(
+        queue_seqs=192.0,
+        last_active=40,
+        last_desired=40,
+        demand_seqs_s=1.28,
+        fast_demand_seqs_s=1.28,
+        startup_s=6.0,
+        per_worker_seqs_s=None,
+        active_since_step=50,
+    )
+    one = probe(slow, 40, steps=1)
+    assert one.target == 40, one.reason
+    two = probe(slow, 40, steps=2)
+    assert two.target < 40, two.reason
+
+
+def test_at_the_limit_the_bound_on_p_does_not_hold_the_pool_to_a_worker_per_cooldown() -> None:
+    # p never measured (the queue reached the limit at once): its bound D / active reads the
+    # need as the whole pool, which says only that the workers suffice. The pool held at the
+    # limit steps down by the tenth the full queue covers, not by one.
+    unmeasured = settled(queue_seqs=192.0, last_active=40, last_desired=40, per_worker_seqs_s=None)
+    decision = probe(unmeasured, 40)
+    assert decision.target == 36, decision.reason
+    # A measured p sizes the need: 32 seq/s at 0.84 seq/s per worker needs 38.1 workers.
+    measured = replace(unmeasured, per_worker_seqs_s=0.84)
+    assert probe(measured, 40).target == 39
 
 
 def test_a_queue_full_at_every_sample_for_a_cooldown_steps_down_by_a_quarter() -> None:
