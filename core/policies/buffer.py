@@ -104,30 +104,28 @@ Rules, in order:
    generation).
 4. Hold up to the band's top, while a batch waits but the trainer takes none for four steps (a
    pause, or a slowdown: the next step tells), and until demand has been measured after a pause.
-5. Remove when both Q and the latest sample are above the band, with hysteresis in whole
-   workers (a fractional need would otherwise make the count alternate between neighbours): the
-   count must exceed the need D / p by a whole worker plus the production spread in workers
-   (how far production wanders over a start-up), and, unless it exceeds it by twice that, for 3
-   start-ups and 8 steps in a row. The removal goes to max(ceil(need + spread), safe, count -
-   ``max_down_fraction`` x count), where safe is the fewest workers that keep the queue inside
-   the band for a start-up at the measured demand. At the off-policy limit (where p is not
-   measured and rests on its bound, which sizes no need: it says only that the workers
-   suffice) a removal waits until the trainer took two batches from the workers active now
-   (the queue shows nothing about them before), and takes a twentieth of the pool at a time;
-   with the queue held there for a whole cooldown, up to a tenth: the share whose shortfall (at
-   most that share of D, since every worker makes at least D / n) the two batches above the
-   band cover for a start-up, 2 steps / start-up. With the queue full (within an eighth of a batch of the limit, either
-   side: a backlog above it proves nothing) at every sample for a whole cooldown while the
-   trainer took batches, each batch taken was made again within a sample interval, so the pool
-   makes at least D x (1 + step / interval): up to step / (interval + step) of it (and
-   ``max_down_fraction``) goes at once, whatever p reads. Once a count has been found short, a
-   twentieth, and only down to the need plus the spread at the p last measured. No removal
-   goes back to the last count found short (rule 3 added to it with the pool in place, its
-   workers' groups in, and p measured over its window or the queue about to empty; or rule 3
-   or 2 added to it after this pool had held the queue at the limit) unless demand fell by
+5. Remove when both Q and the latest sample are above the band, with hysteresis in whole workers (a
+   fractional need would otherwise make the count alternate between neighbours): the count must
+   exceed the need D / p by a whole worker plus the production spread in workers (how far production
+   wanders over a start-up), and, unless it exceeds it by twice that, for 3 start-ups and 8 steps in
+   a row. The removal goes to max(ceil(need + spread), safe, count - ``max_down_fraction`` x count),
+   where safe is the fewest workers that keep the queue inside the band for a start-up at the
+   measured demand. At the off-policy limit (where p is not measured and rests on its bound, which
+   sizes no need: it says only that the workers suffice) a removal waits until the trainer took two
+   batches from the workers active now (the queue shows nothing about them before), and takes a
+   twentieth of the pool at a time; with the queue held there for a whole cooldown, up to a tenth:
+   the share whose shortfall (at most that share of D, since every worker makes at least D / n) the
+   two batches above the band cover for a start-up, 2 steps / start-up. With the queue full (within
+   an eighth of a batch of the limit, either side: a backlog above it proves nothing) at every
+   sample for a whole cooldown while the trainer took batches, each batch taken was made again
+   within a sample interval, so the pool makes at least D x (1 + step / interval): up to step /
+   (interval + step) of it (and ``max_down_fraction``) goes at once, whatever p reads. Once a count
+   has been found short, a twentieth, and only down to the need plus the spread at the p last
+   measured. No removal goes back to the last count found short (rule 3 added to it with the pool in
+   place, its workers' groups in, and p measured over its window or the queue about to empty; or
+   rule 3 or 2 added to it after this pool had held the queue at the limit) unless demand fell by
    more than a worker makes and by 40%: that count emptied the queue once. At most once per
-   max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in the queue before the
-   next.
+   max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in the queue before the next.
 """
 
 from __future__ import annotations
@@ -1047,9 +1045,7 @@ class BufferPolicy:
         probe = memory.probe_workers
         return probe > 0 and active >= max(1.2 * probe, probe + 2)
 
-    def _probe_in(
-        self, memory: BufferMemory, active: int, t: float, step_s: float | None
-    ) -> bool:
+    def _probe_in(self, memory: BufferMemory, active: int, t: float, step_s: float | None) -> bool:
         """The grown pool's workers are past their first groups: what it makes counts."""
         warm_s = max(4 * (step_s or 0.0), 10.0)
         return (
