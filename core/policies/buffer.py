@@ -106,26 +106,26 @@ Rules, in order:
    pause, or a slowdown: the next step tells), and until demand has been measured after a pause.
 5. Remove when both Q and the latest sample are above the band, with hysteresis in whole workers (a
    fractional need would otherwise make the count alternate between neighbours): the count must
-   exceed the need D / p by a whole worker plus the production spread in workers (how far production
-   wanders over a start-up), and, unless it exceeds it by twice that, for 3 start-ups and 8 steps in
-   a row. The removal goes to max(ceil(need + spread), safe, count - ``max_down_fraction`` x count),
-   where safe is the fewest workers that keep the queue inside the band for a start-up at the
-   measured demand. At the off-policy limit (where p is not measured and rests on its bound, which
-   sizes no need: it says only that the workers suffice) a removal waits until the trainer took two
-   batches from the workers active now (the queue shows nothing about them before), and takes a
-   twentieth of the pool at a time; with the queue held there for a whole cooldown, up to a tenth:
-   the share whose shortfall (at most that share of D, since every worker makes at least D / n) the
-   two batches above the band cover for a start-up, 2 steps / start-up. With the queue full (within
-   an eighth of a batch of the limit, either side: a backlog above it proves nothing) at every
-   sample for a whole cooldown while the trainer took batches, each batch taken was made again
-   within a sample interval, so the pool makes at least D x (1 + step / interval): up to step /
-   (interval + step) of it (and ``max_down_fraction``) goes at once, whatever p reads. Once a count
-   has been found short, a twentieth, and only down to the need plus the spread at the p last
-   measured. No removal goes back to the last count found short (rule 3 added to it with the pool in
-   place, its workers' groups in, and p measured over its window or the queue about to empty; or
-   rule 3 or 2 added to it after this pool had held the queue at the limit) unless demand fell by
-   more than a worker makes and by 40%: that count emptied the queue once. At most once per
-   max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in the queue before the next.
+   exceed the need D / p by a whole worker plus the production spread in workers (how far
+   production wanders over a start-up), and, unless it exceeds it by twice that, for 3 start-ups
+   and 8 steps in a row. The removal goes to max(ceil(need + spread), safe, count -
+   ``max_down_fraction`` x count), where safe is the fewest workers that keep the queue inside the
+   band for a start-up at the measured demand. At the off-policy limit (where p is not measured and
+   rests on its bound) a removal waits until the trainer took two batches from the workers active
+   now (the queue shows nothing about them before), and takes a twentieth of the pool at a time;
+   with the queue held there for a whole cooldown, up to a tenth: the share whose shortfall (at
+   most that share of D, since every worker makes at least D / n) the two batches above the band
+   cover for a start-up, 2 steps / start-up. With the queue full (within an eighth of a batch of
+   the limit, either side: a backlog above it proves nothing) at every sample for a whole cooldown
+   while the trainer took batches, each batch taken was made again within a sample interval, so the
+   pool makes at least D x (1 + step / interval): up to step / (interval + step) of it (and
+   ``max_down_fraction``) goes at once, whatever p reads. Once a count has been found short, a
+   twentieth, and only down to the need plus the spread at the p last measured. No removal goes
+   back to the last count found short (rule 3 added to it with the pool in place, its workers'
+   groups in, and p measured over its window or the queue about to empty; or rule 3 or 2 added to
+   it after this pool had held the queue at the limit) unless demand fell by more than a worker
+   makes and by 40%: that count emptied the queue once. At most once per max(``down_cooldown_s``,
+   T, min(4 steps, 2 T)): each removal shows in the queue before the next.
 """
 
 from __future__ import annotations
@@ -649,10 +649,7 @@ class BufferPolicy:
                 kept = math.ceil(demand / measured + spread - 1e-9)
                 target = max(current - step, kept, floor, 0)
             else:
-                # Only a measured p sizes the need here: its bound D / active says no more
-                # than that the active workers suffice (as the need, it would hold the pool
-                # to a worker per cooldown).
-                balanced = math.ceil(need - 1e-9) if measured and not full else 0
+                balanced = math.ceil(need - 1e-9) if not full else 0
                 target = max(min(balanced, current - 1), current - step, 0)
             # The queue shows what the present workers make only once the trainer took
             # batches from them: a trainer stepping less often than the cooldown would see the
@@ -748,13 +745,15 @@ class BufferPolicy:
             self._probe_grown(memory, active) and t - memory.probe_t <= 3 * startup + 3 * settle
         )
         added = (active - memory.probe_workers) / max(memory.probe_workers, 1)
-        # What the grown pool made over eight of its steps (and 30 s) is its production: the
-        # average over the settle time would hold a starving trainer for two of them.
+        gained = production / memory.probe_seqs_s - 1 if memory.probe_seqs_s > 0 else added
+        # What the grown pool made over eight of its steps (and 30 s) since its workers were in
+        # shows a rise before the average does (it holds the pool before the growth for a
+        # settle time, and a starving trainer would wait two of them). It only passes the test:
+        # with heavy tails eight steps of production are too noisy to call saturation on.
         step_s = self.step_s(memory, batch) or math.inf
         if memory.probe_made_s >= max(_PROBE_STEPS * step_s, _PROBE_MIN_S):
-            production = memory.probe_made_seqs / memory.probe_made_s
-            settled = True
-        gained = production / memory.probe_seqs_s - 1 if memory.probe_seqs_s > 0 else added
+            made = memory.probe_made_seqs / memory.probe_made_s
+            gained = max(gained, made / memory.probe_seqs_s - 1 if memory.probe_seqs_s else 0.0)
         if probing and not settled and gained >= added / 2:
             # Production, averaged, lags what the pool makes: a rise that already shows half
             # of what the workers added should make passes the test early (the trainer is

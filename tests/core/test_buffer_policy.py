@@ -423,10 +423,10 @@ def test_a_growth_is_judged_on_what_the_grown_pool_made_not_on_the_average() -> 
     )
     grown = probe(memory, 20, queued=8)
     assert grown.target > 20, grown.reason
-    # What it made rose by a tenth for twice the workers: the shared inference saturates.
+    # What it made rose by a tenth for twice the workers: too few steps to call saturation on
+    # (heavy tails make them noisy), so the average decides, after its settle times.
     flat = replace(memory, probe_made_seqs=44.0 * 30)
-    capped = probe(flat, 20, queued=8)
-    assert "saturates" in capped.reason and capped.target < 20, capped.reason
+    assert "warming up" in probe(flat, 20, queued=8).reason
     # Measured for less than 30 s (and eight steps): the average decides, and waits.
     early = replace(memory, probe_made_s=10.0, probe_made_seqs=760.0)
     assert "warming up" in probe(early, 20, queued=8).reason
@@ -877,18 +877,6 @@ def test_at_the_limit_a_removal_waits_for_two_batches_from_the_workers_active_no
     assert one.target == 40, one.reason
     two = probe(slow, 40, steps=2)
     assert two.target < 40, two.reason
-
-
-def test_at_the_limit_the_bound_on_p_does_not_hold_the_pool_to_a_worker_per_cooldown() -> None:
-    # p never measured (the queue reached the limit at once): its bound D / active reads the
-    # need as the whole pool, which says only that the workers suffice. The pool held at the
-    # limit steps down by the tenth the full queue covers, not by one.
-    unmeasured = settled(queue_seqs=192.0, last_active=40, last_desired=40, per_worker_seqs_s=None)
-    decision = probe(unmeasured, 40)
-    assert decision.target == 36, decision.reason
-    # A measured p sizes the need: 32 seq/s at 0.84 seq/s per worker needs 38.1 workers.
-    measured = replace(unmeasured, per_worker_seqs_s=0.84)
-    assert probe(measured, 40).target == 39
 
 
 def test_a_queue_full_at_every_sample_for_a_cooldown_steps_down_by_a_quarter() -> None:
