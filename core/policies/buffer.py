@@ -44,32 +44,31 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
 * saturation: while the trainer starves the pool grows in steps (below); when a step's workers are
   active and the total production rose by less than half of what they should have added, the
   shared inference service is the bottleneck: the pool is held at the count that makes that
-  production, and tried again only after 10 start-ups. That is judged on what the grown pool
-  made over eight steps (30 s at least) from a settle time after its workers came (their first
-  groups are in generation until then); without that much, on the average, two settle times
-  after they came, and a rise already half as large before then passes at once (the trainer is
-  starving meanwhile). Short at the pool's maximum with a
-  trainer that waits (less than a batch queued, the queue not near the off-policy limit, where
-  envs hold back), a removal tests for saturation: a quarter of the pool when production per
-  worker fell below 70% of its best; without such a sign (a pool saturated from its first
-  measurement), an eighth, no more than a step past the knee may cost (below) but a sixteenth
-  at least (a smaller fall is lost in the noise of production), and only if the pool was never
-  measured at the count the test would try. Production that held up (fell by less than a
-  quarter of the share removed) means saturation: while the trainer still waits, fewer: first
-  the count that makes the most the series made at the best production per worker ever
-  measured, when the pool is larger (sharing only lowers production per worker, so that many
-  make as much and the knee is no higher; at most half the pool at a time), then steps of twice
-  the last, capped at a quarter and at the share whose loss for the time a step past the knee
-  takes to be judged and brought back (two settle times and a start-up) is 36 s of the pool's
-  production, 1% of an hour, but the cap never below an eighth. The step that passes the knee
-  shows production falling, and workers there run unshared, so the knee is the count that
-  makes, at their production per worker, the most a pool of the series made (a fall of less
-  than half the share removed is measured for up to four settle times before it is told from
-  noise), and their production per worker is the best from then on. That count is held for 30
-  start-ups. A fall already clear after one settle time is judged then, on the level it is
-  heading for, so a pool below the knee is not kept there long. Production that fell at the
-  first removal means the trainer simply wants more: back to the maximum, not tested again
-  until production per worker falls well below what it was then.
+  production, and tried again only after 10 start-ups. Production is averaged, so that is judged
+  two settle times after the workers came; a rise already half as large before then passes at once
+  (the trainer is starving meanwhile), in the average or in what the grown pool made over eight
+  steps (30 s at least) from a settle time after its workers came (their first groups are in
+  generation until then; too few steps to call saturation on with heavy tails). Short at the
+  pool's maximum with a trainer that waits (less than a batch queued, the queue not near the
+  off-policy limit, where envs hold back), a removal tests for saturation: a quarter of the pool
+  when production per worker fell below 70% of its best; without such a sign (a pool saturated
+  from its first measurement), an eighth, no more than a step past the knee may cost (below) but a
+  sixteenth at least (a smaller fall is lost in the noise of production), and only if the pool was
+  never measured at the count the test would try. Production that held up (fell by less than a
+  quarter of the share removed) means saturation: while the trainer still waits, fewer: first the
+  count that makes the most the series made at the best production per worker ever measured, when
+  the pool is larger (sharing only lowers production per worker, so that many make as much and the
+  knee is no higher; at most half the pool at a time), then steps of twice the last, capped at a
+  quarter and at the share whose loss for the time a step past the knee takes to be judged and
+  brought back (two settle times and a start-up) is 36 s of the pool's production, 1% of an hour,
+  but the cap never below an eighth. The step that passes the knee shows production falling, and
+  workers there run unshared, so the knee is the count that makes, at their production per worker,
+  the most a pool of the series made (a fall of less than half the share removed is measured for
+  up to four settle times before it is told from noise), and their production per worker is the
+  best from then on. That count is held for 30 start-ups. A fall already clear after one settle
+  time is judged then, on the level it is heading for, so a pool below the knee is not kept there
+  long. Production that fell at the first removal means the trainer simply wants more: back to the
+  maximum, not tested again until production per worker falls well below what it was then.
 
 The count the policy works from is the one the reducer applied: ``PolicyContext.desired``
 tells, on the next call, whether the last decision was applied or dropped (stabilization window,
