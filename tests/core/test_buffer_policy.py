@@ -374,24 +374,27 @@ def test_a_starving_trainer_grows_the_pool_in_proportion_to_how_long_it_waited()
     assert probe(recent, 10, queued=8).target < 20
 
 
+def grown_while_starving(**changes: Any) -> BufferMemory:
+    """A trainer still starving after the last growth took 10 workers making 40 seq/s to 20."""
+    fields: dict[str, Any] = {
+        "queue_seqs": 8.0,
+        "last_queued_seqs": 8,
+        "hungry_share": 1.0,
+        "last_active": 20,
+        "probe_workers": 10,
+        "probe_seqs_s": 40.0,
+        "probe_t": 60.0,
+        "last_up_t": 60.0,
+        "last_desired": 20,
+    }
+    return settled(**(fields | changes))
+
+
 def test_growth_that_already_shows_in_production_goes_on_before_the_settle_times() -> None:
-    # The last growth took 10 workers making 40 seq/s to 20, active for 20 s of the two settle
-    # times (2 x 60 s) saturation is judged over; the averaged production already reads 65
-    # seq/s (+62% for +100% workers, and still rising). Not saturated: a trainer still
-    # starving grows again now rather than waiting out the settle times.
-    memory = settled(
-        queue_seqs=8.0,
-        last_queued_seqs=8,
-        hungry_share=1.0,
-        production_seqs_s=65.0,
-        last_active=20,
-        probe_workers=10,
-        probe_seqs_s=40.0,
-        probe_t=60.0,
-        active_changed_t=80.0,
-        last_up_t=60.0,
-        last_desired=20,
-    )
+    # The grown pool active for 20 s of the two settle times (2 x 60 s) saturation is judged
+    # over; the averaged production already reads 65 seq/s (+62% for +100% workers, and still
+    # rising). Not saturated: the trainer grows again now rather than waiting them out.
+    memory = grown_while_starving(production_seqs_s=65.0, active_changed_t=80.0)
     decision = probe(memory, 20, queued=8)
     assert decision.target > 20, decision.reason
     # A rise of less than half of what was added is not judged before the settle times.
@@ -402,22 +405,12 @@ def test_growth_that_already_shows_in_production_goes_on_before_the_settle_times
 
 
 def test_a_growth_is_judged_on_what_the_grown_pool_made_not_on_the_average() -> None:
-    # The last growth took 10 workers making 40 seq/s to 20; the average over the settle time
-    # still reads 45 seq/s (it holds the pool before the growth), but over the 30 s since the
-    # new workers were in the pool made 76 seq/s: not saturated, and a trainer still starving
-    # grows again now rather than waiting out two settle times.
-    memory = settled(
-        queue_seqs=8.0,
-        last_queued_seqs=8,
-        hungry_share=1.0,
+    # The average over the settle time still reads 45 seq/s (it holds the pool before the
+    # growth), but over the 30 s since the new workers were in the pool made 76 seq/s: not
+    # saturated, and the trainer grows again now rather than waiting out two settle times.
+    memory = grown_while_starving(
         production_seqs_s=45.0,
-        last_active=20,
-        probe_workers=10,
-        probe_seqs_s=40.0,
-        probe_t=60.0,
         active_changed_t=65.0,
-        last_up_t=60.0,
-        last_desired=20,
         probe_made_seqs=76.0 * 30,
         probe_made_s=30.0,
     )
@@ -433,9 +426,7 @@ def test_a_growth_is_judged_on_what_the_grown_pool_made_not_on_the_average() -> 
 
 
 def test_what_the_grown_pool_makes_counts_once_its_workers_are_past_their_first_groups() -> None:
-    base = settled(
-        queue_seqs=8.0, last_queued_seqs=8, last_active=20, probe_workers=10, probe_seqs_s=40.0
-    )
+    base = grown_while_starving()
     # Active for 2 s: their first groups are still in generation.
     fresh = probe(replace(base, active_changed_t=100.0), 20, queued=72)
     assert fresh.memory.probe_made_s == 0.0
@@ -465,18 +456,12 @@ def test_a_production_outage_holds_the_pool() -> None:
 def test_saturation_stops_growth_and_sheds() -> None:
     # The last growth went from 10 active workers making 40 seq/s to 20 active, and p fell
     # to 2.1: 42 seq/s. Inference, not workers, is the limit: hold what makes that, 11.
-    memory = settled(
-        queue_seqs=8.0,
-        last_queued_seqs=8,
-        hungry_share=1.0,
+    memory = grown_while_starving(
         per_worker_seqs_s=2.1,
         production_seqs_s=42.0,
-        last_active=20,
-        probe_workers=10,
-        probe_seqs_s=40.0,
         probe_t=40.0,
+        last_up_t=None,
         active_changed_t=-100.0,  # two settle times (2 x 30 steps of 2 s) ago
-        last_desired=20,
     )
     decision = probe(memory, 20, queued=8)
     assert decision.target == 11, decision.reason
