@@ -171,8 +171,8 @@ _PINNED_SHARE = 1 / 10
 _PINNED_STEPS = 2.0
 #: A sample this close to the off-policy limit (in batches, either side) finds the queue full.
 _FULL_SLACK_BATCHES = 1 / 8
-#: A growth while starving is judged on what the grown pool made over this many steps (and
-#: seconds) once its workers were in.
+#: A growth while starving passes its test early on what the grown pool made over this many
+#: steps (and seconds) once its workers were in.
 _PROBE_STEPS = 8.0
 _PROBE_MIN_S = 30.0
 #: At the off-policy limit a removal waits until the trainer took this many batches from the
