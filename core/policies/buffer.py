@@ -110,21 +110,20 @@ Rules, in order:
    and 8 steps in a row. The removal goes to max(ceil(need + spread), safe, count -
    ``max_down_fraction`` x count), where safe is the fewest workers that keep the queue inside the
    band for a start-up at the measured demand. At the off-policy limit (where p is not measured and
-   rests on its bound) a removal waits until the trainer took two batches from the workers active
-   now (the queue shows nothing about them before), and takes a twentieth of the pool at a time;
-   with the queue held there for a whole cooldown, up to a tenth: the share whose shortfall (at
-   most that share of D, since every worker makes at least D / n) the two batches above the band
-   cover for a start-up, 2 steps / start-up. With the queue full (within an eighth of a batch of
-   the limit, either side: a backlog above it proves nothing) at every sample for a whole cooldown
-   while the trainer took batches, each batch taken was made again within a sample interval, so the
-   pool makes at least D x (1 + step / interval): up to step / (interval + step) of it (and
-   ``max_down_fraction``) goes at once, whatever p reads. Once a count has been found short, a
-   twentieth, and only down to the need plus the spread at the p last measured. No removal goes
-   back to the last count found short (rule 3 added to it with the pool in place, its workers'
-   groups in, and p measured over its window or the queue about to empty; or rule 3 or 2 added to
-   it after this pool had held the queue at the limit) unless demand fell by more than a worker
-   makes and by 40%: that count emptied the queue once. At most once per max(``down_cooldown_s``,
-   T, min(4 steps, 2 T)): each removal shows in the queue before the next.
+   rests on its bound) a twentieth of the pool at a time; with the queue held there for a whole
+   cooldown, up to a tenth: the share whose shortfall (at most that share of D, since every worker
+   makes at least D / n) the two batches above the band cover for a start-up, 2 steps / start-up.
+   With the queue full (within an eighth of a batch of the limit, either side: a backlog above it
+   proves nothing) at every sample for a whole cooldown while the trainer took batches, each batch
+   taken was made again within a sample interval, so the pool makes at least D x (1 + step /
+   interval): up to step / (interval + step) of it (and ``max_down_fraction``) goes at once,
+   whatever p reads. Once a count has been found short, a twentieth, and only down to the need plus
+   the spread at the p last measured. No removal goes back to the last count found short (rule 3
+   added to it with the pool in place, its workers' groups in, and p measured over its window or
+   the queue about to empty; or rule 3 or 2 added to it after this pool had held the queue at the
+   limit) unless demand fell by more than a worker makes and by 40%: that count emptied the queue
+   once. At most once per max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in the
+   queue before the next.
 """
 
 from __future__ import annotations
@@ -175,9 +174,6 @@ _FULL_SLACK_BATCHES = 1 / 8
 #: steps (and seconds) once its workers were in.
 _PROBE_STEPS = 8.0
 _PROBE_MIN_S = 30.0
-#: At the off-policy limit a removal waits until the trainer took this many batches from the
-#: workers active now: the queue held there only then shows that they make what it takes.
-_HELD_STEPS = 2
 #: p is also measured over this share of its window; where that reads this share of p or
 #: less, production per worker is falling (groups growing longer) and it is used instead.
 _RECENT_WINDOW_SHARE = 1 / 4
@@ -284,8 +280,6 @@ class BufferMemory:
     #: off-policy limit), and the trainer step then (None: the last sample was not full).
     full_since_t: float | None = None
     full_since_step: int = 0
-    #: The trainer step when the active count last changed (either way).
-    active_since_step: int = 0
 
 
 def _average(
@@ -650,11 +644,7 @@ class BufferPolicy:
             else:
                 balanced = math.ceil(need - 1e-9) if not full else 0
                 target = max(min(balanced, current - 1), current - step, 0)
-            # The queue shows what the present workers make only once the trainer took
-            # batches from them: a trainer stepping less often than the cooldown would see the
-            # pool shrink several times between two of its steps, on no evidence.
-            held = context.queue.trainer_step - memory.active_since_step >= _HELD_STEPS
-            if target < current and since_down >= cooldown and held:
+            if target < current and since_down >= cooldown:
                 return Decision(
                     target=target,
                     reason=f"{figures}; queue at the off-policy limit -> stepping down to "
@@ -1101,7 +1091,6 @@ class BufferPolicy:
             changes["active_changed_t"] = t
         if context.active != memory.last_active:
             changes["fresh_s"] = 0.0
-            changes["active_since_step"] = sample.trainer_step
         if dt <= 0:
             return replace(memory, **changes)
         step_s = self.step_s(memory, batch)

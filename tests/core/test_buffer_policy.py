@@ -844,26 +844,6 @@ def test_a_queue_held_at_the_limit_for_a_cooldown_steps_down_by_up_to_a_tenth() 
     assert probe(pinned, 40, policy=BufferPolicy(max_down_fraction=0.05)).target == 38
 
 
-def test_at_the_limit_a_removal_waits_for_two_batches_from_the_workers_active_now() -> None:
-    # A trainer stepping every 50 s, workers that start in 6 s: the cooldown (12 s) passes
-    # between two steps, but a queue held at the limit shows nothing about the present workers
-    # until the trainer has taken batches from them.
-    slow = settled(
-        queue_seqs=192.0,
-        last_active=40,
-        last_desired=40,
-        demand_seqs_s=1.28,
-        fast_demand_seqs_s=1.28,
-        startup_s=6.0,
-        per_worker_seqs_s=None,
-        active_since_step=50,
-    )
-    one = probe(slow, 40, steps=1)
-    assert one.target == 40, one.reason
-    two = probe(slow, 40, steps=2)
-    assert two.target < 40, two.reason
-
-
 def test_a_queue_full_at_every_sample_for_a_cooldown_steps_down_by_a_quarter() -> None:
     # 40 workers whose production was never measured above its bound (p reads 0.5 seq/s, the
     # need the whole pool), the queue full (3 batches) at every 2 s sample while the trainer
