@@ -239,8 +239,8 @@ class BufferMemory:
     probe_seqs_s: float = 0.0
     probe_t: float = 0.0
     #: What the grown pool made once its workers were in (active and past their first groups):
-    #: sequences and seconds, so the growth is judged on its own production, not on an average
-    #: that still holds the pool before it.
+    #: sequences and seconds, so a rise shows before the average (which still holds the pool
+    #: before the growth) does.
     probe_made_seqs: float = 0.0
     probe_made_s: float = 0.0
     #: The highest per-worker production measured (inference not yet shared by many).
