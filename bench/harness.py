@@ -705,6 +705,27 @@ def replace_section(
     return text[:start] + section + rest.removeprefix("\n")
 
 
+def check_out(out: Path, marks: tuple[str, str] = (START_MARK, END_MARK)) -> None:
+    """Check, before a bench runs, that its section (``marks``) of ``out`` can be written.
+
+    Raises :class:`BenchError` naming ``out`` when it cannot be read or its markers are broken.
+    """
+    replace_section(_read_out(out), "", where=f"--out {out}", marks=marks)
+
+
+def write_section(out: Path, section: str, marks: tuple[str, str] = (START_MARK, END_MARK)) -> None:
+    """Put ``section`` between ``marks`` in ``out`` (appended when it has none yet), atomically."""
+    updated = replace_section(_read_out(out), section, where=f"--out {out}", marks=marks)
+    write_atomically(out, updated)
+
+
+def _read_out(out: Path) -> str:
+    try:
+        return out.read_text(encoding="utf-8") if out.exists() else ""
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BenchError(f"--out {out}: cannot read it ({exc})") from None
+
+
 def write_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(
@@ -845,11 +866,7 @@ def run_bench(
     if seeds < 1:
         raise BenchError(f"--seeds {seeds}: at least 1")
     scenarios = _load_all(find_scenarios(scenarios_dir, only))
-    try:
-        existing = out.read_text(encoding="utf-8") if out.exists() else ""
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BenchError(f"--out {out}: cannot read it ({exc})") from None
-    replace_section(existing, "", where=f"--out {out}")  # the markers, checked up front
+    check_out(out)
     reports = []
     plots: dict[str, Path] = {}
     for i, (path, scenario) in enumerate(scenarios, 1):
@@ -866,7 +883,6 @@ def run_bench(
             else f"{scenario.name}: deo missed {len(missed)}: {'; '.join(missed)}"
         )
     section = render_section(reports, command=command, out_dir=out.parent, plots=plots)
-    text = out.read_text(encoding="utf-8") if out.exists() else ""
-    write_atomically(out, replace_section(text, section, where=f"--out {out}"))
+    write_section(out, section)
     progress(f"wrote {out} and {len(plots)} plot(s) in {plots_dir}")
     return reports

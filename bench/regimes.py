@@ -43,8 +43,8 @@ from bench.harness import (
     DEFAULT_SCENARIOS,
     WORKER_HOURS_X_ORACLE,
     BenchError,
-    replace_section,
-    write_atomically,
+    check_out,
+    write_section,
 )
 
 START_MARK = "<!-- regimes:start -->"
@@ -244,8 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.count < 1 or args.jobs < 1:
         parser.error("--count and --jobs must be at least 1")
     try:
-        existing = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
-        replace_section(existing, "", where=f"--out {args.out}", marks=MARKS)
+        check_out(args.out, MARKS)
     except BenchError as exc:
         print(f"regimes: {exc}", file=sys.stderr)
         return 2
@@ -263,10 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     section = render(outcomes, " ".join(["python bench/regimes.py", *given]))
     print(section)
-    text = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
-    write_atomically(
-        args.out, replace_section(text, section, where=f"--out {args.out}", marks=MARKS)
-    )
+    write_section(args.out, section, MARKS)
     return 1 if any(o.error for o in outcomes) else 0
 
 

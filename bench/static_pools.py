@@ -40,9 +40,9 @@ from bench.harness import (
     MEAN_LAG_STEPS,
     WORKER_HOURS_X_ORACLE,
     BenchError,
+    check_out,
     find_scenarios,
-    replace_section,
-    write_atomically,
+    write_section,
 )
 from core import PolicySpec
 
@@ -152,8 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--seeds and --jobs must be at least 1")
     try:
         paths = find_scenarios(args.scenarios, args.only)
-        existing = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
-        replace_section(existing, "", where=f"--out {args.out}", marks=MARKS)
+        check_out(args.out, MARKS)
     except BenchError as exc:
         print(f"static_pools: {exc}", file=sys.stderr)
         return 2
@@ -181,9 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     section = render(results, args.seeds, " ".join(["python bench/static_pools.py", *given]))
     print(section)
-    text = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
-    updated = replace_section(text, section, where=f"--out {args.out}", marks=MARKS)
-    write_atomically(args.out, updated)
+    write_section(args.out, section, MARKS)
     return 0
 
 
