@@ -106,11 +106,14 @@ Rules, in order:
 5. Remove when both Q and the latest sample are above the band, with hysteresis in whole workers (a
    fractional need would otherwise make the count alternate between neighbours): the count must
    exceed the need D / p by a whole worker plus the production spread in workers (how far
-   production wanders over a start-up), and, unless it exceeds it by twice that, for 3 start-ups
-   and 8 steps in a row. The removal goes to max(ceil(need + spread), safe, count -
-   ``max_down_fraction`` x count), where safe is the fewest workers that keep the queue inside the
-   band for a start-up at the measured demand. At the off-policy limit (where p is not measured and
-   rests on its bound) a twentieth of the pool at a time; with the queue held there for a whole
+   production wanders over a start-up, or over a step where that is longer: the trainer sees
+   nothing shorter), and, unless it exceeds it by twice that, for 3 start-ups and 8 steps in a
+   row. The removal goes to max(ceil(need + spread), safe, count - ``max_down_fraction`` x
+   count), where safe is the fewest workers that keep the queue inside the band for a start-up
+   at the measured demand. p measured before a removal stays the pool's after it (each worker
+   left makes at least what it made); after a growth it is measured afresh for two start-ups.
+   At the off-policy limit (where p is then not measured and rests on its bound) a twentieth
+   of the pool at a time; with the queue held there for a whole
    cooldown, up to a tenth: the share whose shortfall (at most that share of D, since every worker
    makes at least D / n) the two batches above the band cover for a start-up, 2 steps / start-up.
    With the queue full (within an eighth of a batch of the limit, either side: a backlog above it
@@ -270,8 +273,8 @@ class BufferMemory:
     #: worker makes.
     short_workers: int | None = None
     short_demand_seqs_s: float = 0.0
-    #: Seconds of production measured since the active count last changed (p is then the
-    #: present pool's, not a stale one).
+    #: Seconds of production measured since the active count last rose (p is then the present
+    #: pool's, not a stale one).
     fresh_s: float = 0.0
     #: When a sample last found the queue away from the off-policy limit for a settle time
     #: (None: never).
@@ -548,14 +551,20 @@ class BufferPolicy:
         return self._remove(context, memory, figures, batch, per_worker, excess_since, dt)
 
     def removal_margin_workers(
-        self, memory: BufferMemory, per_worker: float, startup: float
+        self, memory: BufferMemory, per_worker: float, startup: float, step_s: float
     ) -> float:
         """How far production wanders over a start-up, in workers: the pool keeps that many
         above the need, and removes only once it holds a whole worker more (whole workers and a
-        fractional need would otherwise alternate between neighbouring counts)."""
+        fractional need would otherwise alternate between neighbouring counts). The trainer
+        takes a batch a step, and a wander shorter than that evens out within it (a group that
+        lands late in one span lands in the next), so where a step outlasts a start-up the
+        wander counts over the step: env workers that start in a second and finish a group or
+        two each a second wander by whole workers from one second to the next, which a trainer
+        stepping every 10 s never sees."""
         if memory.spread_var_seqs2 is None or memory.spreads_seen < 2 or per_worker <= 0:
             return 0.0
-        return math.sqrt(memory.spread_var_seqs2) / max(startup, 1.0) / per_worker
+        span_s = max(startup, step_s, 1.0)
+        return math.sqrt(memory.spread_var_seqs2) / span_s / per_worker
 
     def _remove(
         self,
@@ -638,7 +647,7 @@ class BufferPolicy:
                 # A count was found short, with p measured as the queue drained: down to the
                 # need plus the spread, never below what was short.
                 measured = measured or per_worker
-                spread = self.removal_margin_workers(memory, measured, startup)
+                spread = self.removal_margin_workers(memory, measured, startup, step_s)
                 kept = math.ceil(demand / measured + spread - 1e-9)
                 target = max(current - step, kept, floor, 0)
             else:
@@ -657,7 +666,7 @@ class BufferPolicy:
                 reason=f"{figures}; queue at the off-policy limit{why} -> hold {current}",
                 memory=memory,
             )
-        spread = self.removal_margin_workers(memory, per_worker, startup)
+        spread = self.removal_margin_workers(memory, per_worker, startup, step_s)
         margin = 1.0 + spread
         excess = current - need
         if excess < margin or floor >= current:
@@ -1089,7 +1098,10 @@ class BufferPolicy:
         changes.update(pending_t=tuple(pending), startup_s=startup, startups_seen=seen)
         if context.active > memory.last_active:
             changes["active_changed_t"] = t
-        if context.active != memory.last_active:
+            # Workers added may make less each (a shared inference saturating); a removal
+            # leaves each of the rest making at least what it made, so p stays the present
+            # pool's (reset there, the next removal at the off-policy limit would rest on p's
+            # bound and a twentieth of the pool a cooldown, however far the need lies below).
             changes["fresh_s"] = 0.0
         if dt <= 0:
             return replace(memory, **changes)

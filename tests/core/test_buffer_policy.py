@@ -790,6 +790,49 @@ def test_no_removal_leaves_less_than_a_whole_worker_plus_the_spread() -> None:
     assert probe(memory, 12).target == 9
 
 
+def test_the_spread_counts_over_a_step_where_a_step_outlasts_a_start_up() -> None:
+    # Workers that start in a second, production wandering by 8 seq from one second to the
+    # next (two groups of four): a trainer stepping every 10 s sees 0.8 seq/s of it, a fifth
+    # of a worker, and 5 workers where 1.6 are needed lose a quarter at once.
+    wander = {"spread_var_seqs2": 8.0**2, "spreads_seen": 5, "startup_s": 1.0}
+    slow = settled(queue_seqs=150.0, demand_seqs_s=6.4, fast_demand_seqs_s=6.4, last_active=5,
+                   last_desired=5, **wander)  # fmt: skip
+    decision = probe(slow, 5, steps=0)
+    assert decision.target == 4, decision.reason
+    assert "(a removal needs 1.20) -> stepping down to 4" in decision.reason
+    # A trainer stepping every second sees the whole wander: 2 workers of it.
+    fast = settled(queue_seqs=150.0, demand_seqs_s=64.0, fast_demand_seqs_s=64.0,
+                   last_active=18, last_desired=18, **wander)  # fmt: skip
+    decision = probe(fast, 18, steps=2)
+    assert decision.target == 18, decision.reason
+    assert "(a removal needs 3.00) -> hold 18" in decision.reason
+
+
+def test_p_measured_before_a_removal_holds_after_it_but_not_after_a_growth() -> None:
+    # 40 workers at the off-policy limit, p measured over 100 s of them: the trainer needs 8,
+    # and the removal goes by that need (a quarter of the pool, max_down_fraction), not by a
+    # twentieth.
+    memory = settled(queue_seqs=192.0, last_active=40, last_desired=40, fresh_s=100.0)
+    first = probe(memory, 40)
+    assert first.target == 30, first.reason
+    assert "need 8.00 workers" in first.reason
+    # Applied: each of the 30 left makes at least what it made, p is still the pool's, and
+    # the next removal (a cooldown later) goes by the need again.
+    applied = probe(first.memory, 30, desired=30)
+    assert applied.memory.fresh_s >= 100.0
+    later = replace(applied.memory, last_down_t=0.0)
+    second = probe(later, 30, desired=30)
+    assert second.target == 23, second.reason
+    assert "need 8.00 workers" in second.reason
+    # Workers added may make less each: p is measured afresh, and until it is the pool at
+    # the limit steps down by its share (here a tenth), not by the need.
+    grown = probe(first.memory, 44, desired=44)
+    assert grown.memory.fresh_s == 0.0
+    again = probe(replace(grown.memory, last_down_t=0.0), 44, desired=44)
+    assert again.target == 40, again.reason
+    assert "queue at the off-policy limit -> stepping down to 40" in again.reason
+
+
 def test_no_removal_goes_back_to_a_count_found_short() -> None:
     # 8 workers emptied the queue at this demand (an addition brought a 9th): with the queue
     # above the band and p reading a need of 32 / 4.5 = 7.1, the pool stays at 9.
