@@ -107,26 +107,25 @@ Rules, in order:
    fractional need would otherwise make the count alternate between neighbours): the count must
    exceed the need D / p by a whole worker plus the production spread in workers (how far
    production wanders over a start-up, or over a step where that is longer: the trainer sees
-   nothing shorter), and, unless it exceeds it by twice that, for 3 start-ups and 8 steps in a
-   row. The removal goes to max(ceil(need + spread), safe, count - ``max_down_fraction`` x
-   count), where safe is the fewest workers that keep the queue inside the band for a start-up
-   at the measured demand. p measured before a removal stays the pool's after it (each worker
-   left makes at least what it made); after a growth it is measured afresh for two start-ups.
-   At the off-policy limit (where p is then not measured and rests on its bound) a twentieth
-   of the pool at a time; with the queue held there for a whole
-   cooldown, up to a tenth: the share whose shortfall (at most that share of D, since every worker
-   makes at least D / n) the two batches above the band cover for a start-up, 2 steps / start-up.
-   With the queue full (within an eighth of a batch of the limit, either side: a backlog above it
-   proves nothing) at every sample for a whole cooldown while the trainer took batches, each batch
-   taken was made again within a sample interval, so the pool makes at least D x (1 + step /
-   interval): up to step / (interval + step) of it (and ``max_down_fraction``) goes at once,
-   whatever p reads. Once a count has been found short, a twentieth, and only down to the need plus
-   the spread at the p last measured. No removal goes back to the last count found short (rule 3
-   added to it with the pool in place, its workers' groups in, and p measured over its window or
-   the queue about to empty; or rule 3 or 2 added to it after this pool had held the queue at the
-   limit) unless demand fell by more than a worker makes and by 40%: that count emptied the queue
-   once. At most once per max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in the
-   queue before the next.
+   nothing shorter), and, unless it exceeds it by twice that, for 3 start-ups and 8 steps in a row.
+   The removal goes to max(ceil(need + spread), safe, count - ``max_down_fraction`` x count), where
+   safe is the fewest workers that keep the queue inside the band for a start-up at the measured
+   demand. p measured before a removal stays the pool's after it (each worker left makes at least
+   what it made); after a growth it is measured afresh for two start-ups. At the off-policy limit
+   (where p is then not measured and rests on its bound) a twentieth of the pool at a time; with
+   the queue held there for a whole cooldown, up to a tenth: the share whose shortfall (at most
+   that share of D, since every worker makes at least D / n) the two batches above the band cover
+   for a start-up, 2 steps / start-up. With the queue full (within an eighth of a batch of the
+   limit, either side: a backlog above it proves nothing) at every sample for a whole cooldown
+   while the trainer took batches, each batch taken was made again within a sample interval, so the
+   pool makes at least D x (1 + step / interval): up to step / (interval + step) of it (and
+   ``max_down_fraction``) goes at once, whatever p reads. Once a count has been found short, a
+   twentieth, and only down to the need plus the spread at the p last measured. No removal goes
+   back to the last count found short (rule 3 added to it with the pool in place, its workers'
+   groups in, and p measured over its window or the queue about to empty; or rule 3 or 2 added to
+   it after this pool had held the queue at the limit) unless demand fell by more than a worker
+   makes and by 40%: that count emptied the queue once. At most once per max(``down_cooldown_s``,
+   T, min(4 steps, 2 T)): each removal shows in the queue before the next.
 """
 
 from __future__ import annotations
@@ -185,6 +184,12 @@ _FALLING = 0.9
 
 def _floats(value: Iterable[float]) -> tuple[float, ...]:
     return tuple(float(v) for v in value)
+
+
+def _settle_s(step_s: float | None) -> float:
+    """How long the queue and production take to show a change: four trainer steps, 10 s at
+    least (a worker's first groups, the queue leaving the limit)."""
+    return max(4 * (step_s or 0.0), 10.0)
 
 
 @replaceable
@@ -480,7 +485,7 @@ class BufferPolicy:
         # Fed, the queue holds a batch or more before each step; starving, it never reaches one
         # and averages about half of one.
         starving = max(raw, previous_raw) < batch and queue < 0.6 * batch
-        settle_s = max(4 * step_s, 10.0)
+        settle_s = _settle_s(step_s)
         if cap is not None and current > cap:
             return Decision(
                 target=cap,
@@ -598,7 +603,7 @@ class BufferPolicy:
         fell = min(memory.short_demand_seqs_s - per_worker, 0.6 * memory.short_demand_seqs_s)
         if short is not None and demand > fell:
             floor = short + 1
-        settle = max(4 * step_s, 10.0)
+        settle = _settle_s(step_s)
         at_limit = queue >= self._offpolicy_seqs(batch) or (
             memory.limit_t is not None and t - memory.limit_t < settle
         )
@@ -1044,7 +1049,7 @@ class BufferPolicy:
 
     def _probe_in(self, memory: BufferMemory, active: int, t: float, step_s: float | None) -> bool:
         """The grown pool's workers are past their first groups: what it makes counts."""
-        warm_s = max(4 * (step_s or 0.0), 10.0)
+        warm_s = _settle_s(step_s)
         return (
             self._probe_grown(memory, active)
             and active == memory.last_active
@@ -1170,11 +1175,11 @@ class BufferPolicy:
         # in generation): p is measured once the pool has settled. A few steps: p reads a
         # little low for a group latency after workers come, but it must keep up with a pool
         # that grows and shrinks.
-        settle = max(4 * (step_s or 0.0), 10.0)
+        settle = _settle_s(step_s)
         near_limit = max(queued, memory.last_queued_seqs) >= self._offpolicy_seqs(batch)
         if near_limit:
             changes["limit_t"] = t
-        elif memory.limit_t is None or t - memory.limit_t >= max(4 * (step_s or 0.0), 10.0):
+        elif memory.limit_t is None or t - memory.limit_t >= settle:
             changes["away_t"] = t
         # Full: at the limit, not above it (groups that were in flight when it was reached
         # may land on top: a backlog above the limit stays full whatever the pool makes).
