@@ -119,7 +119,10 @@ Rules, in order:
    limit, either side: a backlog above it proves nothing) at every sample for a whole cooldown
    while the trainer took batches, each batch taken was made again within a sample interval, so the
    pool makes at least D x (1 + step / interval): up to step / (interval + step) of it (and
-   ``max_down_fraction``) goes at once, whatever p reads. Once a count has been found short, a
+   ``max_down_fraction``) goes at once, whatever p reads. With the queue held at the limit for a
+   whole cooldown by the workers up, every worker still starting goes at once (it would make
+   nothing the trainer takes: a cold start that went to the maximum keeps only its first waves).
+   Once a count has been found short, a
    twentieth, and only down to the need plus the spread at the p last measured. No removal goes
    back to the last count found short (rule 3 added to it with the pool in place, its workers'
    groups in, and p measured over its window or the queue about to empty; or rule 3 or 2 added to
@@ -613,13 +616,26 @@ class BufferPolicy:
         if fresh and measured:
             per_worker = measured
         need = demand / per_worker
+        pinned = memory.away_t is None or t - memory.away_t >= cooldown
+        # Held at the limit for a cooldown by the workers up: those still starting would make
+        # nothing the trainer takes. (Not sooner: a worker's first groups all start together
+        # and the fastest land first, so a queue that has just reached the limit proves little.)
+        pending = current - max(context.active, floor)
+        assert context.queue is not None
+        full_now = min(queue, context.queue.queued_sequences) >= self._offpolicy_seqs(batch)
+        if full_now and pinned and pending > 0:
+            return Decision(
+                target=current - pending,
+                reason=f"{figures}; queue at the off-policy limit with {context.active} "
+                f"workers up -> {current - pending} (the {pending} not yet up are not needed)",
+                memory=memory,
+            )
         if at_limit and not fresh:
             # The envs hold back at the off-policy limit, so p is not measured there and may
             # rest on its lower bound D / active (every estimate of the need reads high): step
             # down by a twentieth of the pool until the queue leaves the limit, never to a
             # count found short.
             share, how = _LIMIT_SHARE, "a twentieth of the pool"
-            pinned = memory.away_t is None or t - memory.away_t >= cooldown
             covered = step_s * _PINNED_STEPS / startup if startup > 0 else _PINNED_SHARE
             if not floor and pinned and covered > share:
                 # Held at the limit for a whole cooldown, every worker makes at least D / n:
@@ -640,7 +656,6 @@ class BufferPolicy:
             # refills from its shortest groups, and what it makes once the queue leaves the
             # limit shows only later.)
             full_s = 0.0 if memory.full_since_t is None else t - memory.full_since_t
-            assert context.queue is not None
             taken = context.queue.trainer_step - memory.full_since_step
             full = not floor and full_s >= cooldown and taken >= 2
             if full:

@@ -517,8 +517,13 @@ def test_properties(
             assert after.saturated_workers == decision.target or tested
         elif decision.target < current:
             # removals: at most a quarter (or the fraction) at once, only from above the band
-            # as smoothed and as last sampled, never without a demand estimate
-            assert decision.target >= current - max(1, math.floor(current * fraction))
+            # as smoothed and as last sampled, never without a demand estimate; at the
+            # off-policy limit, workers not yet up may all go (they make nothing yet)
+            if "not yet up" in decision.reason:
+                assert decision.target >= context.active
+                assert queued >= 0.8 * policy.max_batches_offpolicy * batch
+            else:
+                assert decision.target >= current - max(1, math.floor(current * fraction))
             band_top = (policy.target(after, batch) + policy.band_batches) * batch
             assert after.queue_seqs > band_top
             assert queued > band_top
@@ -885,6 +890,26 @@ def test_a_queue_held_at_the_limit_for_a_cooldown_steps_down_by_up_to_a_tenth() 
     assert probe(short, 40).target == 38
     # A removal share below a tenth is respected.
     assert probe(pinned, 40, policy=BufferPolicy(max_down_fraction=0.05)).target == 38
+
+
+def test_workers_not_yet_up_are_not_started_once_the_queue_held_the_limit() -> None:
+    # 20 of 40 workers up (a cold start goes to the maximum before any rate is known) have
+    # held the queue at the off-policy limit for a cooldown: those 20 make what the trainer
+    # takes, so the 20 still starting are stopped at once, not a worker per cooldown.
+    pinned = settled(queue_seqs=192.0, last_active=20, last_desired=40)
+    decision = probe(pinned, 40, active=20)
+    assert decision.target == 20, decision.reason
+    assert "with 20 workers up -> 20 (the 20 not yet up are not needed)" in decision.reason
+    # At the limit only since a sample within the cooldown: a worker's first groups all
+    # start together and the fastest land first, so a queue that just reached the limit
+    # proves nothing yet.
+    recent = replace(pinned, away_t=95.0)
+    assert probe(recent, 40, active=20).target >= 38
+    # Below the limit the workers starting are still wanted.
+    assert probe(replace(pinned, queue_seqs=80.0), 40, active=20, queued=80).target == 40
+    # Never below a count found short at this demand.
+    short = replace(pinned, short_workers=30, short_demand_seqs_s=32.0)
+    assert probe(short, 40, active=20).target == 31
 
 
 def test_a_queue_full_at_every_sample_for_a_cooldown_steps_down_by_a_quarter() -> None:
