@@ -20,7 +20,7 @@ from core.arbiter.engines import follow_ranks
 from core.config import AUTO, VLLM_DEV_MODE_ENV, CrashLoopRules, PoolSpec, node_of
 from core.errors import UnknownSubject
 from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
-from core.policies import BUILT_INS, Policy, PolicyCatalog, PolicyContext
+from core.policies import BUILT_INS, POLICY_ALERTS, Policy, PolicyCatalog, PolicyContext
 from core.records import replace
 from core.state import Gpu, PoolState, State, Worker, split_worker_id
 from core.vocabulary import PLANNED_STOPS, STICKY_CAUSES, AlertName, DecisionSource, StopCause
@@ -702,6 +702,12 @@ class Step:
             pool.policy_memory,
         )
         pool = replace(pool, policy_memory=decision.memory, **changes)
+        reported = dict(decision.alerts)
+        for alert in POLICY_ALERTS:
+            if alert in reported:
+                self.raise_alert(alert, name, reported[alert])
+            else:
+                self.resolve_alert(alert, name, "no longer reported by the pool's policy")
         if not (self.paused_all or pool.paused or pool.pinned is not None or pool.removed):
             pool = self.set_desired(
                 pool,

@@ -49,6 +49,7 @@ class AlertName(enum.StrEnum):
     SOURCE_DOWN = "source_down"  # pool: its pressure source fails
     CLUSTER_UNREACHABLE = "cluster_unreachable"  # cluster address: the executor's cluster is down
     QUEUE_BACKLOG = "queue_backlog"  # pool: more queued than the trainer can use fresh
+    OFFPOLICY_STALLS = "offpolicy_stalls"  # pool: the trainer waits each time the envs stop
     GPU_ERRORS = "gpu_errors"  # GPU: new XID/ECC errors
     GPU_LOST = "gpu_lost"  # GPU: gone from the driver
     UNKILLABLE_WORKER = "unkillable_worker"  # worker: still there after SIGKILL

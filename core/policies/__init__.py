@@ -15,7 +15,7 @@ import attrs
 
 from core.config import PolicySpec
 from core.errors import ConfigError
-from core.policies.base import Decision, Policy, PolicyContext
+from core.policies.base import POLICY_ALERTS, Decision, Policy, PolicyContext
 from core.policies.buffer import BufferMemory, BufferPolicy
 from core.policies.hpa import HpaMemory, HpaPolicy
 from core.policies.static import StaticPolicy
@@ -23,6 +23,7 @@ from core.policies.threshold import ThresholdMemory, ThresholdPolicy
 
 __all__ = [
     "BUILT_INS",
+    "POLICY_ALERTS",
     "POLICIES",
     "BufferMemory",
     "BufferPolicy",

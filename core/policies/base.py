@@ -13,8 +13,9 @@ from typing import Any, ClassVar, Protocol
 import attrs
 
 from core.events import LoadSampled, QueueSampled
+from core.vocabulary import AlertName
 
-__all__ = ["Decision", "Policy", "PolicyContext"]
+__all__ = ["POLICY_ALERTS", "Decision", "Policy", "PolicyContext"]
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -46,6 +47,14 @@ class Decision:
     #: False for a guess made before anything was measured (a cold start): a scale-up that does
     #: not open the stabilization window, so it can be corrected once rates are known.
     stabilize: bool = True
+    #: What the operator should know that no count fixes, by alert (one of
+    #: :data:`POLICY_ALERTS`): the reducer keeps each raised on the pool while decisions
+    #: report it, and resolves it at the first that does not.
+    alerts: tuple[tuple[AlertName, str], ...] = ()
+
+
+#: The alerts a policy may report through :attr:`Decision.alerts`.
+POLICY_ALERTS = (AlertName.OFFPOLICY_STALLS,)
 
 
 class Policy(Protocol):

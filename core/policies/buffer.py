@@ -143,6 +143,7 @@ from core.errors import ConfigError
 from core.events import QueueSampled
 from core.policies.base import Decision, PolicyContext
 from core.records import replace, replaceable
+from core.vocabulary import AlertName
 
 __all__ = ["BufferMemory", "BufferPolicy"]
 
@@ -175,6 +176,10 @@ _PINNED_SHARE = 1 / 10
 _PINNED_STEPS = 2.0
 #: A sample this close to the off-policy limit (in batches, either side) finds the queue full.
 _FULL_SLACK_BATCHES = 1 / 8
+#: The trainer left waiting a step with nothing landing after the queue fell from the off-policy
+#: limit this many times within the window: reported (``offpolicy_stalls``).
+_STALLS_TO_ALERT = 3
+_STALL_WINDOW_S = 1800.0
 #: A growth while starving passes its test early on what the grown pool made over this many
 #: steps (and seconds) once its workers were in.
 _PROBE_STEPS = 8.0
@@ -291,6 +296,12 @@ class BufferMemory:
     #: off-policy limit), and the trainer step then (None: the last sample was not full).
     full_since_t: float | None = None
     full_since_step: int = 0
+    #: When the queue last stood at the off-policy limit with nothing landed since (None: a
+    #: group landed since, or it was not there), and when it then fell below a batch.
+    unfed_limit_t: float | None = None
+    unfed_below_t: float | None = None
+    #: When the trainer then waited a step or more, within the last ``_STALL_WINDOW_S``.
+    stall_times: tuple[float, ...] = attrs.field(default=(), converter=_floats)
 
 
 def _average(
@@ -418,6 +429,28 @@ class BufferPolicy:
     # --- deciding --------------------------------------------------------------------------------
 
     def decide(self, context: PolicyContext, memory: BufferMemory | None) -> Decision:
+        decision = self._decide(context, memory)
+        after = decision.memory
+        assert isinstance(after, BufferMemory) and context.queue is not None
+        if len(after.stall_times) < _STALLS_TO_ALERT:
+            return decision
+        stalls = (AlertName.OFFPOLICY_STALLS, self._stalls_reason(after, context.queue))
+        return attrs.evolve(decision, alerts=(stalls,))
+
+    def _stalls_reason(self, memory: BufferMemory, sample: QueueSampled) -> str:
+        limit = self.max_batches_offpolicy
+        step_s = self.step_s(memory, sample.batch_size_seqs) or 0.0
+        return (
+            f"the trainer waited a step or more with nothing landing after the queue fell from "
+            f"the off-policy limit ({limit:g} batches), {len(memory.stall_times)} times in "
+            f"{_STALL_WINDOW_S / 60:.0f} minutes: groups take longer to land than the queue "
+            f"above one batch lasts ({(limit - 1) * step_s:.0f}s at a step per {step_s:.1f}s), "
+            f"and the envs stop (atroposlib's cancel the groups in generation) each time it "
+            f"reaches the limit. More workers do not shorten the wait: raise "
+            f"max_batches_offpolicy (the envs' and this policy's) or shorten the groups"
+        )
+
+    def _decide(self, context: PolicyContext, memory: BufferMemory | None) -> Decision:
         sample = context.queue
         assert sample is not None  # the reducer asks only with a queue sample
         t, current = context.t, self.in_force(context)
@@ -1179,6 +1212,7 @@ class BufferPolicy:
                 changes["fast_demand_seqs_s"] = fast
                 changes["demand_seen_s"] = min(memory.demand_seen_s + span, demand_window)
         produced = max(queued - memory.last_queued_seqs + consumed, 0)
+        changes.update(self._watch_stalls(memory, context, produced, step_s))
         if self._probe_in(memory, context.active, t, step_s):
             changes["probe_made_seqs"] = memory.probe_made_seqs + produced
             changes["probe_made_s"] = memory.probe_made_s + dt
@@ -1244,6 +1278,29 @@ class BufferPolicy:
                 )
             changes.update(self._spread(memory, t, produced, throughout * dt))
         return replace(memory, **changes)
+
+    def _watch_stalls(
+        self, memory: BufferMemory, context: PolicyContext, produced: int, step_s: float | None
+    ) -> dict[str, object]:
+        """Count the trainer left waiting a step or more after the queue fell from the off-policy
+        limit with nothing landing: the groups outlast the batches the queue held, and the envs
+        stopped at the limit, so each visit there costs a wait however many workers run."""
+        assert context.queue is not None
+        t, queued, batch = context.t, context.queue.queued_sequences, context.queue.batch_size_seqs
+        stalls = tuple(s for s in memory.stall_times if t - s < _STALL_WINDOW_S)
+        changes: dict[str, object] = {"stall_times": stalls}
+        if queued >= (self.max_batches_offpolicy - _FULL_SLACK_BATCHES) * batch:
+            changes.update(unfed_limit_t=t, unfed_below_t=None)
+        elif memory.unfed_limit_t is None:
+            pass
+        elif produced > 0 or context.active == 0:
+            changes.update(unfed_limit_t=None, unfed_below_t=None)  # a group landed: fed
+        elif queued < batch:
+            below = t if memory.unfed_below_t is None else memory.unfed_below_t
+            changes["unfed_below_t"] = below
+            if step_s is not None and t - below >= step_s:
+                changes.update(stall_times=(*stalls, t), unfed_limit_t=None, unfed_below_t=None)
+        return changes
 
     def _spread(
         self, memory: BufferMemory, t: float, produced: float, worker_s: float

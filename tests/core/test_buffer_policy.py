@@ -17,6 +17,7 @@ from core import Config, ConfigError, Configured, PolicySpec, PoolSpec, Reducer
 from core.events import QueueSampled
 from core.policies import BufferMemory, BufferPolicy, Decision, PolicyContext
 from core.records import replace
+from core.vocabulary import AlertName
 
 BATCH = 64
 
@@ -953,3 +954,48 @@ def test_a_pool_that_let_the_queue_fall_from_the_limit_is_short() -> None:
     grown = probe(starving, 8, queued=8)
     assert "trainer starving" in grown.reason and grown.target > 8, grown.reason
     assert grown.memory.short_workers == 8
+
+
+# --- what no count fixes ---------------------------------------------------------------------
+
+
+def stall_cycles(cycles: int, *, landing_seqs: int = 0, wait_samples: int = 5) -> list[Decision]:
+    """Every 2 s: the queue at the off-policy limit (3 batches), the trainer taking it down a
+    batch a sample (``landing_seqs`` landing meanwhile), then waiting ``wait_samples`` samples
+    on what is left, until a burst fills it to the limit again."""
+    memory, decisions = settled(queue_seqs=192.0), []
+    for _ in range(cycles):
+        queued, samples = 3 * BATCH, [(3 * BATCH, 0)]
+        for _ in range(3):
+            queued = queued - BATCH + landing_seqs
+            samples.append((queued, 1))
+        samples += [(queued, 0)] * wait_samples
+        for queued, steps in samples:
+            decision = probe(memory, 8, queued=queued, steps=steps)
+            memory = decision.memory
+            decisions.append(decision)
+    return decisions
+
+
+def test_a_trainer_left_waiting_each_time_the_queue_falls_from_the_limit_is_reported() -> None:
+    # Groups that outlast the two steps the queue above one batch lasts: nothing lands from the
+    # limit down, and the trainer waits 10 s (five of its steps) each time. The third time in
+    # 30 minutes is reported, naming the remedy; more workers would not shorten the wait.
+    decisions = stall_cycles(3)
+    assert all(not d.alerts for d in decisions[:-5])
+    (alert, reason) = decisions[-1].alerts[0]
+    assert alert is AlertName.OFFPOLICY_STALLS
+    assert "3 times in 30 minutes" in reason and "raise max_batches_offpolicy" in reason
+    # A group landing as the queue falls (the envs produce again after a take): not a stall.
+    assert not any(d.alerts for d in stall_cycles(4, landing_seqs=8))
+    # The trainer taking its last batch and a group landing within a step: not a stall.
+    assert not any(d.alerts for d in stall_cycles(4, wait_samples=0))
+
+
+def test_stalls_older_than_the_window_are_forgotten() -> None:
+    memory = stall_cycles(3)[-1].memory
+    decision = probe(memory, 8, queued=64, steps=0)
+    assert decision.alerts
+    # Half an hour later, fed throughout: no longer reported.
+    later = replace(memory, last_t=memory.last_t + 1800.0)
+    assert not probe(later, 8, queued=96, steps=1).alerts

@@ -410,6 +410,29 @@ def queue(t: float, queued: int, step: int, batch: int = 64) -> QueueSampled:
     )
 
 
+def test_what_a_policy_reports_is_an_alert_on_its_pool_until_it_no_longer_does() -> None:
+    # The buffer policy reports the trainer waiting each time the queue falls from the
+    # off-policy limit with nothing landing (a step per 2 s here, 10 s waits).
+    reducer, _ = make(pool(policy=PolicySpec(name="buffer"), min_workers=4, max_workers=4))
+    start_all(reducer, 0.5)
+    t, step, raised = 1.0, 0, []
+    for _ in range(4):
+        for queued, steps in [(192, 0), (128, 1), (64, 1), (0, 1)] + [(0, 0)] * 5:
+            t, step = t + 2.0, step + steps
+            raised += of(RaiseAlert, reducer.step(queue(t, queued=queued, step=step)))
+    [alert] = raised
+    assert (alert.alert, alert.subject) == ("offpolicy_stalls", "envs")
+    assert "raise max_batches_offpolicy" in alert.reason
+    assert ("offpolicy_stalls", "envs") in reducer.state.alerts
+    # Fed for half an hour (a group landing every sample): the policy stops reporting it.
+    resolved = []
+    for _ in range(1000):
+        t, step = t + 2.0, step + 1
+        resolved += of(ResolveAlert, reducer.step(queue(t, queued=96, step=step)))
+    assert [r.alert for r in resolved] == ["offpolicy_stalls"]
+    assert ("offpolicy_stalls", "envs") not in reducer.state.alerts
+
+
 def hpa_pool(**overrides: Any) -> PoolSpec:
     policy = PolicySpec(
         name="hpa",

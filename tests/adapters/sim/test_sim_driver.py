@@ -125,6 +125,32 @@ def test_faults_reach_the_core(tmp_path: Path) -> None:
         assert alert in {c["alert"] for c in commands if c["@"] == "RaiseAlert"}, name
 
 
+def test_groups_that_outlast_the_queue_at_the_off_policy_limit_raise_an_alert(
+    tmp_path: Path,
+) -> None:
+    # Groups of 75 s (Pareto) against a step per 10 s and atroposlib's 3-batch limit: each time
+    # the queue reaches the limit the envs cancel their groups in generation, and nothing lands
+    # for the 20 s the queue lasts, whatever the pool's size. The steady run never sees that.
+    slow = {
+        "trainer.step_s": "10",
+        "trainer.batch_size_seqs": "64",
+        "pools.envs.latency_mean_s": "75",
+        "pools.envs.latency_dist": '"pareto"',
+        "pools.envs.latency_alpha": "2.5",
+        "pools.envs.groups_in_flight": "4",
+        "pools.envs.max_workers": "128",
+    }
+    for name, overrides, expected in [("slow", slow, True), ("steady", {}, False)]:
+        log = tmp_path / f"{name}.jsonl"
+        simulate(short("steady", 900.0, **overrides), log_path=log)
+        raised = [c for c in commands_in(log) if c["@"] == "RaiseAlert"]
+        stalls = [c for c in raised if c["alert"] == "offpolicy_stalls"]
+        assert bool(stalls) is expected, (name, raised)
+        assert all(
+            c["subject"] == "envs" and "max_batches_offpolicy" in c["reason"] for c in stalls
+        )
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_every_shipped_scenario_runs_with_the_core_invariants_checked(path: Path) -> None:
     scenario = load_scenario(path)
