@@ -129,6 +129,12 @@ Rules, in order:
    it after this pool had held the queue at the limit) unless demand fell by more than a worker
    makes and by 40%: that count emptied the queue once. At most once per max(``down_cooldown_s``,
    T, min(4 steps, 2 T)): each removal shows in the queue before the next.
+
+What no count fixes is reported (``Decision.alerts``): ``offpolicy_stalls`` while, three times
+within 30 minutes, the queue fell from the off-policy limit to under a batch with nothing landing
+and the trainer then waited a step or more. Groups outlast the batches the queue held there, and
+the envs stopped at the limit (atroposlib's cancel the groups in generation), so each visit costs
+a wait whatever the pool: the remedy is a larger ``max_batches_offpolicy`` or shorter groups.
 """
 
 from __future__ import annotations
