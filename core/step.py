@@ -682,6 +682,8 @@ class Step:
             )
         policy: Policy = built[1]
         if policy.reacts_to is not type(event):
+            for alert in POLICY_ALERTS:  # a policy that no longer decides reports nothing
+                self.resolve_alert(alert, name, "the pool's policy does not decide on this")
             self.put_pool(replace(pool, **changes))
             return
         # Kept up to date by put_worker and drop_worker: a sample, far more frequent than a worker
@@ -698,6 +700,7 @@ class Step:
                 queue=changes.get("queue", pool.queue),
                 load=changes.get("load", pool.load),
                 desired=pool.desired,
+                last_failure_t=pool.last_failure_t,
             ),
             pool.policy_memory,
         )

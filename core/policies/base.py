@@ -35,6 +35,9 @@ class PolicyContext:
     #: The count in force before this decision: the previous decisions as the reducer applied
     #: them (after bounds and the stabilization window). None where unknown.
     desired: int | None = None
+    #: When a worker of the pool last exited early (None: never): the workers starting may be
+    #: its replacements.
+    last_failure_t: float | None = None
 
 
 @attrs.frozen(slots=True, kw_only=True)

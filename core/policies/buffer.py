@@ -121,20 +121,23 @@ Rules, in order:
    pool makes at least D x (1 + step / interval): up to step / (interval + step) of it (and
    ``max_down_fraction``) goes at once, whatever p reads. With the queue held at the limit for a
    whole cooldown by the workers up, every worker still starting goes at once (it would make
-   nothing the trainer takes: a cold start that went to the maximum keeps only its first waves).
-   Once a count has been found short, a
-   twentieth, and only down to the need plus the spread at the p last measured. No removal goes
-   back to the last count found short (rule 3 added to it with the pool in place, its workers'
-   groups in, and p measured over its window or the queue about to empty; or rule 3 or 2 added to
-   it after this pool had held the queue at the limit) unless demand fell by more than a worker
-   makes and by 40%: that count emptied the queue once. At most once per max(``down_cooldown_s``,
-   T, min(4 steps, 2 T)): each removal shows in the queue before the next.
+   nothing the trainer takes: a cold start that went to the maximum keeps only its first waves;
+   not within a cooldown of a worker exiting early: the retries tell a crash loop). Once a count
+   has been found short, a twentieth, and only down to the need plus the spread at the p last
+   measured. No removal goes back to the last count found short (rule 3 added to it with the pool
+   in place, its workers' groups in, and p measured over its window or the queue about to empty;
+   or rule 3 or 2 added to it after this pool had held the queue at the limit) unless demand fell
+   by more than a worker makes and by 40%: that count emptied the queue once. At most once per
+   max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in the queue before the
+   next.
 
-What no count fixes is reported (``Decision.alerts``): ``offpolicy_stalls`` while, three times
-within 30 minutes, the queue fell from the off-policy limit to under a batch with nothing landing
-and the trainer then waited a step or more. Groups outlast the batches the queue held there, and
-the envs stopped at the limit (atroposlib's cancel the groups in generation), so each visit costs
-a wait whatever the pool: the remedy is a larger ``max_batches_offpolicy`` or shorter groups.
+What no count fixes is reported (``Decision.alerts``): ``offpolicy_stalls`` from the third time
+within 30 minutes the queue fell from the off-policy limit to under a batch with less than a batch
+landing and the trainer then waited a step or more, until 30 minutes pass without one. Groups
+outlast the batches the queue held there, and the envs stopped at the limit (atroposlib's cancel
+the groups in generation), so each visit costs a wait whatever the pool: the remedy is a larger
+``max_batches_offpolicy`` or shorter groups. While such a fall has landed less than a batch, the
+pool holds (rule 3 does not read it as a short pool).
 """
 
 from __future__ import annotations
@@ -306,8 +309,12 @@ class BufferMemory:
     #: group landed since, or it was not there), and when it then fell below a batch.
     unfed_limit_t: float | None = None
     unfed_below_t: float | None = None
-    #: When the trainer then waited a step or more, within the last ``_STALL_WINDOW_S``.
+    #: Sequences landed since it stood there (a batch ends the watch).
+    unfed_made_seqs: int = 0
+    #: When the trainer then waited a step or more, within the last ``_STALL_WINDOW_S``, and
+    #: whether that is reported (from the third until none is left in the window).
     stall_times: tuple[float, ...] = attrs.field(default=(), converter=_floats)
+    stalls_reported: bool = False
 
 
 def _average(
@@ -438,22 +445,27 @@ class BufferPolicy:
         decision = self._decide(context, memory)
         after = decision.memory
         assert isinstance(after, BufferMemory) and context.queue is not None
-        if len(after.stall_times) < _STALLS_TO_ALERT:
+        count = len(after.stall_times)
+        reported = count >= _STALLS_TO_ALERT or (after.stalls_reported and count > 0)
+        if reported != after.stalls_reported:
+            decision = attrs.evolve(decision, memory=replace(after, stalls_reported=reported))
+        if not reported:
             return decision
         stalls = (AlertName.OFFPOLICY_STALLS, self._stalls_reason(after, context.queue))
         return attrs.evolve(decision, alerts=(stalls,))
 
     def _stalls_reason(self, memory: BufferMemory, sample: QueueSampled) -> str:
         limit = self.max_batches_offpolicy
-        step_s = self.step_s(memory, sample.batch_size_seqs) or 0.0
+        step_s = self.step_s(memory, sample.batch_size_seqs)
+        lasts = f" ({(limit - 1) * step_s:.0f}s at a step per {step_s:.1f}s)" if step_s else ""
         return (
-            f"the trainer waited a step or more with nothing landing after the queue fell from "
-            f"the off-policy limit ({limit:g} batches), {len(memory.stall_times)} times in "
-            f"{_STALL_WINDOW_S / 60:.0f} minutes: groups take longer to land than the queue "
-            f"above one batch lasts ({(limit - 1) * step_s:.0f}s at a step per {step_s:.1f}s), "
-            f"and the envs stop (atroposlib's cancel the groups in generation) each time it "
-            f"reaches the limit. More workers do not shorten the wait: raise "
-            f"max_batches_offpolicy (the envs' and this policy's) or shorten the groups"
+            f"the trainer waited a step or more with less than a batch landing after the queue "
+            f"fell from the off-policy limit ({limit:g} batches), {len(memory.stall_times)} "
+            f"times in {_STALL_WINDOW_S / 60:.0f} minutes: groups take longer to land than the "
+            f"queue above one batch lasts{lasts}, and the envs stop (atroposlib's cancel the "
+            f"groups in generation) each time it reaches the limit. More workers do not shorten "
+            f"the wait: raise max_batches_offpolicy (the envs' and this policy's) or shorten the "
+            f"groups"
         )
 
     def _decide(self, context: PolicyContext, memory: BufferMemory | None) -> Decision:
@@ -541,6 +553,17 @@ class BufferPolicy:
         # The workers of the last addition just became active: their first groups are still in
         # generation, so a trainer still waiting is no reason to grow yet.
         warming = since_up < startup + settle_s and t - memory.active_changed_t < settle_s
+        if memory.unfed_limit_t is not None and (starving or queue < target_seqs):
+            # The envs stopped at the off-policy limit (atroposlib's cancel their groups in
+            # generation there) and start again only as the trainer takes batches: what they
+            # make lands a group latency later, however many there are. Not a short pool.
+            return Decision(
+                target=current,
+                reason=f"{figures}; less than a batch landed since the queue left the "
+                f"off-policy limit {t - memory.unfed_limit_t:.0f}s ago (the envs stopped "
+                f"there) -> hold {current}",
+                memory=memory,
+            )
         if starving and since_up >= startup and not warming:
             return self._grow(context, memory, figures, workers, batch)
         if measurable and queue < target_seqs and not warming:
@@ -659,10 +682,13 @@ class BufferPolicy:
         # Held at the limit for a cooldown by the workers up: those still starting would make
         # nothing the trainer takes. (Not sooner: a worker's first groups all start together
         # and the fastest land first, so a queue that has just reached the limit proves little.)
+        # (Not within a cooldown of a worker exiting early: those starting may be its
+        # replacements, and their retries are what tells a crash loop.)
         pending = current - max(context.active, floor)
         assert context.queue is not None
         full_now = min(queue, context.queue.queued_sequences) >= self._offpolicy_seqs(batch)
-        if full_now and pinned and pending > 0:
+        failed = context.last_failure_t is not None and t - context.last_failure_t < cooldown
+        if full_now and pinned and memory.away_t is not None and pending > 0 and not failed:
             return Decision(
                 target=current - pending,
                 reason=f"{figures}; queue at the off-policy limit with {context.active} "
@@ -1295,17 +1321,26 @@ class BufferPolicy:
         t, queued, batch = context.t, context.queue.queued_sequences, context.queue.batch_size_seqs
         stalls = tuple(s for s in memory.stall_times if t - s < _STALL_WINDOW_S)
         changes: dict[str, object] = {"stall_times": stalls}
+        unfed = {"unfed_limit_t": None, "unfed_below_t": None, "unfed_made_seqs": 0}
+        steps = context.queue.trainer_step - memory.last_step
+        taken = max(steps, 0) * batch
+        # At the limit: within the slack of a full queue, where the envs stop.
         if queued >= (self.max_batches_offpolicy - _FULL_SLACK_BATCHES) * batch:
-            changes.update(unfed_limit_t=t, unfed_below_t=None)
+            changes.update(unfed, unfed_limit_t=t)
         elif memory.unfed_limit_t is None:
             pass
-        elif produced > 0 or context.active == 0:
-            changes.update(unfed_limit_t=None, unfed_below_t=None)  # a group landed: fed
-        elif queued < batch:
-            below = t if memory.unfed_below_t is None else memory.unfed_below_t
-            changes["unfed_below_t"] = below
-            if step_s is not None and t - below >= step_s:
-                changes.update(stall_times=(*stalls, t), unfed_limit_t=None, unfed_below_t=None)
+        elif steps < 0 or queued < memory.last_queued_seqs - taken or context.active == 0:
+            changes.update(unfed)  # a restart or a flushed queue, not the trainer taking it
+        elif memory.unfed_made_seqs + produced >= batch:
+            changes.update(unfed)  # a batch landed: the envs are making again
+        else:
+            changes["unfed_made_seqs"] = memory.unfed_made_seqs + produced
+            if queued < batch:
+                below = t if memory.unfed_below_t is None else memory.unfed_below_t
+                changes["unfed_below_t"] = below
+                counted = bool(stalls) and stalls[-1] >= memory.unfed_limit_t  # this visit's
+                if step_s is not None and t - below >= step_s and not counted:
+                    changes["stall_times"] = (*stalls, t)
         return changes
 
     def _spread(

@@ -32,6 +32,7 @@ def ctx(
     desired: int | None = None,
     max_workers: int = 100,
     batch: int = BATCH,
+    last_failure_t: float | None = None,
 ) -> PolicyContext:
     return PolicyContext(
         t=t,
@@ -41,6 +42,7 @@ def ctx(
         min_workers=0,
         max_workers=max_workers,
         desired=current if desired is None else desired,
+        last_failure_t=last_failure_t,
         queue=QueueSampled(
             t=t, pool="p", queued_sequences=queued, batch_size_seqs=batch, trainer_step=step
         ),
@@ -897,7 +899,7 @@ def test_workers_not_yet_up_are_not_started_once_the_queue_held_the_limit() -> N
     # 20 of 40 workers up (a cold start goes to the maximum before any rate is known) have
     # held the queue at the off-policy limit for a cooldown: those 20 make what the trainer
     # takes, so the 20 still starting are stopped at once, not a worker per cooldown.
-    pinned = settled(queue_seqs=192.0, last_active=20, last_desired=40)
+    pinned = settled(queue_seqs=192.0, last_active=20, last_desired=40, away_t=50.0)
     decision = probe(pinned, 40, active=20)
     assert decision.target == 20, decision.reason
     assert "with 20 workers up -> 20 (the 20 not yet up are not needed)" in decision.reason
@@ -911,6 +913,13 @@ def test_workers_not_yet_up_are_not_started_once_the_queue_held_the_limit() -> N
     # Never below a count found short at this demand.
     short = replace(pinned, short_workers=30, short_demand_seqs_s=32.0)
     assert probe(short, 40, active=20).target == 31
+    # Within a cooldown (20 s here) of a worker exiting early, those starting may be its
+    # replacements (their retries tell a crash loop): the tenth a pool held there sheds.
+    assert probe(pinned, 40, active=20, last_failure_t=90.0).target == 36
+    assert probe(pinned, 40, active=20, last_failure_t=50.0).target == 20
+    # A pool never seen away from the limit (its policy just changed): not the workers up
+    # alone held it there; a tenth goes, as for any pool held at the limit.
+    assert probe(replace(pinned, away_t=None), 40, active=20).target == 36
 
 
 def test_a_queue_full_at_every_sample_for_a_cooldown_steps_down_by_a_quarter() -> None:
@@ -983,19 +992,41 @@ def test_a_trainer_left_waiting_each_time_the_queue_falls_from_the_limit_is_repo
     # 30 minutes is reported, naming the remedy; more workers would not shorten the wait.
     decisions = stall_cycles(3)
     assert all(not d.alerts for d in decisions[:-5])
+    # Meanwhile the pool never grows: the wait is not a short pool.
+    assert max(d.target for d in decisions) == 8
+    assert "less than a batch landed since the queue left the off-policy limit" in (
+        decisions[-1].reason
+    )
     (alert, reason) = decisions[-1].alerts[0]
     assert alert is AlertName.OFFPOLICY_STALLS
     assert "3 times in 30 minutes" in reason and "raise max_batches_offpolicy" in reason
-    # A group landing as the queue falls (the envs produce again after a take): not a stall.
-    assert not any(d.alerts for d in stall_cycles(4, landing_seqs=8))
+    # A batch landing as the queue falls (the envs make again after a take): not a stall.
+    assert not any(d.alerts for d in stall_cycles(4, landing_seqs=24))
+    # Less than a batch (a group now and then): the trainer still waits, a stall.
+    assert stall_cycles(3, landing_seqs=8)[-1].alerts
     # The trainer taking its last batch and a group landing within a step: not a stall.
     assert not any(d.alerts for d in stall_cycles(4, wait_samples=0))
+
+
+def test_a_trainer_restart_that_empties_the_queue_is_not_a_stall() -> None:
+    # At the limit, then the trainer (or the API server) restarts: its step goes back to 0 and
+    # the queue is empty. Not the trainer taking what the envs stopped making.
+    memory = stall_cycles(2)[-1].memory
+    decision = probe(memory, 8, queued=192, steps=0)
+    restarted = decision.memory
+    for _ in range(6):
+        decision = BufferPolicy().decide(ctx(restarted.last_t + 2.0, 0, 0, current=8), restarted)
+        restarted = decision.memory
+    assert len(restarted.stall_times) == 2 and not decision.alerts
 
 
 def test_stalls_older_than_the_window_are_forgotten() -> None:
     memory = stall_cycles(3)[-1].memory
     decision = probe(memory, 8, queued=64, steps=0)
     assert decision.alerts
-    # Half an hour later, fed throughout: no longer reported.
-    later = replace(memory, last_t=memory.last_t + 1800.0)
+    # Reported until no stall is left in the window: one aged out, still reported.
+    first_gone = replace(memory, last_t=memory.stall_times[0] + 1800.0)
+    assert probe(first_gone, 8, queued=96, steps=1).alerts
+    # Half an hour after the last, fed throughout: no longer reported.
+    later = replace(memory, last_t=memory.stall_times[-1] + 1800.0)
     assert not probe(later, 8, queued=96, steps=1).alerts

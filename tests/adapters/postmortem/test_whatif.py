@@ -65,11 +65,6 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 SimulatedFit = Callable[..., tuple[Scenario, Fitted]]
 
-#: crash_loop's trainer at a step per 3 s needs the whole pool, so every crashed worker is
-#: started again and the crash loop shows (at 5 s the queue sits at the off-policy limit, where
-#: deo lets a crashed worker go rather than start it again).
-FIT_OVERRIDES = {"crash_loop": {"trainer.step_s": "3"}}
-
 
 @pytest.fixture(scope="module")
 def simulated_fit(tmp_path_factory: pytest.TempPathFactory) -> SimulatedFit:
@@ -77,8 +72,9 @@ def simulated_fit(tmp_path_factory: pytest.TempPathFactory) -> SimulatedFit:
     logs: dict[tuple[str, int], Path] = {}
 
     def fit(name: str, duration_s: int, *, calibrate: bool) -> tuple[Scenario, Fitted]:
-        overrides = {"duration_s": str(duration_s), **FIT_OVERRIDES.get(name, {})}
-        truth = load_scenario(SCENARIOS / f"{name}.toml", overrides, policies=CATALOG)
+        truth = load_scenario(
+            SCENARIOS / f"{name}.toml", {"duration_s": str(duration_s)}, policies=CATALOG
+        )
         log = logs.get((name, duration_s))
         if log is None:
             log = tmp_path_factory.mktemp("fit") / f"{name}-{duration_s}.jsonl"
