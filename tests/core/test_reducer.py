@@ -410,16 +410,22 @@ def queue(t: float, queued: int, step: int, batch: int = 64) -> QueueSampled:
     )
 
 
-def test_what_a_policy_reports_is_an_alert_on_its_pool_until_it_no_longer_does() -> None:
-    # The buffer policy reports the trainer waiting each time the queue falls from the
-    # off-policy limit with nothing landing (a step per 2 s here, 10 s waits).
-    reducer, _ = make(pool(policy=PolicySpec(name="buffer"), min_workers=4, max_workers=4))
+def stalled(spec: PoolSpec) -> tuple[Reducer, list[RaiseAlert], float, int]:
+    """A buffer pool whose trainer waits each time the queue falls from the off-policy limit
+    with nothing landing (a step per 2 s, 10 s waits), four times."""
+    reducer, _ = make(spec)
     start_all(reducer, 0.5)
     t, step, raised = 1.0, 0, []
     for _ in range(4):
         for queued, steps in [(192, 0), (128, 1), (64, 1), (0, 1)] + [(0, 0)] * 5:
             t, step = t + 2.0, step + steps
             raised += of(RaiseAlert, reducer.step(queue(t, queued=queued, step=step)))
+    return reducer, raised, t, step
+
+
+def test_what_a_policy_reports_is_an_alert_on_its_pool_until_it_no_longer_does() -> None:
+    spec = pool(policy=PolicySpec(name="buffer"), min_workers=4, max_workers=4)
+    reducer, raised, t, step = stalled(spec)
     [alert] = raised
     assert (alert.alert, alert.subject) == ("offpolicy_stalls", "envs")
     assert "raise max_batches_offpolicy" in alert.reason
@@ -430,6 +436,17 @@ def test_what_a_policy_reports_is_an_alert_on_its_pool_until_it_no_longer_does()
         t, step = t + 2.0, step + 1
         resolved += of(ResolveAlert, reducer.step(queue(t, queued=96, step=step)))
     assert [r.alert for r in resolved] == ["offpolicy_stalls"]
+    assert ("offpolicy_stalls", "envs") not in reducer.state.alerts
+
+
+def test_a_policy_alert_is_resolved_once_the_pool_has_a_policy_that_does_not_decide() -> None:
+    spec = pool(policy=PolicySpec(name="buffer"), min_workers=4, max_workers=4)
+    reducer, raised, t, step = stalled(spec)
+    assert [a.alert for a in raised] == ["offpolicy_stalls"]
+    changed = attrs.evolve(spec, policy=static(4))
+    reducer.step(Configured(t=t + 1.0, config=Config(pools=[changed], gpus=[])))
+    [resolved] = of(ResolveAlert, reducer.step(queue(t + 2.0, queued=0, step=step)))
+    assert resolved.alert == "offpolicy_stalls"
     assert ("offpolicy_stalls", "envs") not in reducer.state.alerts
 
 
