@@ -185,8 +185,8 @@ _PINNED_SHARE = 1 / 10
 _PINNED_STEPS = 2.0
 #: A sample this close to the off-policy limit (in batches, either side) finds the queue full.
 _FULL_SLACK_BATCHES = 1 / 8
-#: The trainer left waiting a step with nothing landing after the queue fell from the off-policy
-#: limit this many times within the window: reported (``offpolicy_stalls``).
+#: The trainer left waiting a step with less than a batch landing after the queue fell from the
+#: off-policy limit this many times within the window: reported (``offpolicy_stalls``).
 _STALLS_TO_ALERT = 3
 _STALL_WINDOW_S = 1800.0
 #: A growth while starving passes its test early on what the grown pool made over this many
@@ -305,8 +305,8 @@ class BufferMemory:
     #: off-policy limit), and the trainer step then (None: the last sample was not full).
     full_since_t: float | None = None
     full_since_step: int = 0
-    #: When the queue last stood at the off-policy limit with nothing landed since (None: a
-    #: group landed since, or it was not there), and when it then fell below a batch.
+    #: When the queue last stood at the off-policy limit with less than a batch landed since
+    #: (None: a batch landed since, or it was not there), and when it then fell below a batch.
     unfed_limit_t: float | None = None
     unfed_below_t: float | None = None
     #: Sequences landed since it stood there (a batch ends the watch).
@@ -1315,8 +1315,9 @@ class BufferPolicy:
         self, memory: BufferMemory, context: PolicyContext, produced: int, step_s: float | None
     ) -> dict[str, object]:
         """Count the trainer left waiting a step or more after the queue fell from the off-policy
-        limit with nothing landing: the groups outlast the batches the queue held, and the envs
-        stopped at the limit, so each visit there costs a wait however many workers run."""
+        limit with less than a batch landing: the groups outlast the batches the queue held, and
+        the envs stopped at the limit, so each visit there costs a wait however many workers run.
+        A restart (the trainer's step going back) or a queue flushed ends the watch."""
         assert context.queue is not None
         t, queued, batch = context.t, context.queue.queued_sequences, context.queue.batch_size_seqs
         stalls = tuple(s for s in memory.stall_times if t - s < _STALL_WINDOW_S)
