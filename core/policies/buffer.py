@@ -315,6 +315,9 @@ class BufferMemory:
     #: whether that is reported (from the third until none is left in the window).
     stall_times: tuple[float, ...] = attrs.field(default=(), converter=_floats)
     stalls_reported: bool = False
+    #: How long the trainer waited in the last such visit, from the queue falling below a batch
+    #: to a batch landing (0: none ended yet).
+    stall_wait_s: float = 0.0
 
 
 def _average(
@@ -458,14 +461,19 @@ class BufferPolicy:
         limit = self.max_batches_offpolicy
         step_s = self.step_s(memory, sample.batch_size_seqs)
         lasts = f" ({(limit - 1) * step_s:.0f}s at a step per {step_s:.1f}s)" if step_s else ""
+        to = ""
+        if step_s and memory.stall_wait_s > 0:
+            # The queue above one batch lasts a step more per batch of limit.
+            covered = math.ceil(limit + memory.stall_wait_s / step_s)
+            to = f" to {covered} at least (the last wait was {memory.stall_wait_s:.0f}s)"
         return (
             f"the trainer waited a step or more with less than a batch landing after the queue "
             f"fell from the off-policy limit ({limit:g} batches), {len(memory.stall_times)} "
             f"times in {_STALL_WINDOW_S / 60:.0f} minutes: groups take longer to land than the "
             f"queue above one batch lasts{lasts}, and the envs stop (atroposlib's cancel the "
             f"groups in generation) each time it reaches the limit. More workers do not shorten "
-            f"the wait: raise max_batches_offpolicy (the envs' and this policy's) or shorten the "
-            f"groups"
+            f"the wait: raise max_batches_offpolicy (the envs' and this policy's){to}, or "
+            f"shorten the groups"
         )
 
     def _decide(self, context: PolicyContext, memory: BufferMemory | None) -> Decision:
@@ -1325,21 +1333,26 @@ class BufferPolicy:
         unfed = {"unfed_limit_t": None, "unfed_below_t": None, "unfed_made_seqs": 0}
         steps = context.queue.trainer_step - memory.last_step
         taken = max(steps, 0) * batch
+        watched = memory.unfed_limit_t
+        counted = watched is not None and bool(stalls) and stalls[-1] >= watched  # this visit's
+        landed = memory.unfed_made_seqs + produced >= batch
         # At the limit: within the slack of a full queue, where the envs stop.
-        if queued >= (self.max_batches_offpolicy - _FULL_SLACK_BATCHES) * batch:
+        at_limit = queued >= (self.max_batches_offpolicy - _FULL_SLACK_BATCHES) * batch
+        if counted and memory.unfed_below_t is not None and (at_limit or landed):
+            changes["stall_wait_s"] = t - memory.unfed_below_t  # a stalled visit ends
+        if at_limit:
             changes.update(unfed, unfed_limit_t=t)
-        elif memory.unfed_limit_t is None:
+        elif watched is None:
             pass
         elif steps < 0 or queued < memory.last_queued_seqs - taken or context.active == 0:
             changes.update(unfed)  # a restart or a flushed queue, not the trainer taking it
-        elif memory.unfed_made_seqs + produced >= batch:
+        elif landed:
             changes.update(unfed)  # a batch landed: the envs are making again
         else:
             changes["unfed_made_seqs"] = memory.unfed_made_seqs + produced
             if queued < batch:
                 below = t if memory.unfed_below_t is None else memory.unfed_below_t
                 changes["unfed_below_t"] = below
-                counted = bool(stalls) and stalls[-1] >= memory.unfed_limit_t  # this visit's
                 if step_s is not None and t - below >= step_s and not counted:
                     changes["stall_times"] = (*stalls, t)
         return changes

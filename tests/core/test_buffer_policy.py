@@ -1000,6 +1000,9 @@ def test_a_trainer_left_waiting_each_time_the_queue_falls_from_the_limit_is_repo
     (alert, reason) = decisions[-1].alerts[0]
     assert alert is AlertName.OFFPOLICY_STALLS
     assert "3 times in 30 minutes" in reason and "raise max_batches_offpolicy" in reason
+    # The last wait (from under a batch to the refill) was 12 s, six steps of 2 s: a limit six
+    # batches higher would have covered it.
+    assert "to 9 at least (the last wait was 12s)" in reason
     # A batch landing as the queue falls (the envs make again after a take): not a stall.
     assert not any(d.alerts for d in stall_cycles(4, landing_seqs=24))
     # Less than a batch (a group now and then): the trainer still waits, a stall.
