@@ -682,8 +682,8 @@ class Step:
             )
         policy: Policy = built[1]
         if policy.reacts_to is not type(event):
-            for alert in POLICY_ALERTS:  # a policy that no longer decides reports nothing
-                self.resolve_alert(alert, name, "the pool's policy does not decide on this")
+            # A policy that does not decide on this sample reports nothing.
+            self.follow_policy_alerts(name, {}, "the pool's policy does not decide on this")
             self.put_pool(replace(pool, **changes))
             return
         # Kept up to date by put_worker and drop_worker: a sample, far more frequent than a worker
@@ -705,12 +705,9 @@ class Step:
             pool.policy_memory,
         )
         pool = replace(pool, policy_memory=decision.memory, **changes)
-        reported = dict(decision.alerts)
-        for alert in POLICY_ALERTS:
-            if alert in reported:
-                self.raise_alert(alert, name, reported[alert])
-            else:
-                self.resolve_alert(alert, name, "no longer reported by the pool's policy")
+        self.follow_policy_alerts(
+            name, dict(decision.alerts), "no longer reported by the pool's policy"
+        )
         if not (self.paused_all or pool.paused or pool.pinned is not None or pool.removed):
             pool = self.set_desired(
                 pool,
@@ -720,6 +717,16 @@ class Step:
                 stabilize=decision.stabilize,
             )
         self.put_pool(pool)
+
+    def follow_policy_alerts(
+        self, pool: str, reported: Mapping[AlertName, str], why_resolved: str
+    ) -> None:
+        """Keep each alert a policy may report raised on ``pool`` while it is reported."""
+        for alert in POLICY_ALERTS:
+            if alert in reported:
+                self.raise_alert(alert, pool, reported[alert])
+            else:
+                self.resolve_alert(alert, pool, why_resolved)
 
     def check_backlog(self, spec: PoolSpec, sample: e.QueueSampled) -> None:
         """Report a queue growing past what the trainer can use (the policy scales down)."""

@@ -687,16 +687,18 @@ class BufferPolicy:
             per_worker = measured
         need = demand / per_worker
         pinned = memory.away_t is None or t - memory.away_t >= cooldown
-        # Held at the limit for a cooldown by the workers up: those still starting would make
-        # nothing the trainer takes. (Not sooner: a worker's first groups all start together
-        # and the fastest land first, so a queue that has just reached the limit proves little.)
-        # (Not within a cooldown of a worker exiting early: those starting may be its
-        # replacements, and their retries are what tells a crash loop.)
+        # Held at the limit for a cooldown by the workers up (seen away from it before, so not
+        # a pool that came to this policy there): those still starting would make nothing the
+        # trainer takes. (Not sooner: a worker's first groups all start together and the
+        # fastest land first, so a queue that has just reached the limit proves little.) (Not
+        # within a cooldown of a worker exiting early: those starting may be its replacements,
+        # and their retries are what tells a crash loop.)
+        held = memory.away_t is not None and t - memory.away_t >= cooldown
         pending = current - max(context.active, floor)
         assert context.queue is not None
         full_now = min(queue, context.queue.queued_sequences) >= self._offpolicy_seqs(batch)
         failed = context.last_failure_t is not None and t - context.last_failure_t < cooldown
-        if full_now and pinned and memory.away_t is not None and pending > 0 and not failed:
+        if full_now and held and pending > 0 and not failed:
             return Decision(
                 target=current - pending,
                 reason=f"{figures}; queue at the off-policy limit with {context.active} "
@@ -1252,7 +1254,7 @@ class BufferPolicy:
                 changes["fast_demand_seqs_s"] = fast
                 changes["demand_seen_s"] = min(memory.demand_seen_s + span, demand_window)
         produced = max(queued - memory.last_queued_seqs + consumed, 0)
-        changes.update(self._watch_stalls(memory, context, produced, step_s))
+        changes.update(self._watch_stalls(memory, context, produced, consumed, step_s))
         if self._probe_in(memory, context.active, t, step_s):
             changes["probe_made_seqs"] = memory.probe_made_seqs + produced
             changes["probe_made_s"] = memory.probe_made_s + dt
@@ -1320,7 +1322,12 @@ class BufferPolicy:
         return replace(memory, **changes)
 
     def _watch_stalls(
-        self, memory: BufferMemory, context: PolicyContext, produced: int, step_s: float | None
+        self,
+        memory: BufferMemory,
+        context: PolicyContext,
+        produced: int,
+        consumed: int,
+        step_s: float | None,
     ) -> dict[str, object]:
         """Count the trainer left waiting a step or more after the queue fell from the off-policy
         limit with less than a batch landing: the groups outlast the batches the queue held, and
@@ -1331,8 +1338,7 @@ class BufferPolicy:
         stalls = tuple(s for s in memory.stall_times if t - s < _STALL_WINDOW_S)
         changes: dict[str, object] = {"stall_times": stalls}
         unfed = {"unfed_limit_t": None, "unfed_below_t": None, "unfed_made_seqs": 0}
-        steps = context.queue.trainer_step - memory.last_step
-        taken = max(steps, 0) * batch
+        restarted = context.queue.trainer_step < memory.last_step
         watched = memory.unfed_limit_t
         counted = watched is not None and bool(stalls) and stalls[-1] >= watched  # this visit's
         landed = memory.unfed_made_seqs + produced >= batch
@@ -1344,7 +1350,7 @@ class BufferPolicy:
             changes.update(unfed, unfed_limit_t=t)
         elif watched is None:
             pass
-        elif steps < 0 or queued < memory.last_queued_seqs - taken or context.active == 0:
+        elif restarted or queued < memory.last_queued_seqs - consumed or context.active == 0:
             changes.update(unfed)  # a restart or a flushed queue, not the trainer taking it
         elif landed:
             changes.update(unfed)  # a batch landed: the envs are making again
