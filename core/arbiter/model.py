@@ -278,7 +278,7 @@ class PlannerSettings(CheckedRecord):
     #: A generating rank moves only when that shortens the longer time to finish by this
     #: fraction of it and by more than ``move_cost_s``.
     hysteresis: float = 0.1
-    move_cost_s: Seconds = 30.0
+    move_cost_s: Seconds = 60.0
     #: A holder that has held its GPUs past its limit is *overstaying*: a request it blocks
     #: stops reserving against lower priorities. The limit: ``reserve_factor`` times the
     #: longest of its last holds (at least ``reserve_min_s``); while none is measured (or
@@ -318,9 +318,13 @@ class PlannerSettings(CheckedRecord):
 
 #: The settings a log that recorded none replays with: those of deo's first time-to-finish
 #: planner (a holder overstays after 600 s whatever its own holds; rates divide by the GPUs
-#: awake at the report).
+#: awake at the report; a move pays for itself past 30 s).
 PLANNER_SETTINGS_UNRECORDED = PlannerSettings(
-    reserve_s=600.0, reserve_factor=None, rate_over_awake_gpu_s=False, step_weight=0.0
+    move_cost_s=30.0,
+    reserve_s=600.0,
+    reserve_factor=None,
+    rate_over_awake_gpu_s=False,
+    step_weight=0.0,
 )
 
 

@@ -518,9 +518,12 @@ class GapRatioPlanner:
     #: A rank is taken from a donor that is generating only when the move shortens the longer
     #: of the two pipelines' times to finish by this fraction of it and by more than
     #: ``move_cost_s`` seconds: a move costs a wake, a sleep and the donor's trajectories in
-    #: flight (about 12 s with vLLM's level-1 sleep), and shares must not churn.
+    #: flight (about 12 s of the moved GPUs' output with vLLM's level-1 sleep), and each rank
+    #: placed on another pipeline's training GPUs is preempted again when that training comes:
+    #: shares must not churn (``bench/arbiter.py``: 60 s against 30 s, fewer moves and busier
+    #: GPUs on every scenario).
     hysteresis: float = 0.1
-    move_cost_s: float = 30.0
+    move_cost_s: float = 60.0
     #: A request blocked by another pipeline's holder stops reserving its other GPUs against
     #: lower priorities once that holder is overstaying: it has held its GPUs for
     #: ``reserve_factor`` times the longest of its last holds (at least ``reserve_min_s``), or,

@@ -172,7 +172,7 @@ def test_release_then_request_is_a_sign_of_life() -> None:
 def test_a_step_weight_of_zero_shares_by_remaining_work_alone_and_old_logs_replay_so() -> None:
     assert PlannerSettings().step_weight == 2.0
     assert planner_for(None) == GapRatioPlanner(
-        reserve_s=600.0, reserve_factor=None, step_weight=0.0
+        move_cost_s=30.0, reserve_s=600.0, reserve_factor=None, step_weight=0.0
     )
     assert planner_for(PlannerSettings(step_weight=3.0)) == GapRatioPlanner(step_weight=3.0)
     assert PLANNER_SETTINGS_UNRECORDED.step_weight == 0.0
