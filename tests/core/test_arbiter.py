@@ -339,6 +339,28 @@ def test_a_generating_rank_moves_only_when_the_move_pays() -> None:
     assert len(active(arbiter, "p1")) == len(active(arbiter, "p2")) == 2
 
 
+def test_a_move_gaining_less_than_a_minute_is_not_made_by_default() -> None:
+    # After their reports p1 has 270 GPU-seconds left and p2 60, on 2 GPUs each (targets 3 and
+    # 1): moving a rank shortens the longer finish from 135 s to 90 s. 45 s pays for a wake, a
+    # sleep and the lost trajectories (about 12 s) but not for the preemption the rank meets when
+    # its host's training comes back: the default waits for a gain of 60 s.
+    for planner, after in (
+        (GapRatioPlanner(), (2, 2)),
+        (GapRatioPlanner(move_cost_s=30.0), (3, 1)),
+    ):
+        arbiter = make_arbiter(4, planner=planner)
+        for name in ("p1", "p2"):
+            register(arbiter, name, generation=gpus(4))
+            arbiter.step(RolloutOpened(t=0.0, pipeline=name))
+            report(arbiter, name, 0.0, 290, 0)
+        assert len(active(arbiter, "p1")) == len(active(arbiter, "p2")) == 2
+        report(arbiter, "p1", 10.0, 290, 20)  # 1 trajectory per GPU-second, 270 left
+        report(arbiter, "p2", 10.0, 80, 20)  # the same rate, 60 left
+        shares = planner.shares(arbiter.state)
+        assert [s.target_gpus for s in shares.values()] == [3, 1]
+        assert (len(active(arbiter, "p1")), len(active(arbiter, "p2"))) == after, planner
+
+
 def test_generation_wakes_first_where_no_other_pipeline_trains() -> None:
     # Each pipeline trains on its own half; generation may run anywhere. p2's first ranks go to
     # its own half, where only its own training (after it has released generation) takes them.
