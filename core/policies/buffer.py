@@ -103,6 +103,10 @@ Rules, in order:
    generation).
 4. Hold up to the band's top, while a batch waits but the trainer takes none for four steps (a
    pause, or a slowdown: the next step tells), and until demand has been measured after a pause.
+   With ``pause_release_startups`` k > 0, a pause that has lasted k start-ups lets the pool go to
+   its minimum and the trainer's next step brings the count back at once: the workers of a long
+   evaluation are not held idle, for about a start-up of waiting when it ends (0, the default:
+   held through pauses, so the trainer is never caught short by one).
 5. Remove when both Q and the latest sample are above the band, with hysteresis in whole workers (a
    fractional need would otherwise make the count alternate between neighbours): the count must
    exceed the need D / p by a whole worker plus the production spread in workers (how far
@@ -225,6 +229,9 @@ class BufferMemory:
     last_advance_t: float | None = None
     #: When the trainer took a batch again after a pause (None: no pause seen).
     resumed_t: float | None = None
+    #: The count a pause let go to the minimum, brought back at the trainer's next step (None:
+    #: no pool let go).
+    paused_workers: int | None = None
     per_worker_seqs_s: float | None = None
     #: The same over a quarter of its window: it shows a fall (longer groups) sooner.
     recent_per_worker_seqs_s: float | None = None
@@ -356,6 +363,10 @@ class BufferPolicy:
     max_down_fraction: float = 0.25
     #: At least this long between removals (they are also spaced by a start-up).
     down_cooldown_s: float = 0.0
+    #: A pause (no trainer step while a batch waits) that has lasted this many start-ups lets
+    #: the pool go to its minimum, and the trainer's next step brings the count back at once
+    #: (0: the pool is held through pauses; the trainer then waits about a start-up after each).
+    pause_release_startups: float = 0.0
 
     def __attrs_post_init__(self) -> None:
         for field in attrs.fields(type(self)):
@@ -390,8 +401,9 @@ class BufferPolicy:
             raise ConfigError(
                 f"policy.band_batches must be in [0, target_batches), got {self.band_batches}"
             )
-        if self.down_cooldown_s < 0:
-            raise ConfigError(f"policy.down_cooldown_s must be >= 0, got {self.down_cooldown_s}")
+        for key in ("down_cooldown_s", "pause_release_startups"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"policy.{key} must be >= 0, got {getattr(self, key)!r}")
 
     def initial_target(self, min_workers: int, max_workers: int) -> int:
         return min_workers
@@ -499,6 +511,16 @@ class BufferPolicy:
         # Each sample decides anew whether the excess lasts (only the removal rule carries it).
         excess_since = memory.excess_since_t
         memory = replace(self._measure(context, memory), excess_since_t=None)
+        if memory.paused_workers is not None and memory.last_advance_t == t:
+            # The trainer steps again: what the pause let go comes back at once (its demand
+            # is measured afresh from here, and the queue the pause filled covers the start-up).
+            target = min(max(current, memory.paused_workers), context.max_workers)
+            return Decision(
+                target=target,
+                reason=f"the trainer stepped again after a pause -> {target} workers (the "
+                f"count before it)",
+                memory=replace(memory, paused_workers=None),
+            )
         demand, per_worker = memory.demand_seqs_s, self.per_worker(memory)
         queue = memory.queue_seqs
         measurable = queue < self._offpolicy_seqs(batch)
@@ -613,6 +635,22 @@ class BufferPolicy:
         if last_advance is not None and t - last_advance > _PAUSE_STEPS * step_s:
             # A batch is waiting but the trainer takes none: a pause (evaluation, checkpoint)
             # or a slowdown, told apart when the next step comes; remove nothing until then.
+            # Where asked to (``pause_release_startups``), a pause that lasts is not held idle:
+            # workers let go cost a start-up to bring back, so once it has lasted that long (k =
+            # 1, the ski-rental rule: never more than twice what knowing its length would cost)
+            # the pool goes to its minimum until the trainer steps again.
+            paused_s = t - last_advance
+            release_s = self.pause_release_startups * startup
+            floor = context.min_workers
+            if self.pause_release_startups and paused_s > release_s and current > floor:
+                kept = max(memory.paused_workers or 0, current)
+                return Decision(
+                    target=floor,
+                    reason=f"{figures}; no trainer step for {paused_s:.0f}s, longer than "
+                    f"{release_s:.0f}s ({self.pause_release_startups:g} x the start-up): a "
+                    f"pause -> {floor} ({kept} again at the trainer's next step)",
+                    memory=replace(memory, paused_workers=kept),
+                )
             return Decision(
                 target=current,
                 reason=f"{figures}; no trainer step for {t - last_advance:.0f}s -> hold {current}",

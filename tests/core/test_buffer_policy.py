@@ -361,6 +361,36 @@ def test_a_pause_holds_and_demand_is_measured_afresh_after_it() -> None:
     assert "since the trainer resumed" in resumed.reason
 
 
+def test_a_pause_longer_than_a_start_up_lets_the_pool_go_where_asked_to() -> None:
+    release = BufferPolicy(pause_release_startups=1.0)
+    # No step for 22 s, longer than a start-up (16 s as measured): the pool goes to its
+    # minimum, and remembers the 10 it had.
+    paused = probe(settled(queue_seqs=150.0, last_advance_t=80.0), 10, steps=0, policy=release)
+    assert paused.target == 0, paused.reason
+    assert "no trainer step for 22s, longer than 16s (1 x the start-up): a pause -> 0" in (
+        paused.reason
+    )
+    assert paused.memory.paused_workers == 10
+    # Later samples of the same pause keep the count it let go, not the minimum.
+    later = replace(paused.memory, last_t=130.0)
+    still = release.decide(ctx(132.0, 150, 50, current=0), later)
+    assert still.target == 0 and still.memory.paused_workers == 10
+    # The trainer steps again: the 10 come back at once.
+    back = release.decide(ctx(134.0, 86, 51, current=0), still.memory)
+    assert back.target == 10, back.reason
+    assert "the trainer stepped again after a pause -> 10 workers" in back.reason
+    assert back.memory.paused_workers is None
+    # A pause shorter than the start-up, or the default (hold through pauses): held.
+    short = BufferPolicy(pause_release_startups=2.0)
+    assert (
+        probe(settled(queue_seqs=150.0, last_advance_t=80.0), 10, steps=0, policy=short).target
+        == 10
+    )
+    assert probe(settled(queue_seqs=150.0, last_advance_t=60.0), 10, steps=0).target == 10
+    with pytest.raises(ConfigError, match="pause_release_startups must be >= 0"):
+        BufferPolicy(pause_release_startups=-1.0)
+
+
 def test_a_starving_trainer_grows_the_pool_in_proportion_to_how_long_it_waited() -> None:
     # The queue always under half a batch for the last start-up: double.
     always = settled(queue_seqs=8.0, last_queued_seqs=8, hungry_share=1.0, last_desired=10)

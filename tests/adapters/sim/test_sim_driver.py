@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from adapters.postmortem.engine import replay
-from adapters.sim.driver import simulate
+from adapters.sim.driver import SimResult, simulate
 from adapters.sim.scenario import Scenario, load_scenario
 from core import ConfigError, PolicySpec
 
@@ -163,3 +163,24 @@ def test_every_shipped_scenario_runs_with_the_core_invariants_checked(path: Path
     assert 0 <= m.starvation_share <= 1
     assert 0 <= m.avoidable_starvation_share <= 1
     assert result.oracle.worker_hours > 0
+
+
+def test_a_pool_asked_to_lets_its_workers_go_in_a_long_pause_and_gets_them_back() -> None:
+    # A 3-minute evaluation from 900 s; workers start in 30 s. Held through it by default;
+    # with pause_release_startups = 1 the pool goes to its minimum a start-up into it and
+    # back to its count when the trainer steps again.
+    release = {"pools.envs.policy.pause_release_startups": "1"}
+    held = simulate(short("eval_checkpoint_pauses", 1320.0))
+    released = simulate(short("eval_checkpoint_pauses", 1320.0, **release))
+
+    def target_at(result: SimResult, t: float) -> int:
+        return next(p.target for p in reversed(result.series) if p.t <= t)
+
+    assert target_at(held, 1070.0) >= 15  # held through the pause
+    let_go_t = next(p.t for p in released.series if p.t >= 900.0 and p.target == 1)
+    assert 930.0 <= let_go_t < 1000.0  # a start-up (30 s) into the pause, and some steps
+    before = target_at(released, let_go_t - 1.0)
+    assert before >= 15
+    assert target_at(released, 1070.0) == 1  # the pool's minimum, late in the pause
+    assert target_at(released, 1100.0) >= before  # back once the trainer steps again
+    assert released.metrics.worker_hours < held.metrics.worker_hours - 0.5
