@@ -4,6 +4,7 @@ and rlix's planner as published.
 Run from the repository root::
 
     .venv/bin/python bench/arbiter.py [--seeds 3] [--scenario TEXT]
+        [--wake-s S] [--sleep-s S] [--preempt-lost-s S] [--move-cost-s S]
 
 Each scenario runs 2-4 RL pipelines on 4-16 GPUs for a fixed simulated time, once per seed (a
 seed varies each step's generation rate by up to ``rate_jitter`` and its training time by up to
@@ -49,14 +50,13 @@ from typing import Any
 
 import attrs
 
-from core import GpuLost
+from core import GpuLost, InvalidEvent
 from core.arbiter import (
     ArbiterGpusDeclared,
     ArbiterReducer,
     ClusterRegistered,
     ClusterSpec,
     ExpandGeneration,
-    GapRatioPlanner,
     GpusReleasedAndRequested,
     GpusRequested,
     GrantGpus,
@@ -70,6 +70,7 @@ from core.arbiter import (
     RolloutClosed,
     RolloutOpened,
     ShrinkGeneration,
+    planner_for,
 )
 from core.commands import RaiseAlert
 
@@ -84,6 +85,10 @@ __all__ = [
     "run",
     "summarize",
 ]
+
+
+#: deo's planner settings: its defaults.
+DEO_SETTINGS = PlannerSettings()
 
 
 @attrs.frozen(kw_only=True)
@@ -355,16 +360,23 @@ def _solo_step_s(spec: PipelineSpec, gpus: int) -> float:
     return spec.rollout_trajectories / (usable * spec.trajectories_per_gpu_s) + spec.train_s
 
 
-def make_planner(planner_name: str) -> Planner:
-    """The planner a name in :data:`PLANNERS` stands for."""
-    return RlixPlanner() if planner_name == "rlix" else GapRatioPlanner()
+def make_planner(planner_name: str, settings: PlannerSettings = DEO_SETTINGS) -> Planner:
+    """The planner a name in :data:`PLANNERS` stands for (deo's, and static's within each
+    partition, with ``settings``)."""
+    return RlixPlanner() if planner_name == "rlix" else planner_for(settings)
 
 
-def run(scenario: Scenario, planner_name: str, seed: int | None = None) -> Result:
+def run(
+    scenario: Scenario,
+    planner_name: str,
+    seed: int | None = None,
+    settings: PlannerSettings = DEO_SETTINGS,
+) -> Result:
     """Simulate ``scenario`` under ``planner_name`` (static, rlix or deo); ``seed`` jitters each
-    step's generation rate and training time (None: no jitter)."""
+    step's generation rate and training time (None: no jitter); ``settings``: deo's planner
+    settings (rlix's planner has none)."""
     shared = planner_name != "static"
-    arbiter = ArbiterReducer(planner=make_planner(planner_name))
+    arbiter = ArbiterReducer(planner=make_planner(planner_name, settings))
     jobs = {
         p.name: _Job(spec=p, rng=None if seed is None else random.Random(f"{seed}/{p.name}"))
         for p in scenario.pipelines
@@ -407,7 +419,7 @@ def run(scenario: Scenario, planner_name: str, seed: int | None = None) -> Resul
                 job.train_ready_s = max([t, *(gpu_ready_s.get(g, 0.0) for g in command.gpus)])
 
     declared = tuple(str(g) for g in range(scenario.gpus))
-    step(ArbiterGpusDeclared(t=0.0, gpus=declared, planner=PlannerSettings()))
+    step(ArbiterGpusDeclared(t=0.0, gpus=declared, planner=settings))
     lost = sorted(scenario.lost)
     busy_gpu_s = 0.0
     idle_gpu_s = 0.0
@@ -628,11 +640,15 @@ class Summary:
         return sum(r.refused_plans for r in self.runs)
 
 
-def summarize(scenario: Scenario, planner_name: str, seeds: Sequence[int] = SEEDS) -> Summary:
+def summarize(
+    scenario: Scenario,
+    planner_name: str,
+    seeds: Sequence[int] = SEEDS,
+    settings: PlannerSettings = DEO_SETTINGS,
+) -> Summary:
     """``scenario`` under ``planner_name``, once per seed."""
-    return Summary(
-        planner=planner_name, runs=tuple(run(scenario, planner_name, seed) for seed in seeds)
-    )
+    runs = tuple(run(scenario, planner_name, seed, settings) for seed in seeds)
+    return Summary(planner=planner_name, runs=runs)
 
 
 #: Relative tolerance under which two step times, or two busy fractions, count as a tie.
@@ -664,22 +680,55 @@ def _word(verdict: dict[str, bool], figure: str) -> str:
     return "ties" if verdict[f"{figure}_no_worse"] else "loses"
 
 
+#: Options that set an engine cost of every scenario, and the Scenario field each sets.
+_COST_OPTIONS = {"--wake-s": "wake_s", "--sleep-s": "sleep_s", "--preempt-lost-s": "preempt_lost_s"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--seeds", type=int, default=len(SEEDS), help="seeds per scenario (1, 2, ...)"
     )
     parser.add_argument("--scenario", help="run only scenarios whose name contains this")
+    costs = parser.add_argument_group(
+        "engine costs (every scenario's; to try the planner where engines wake slower or faster)"
+    )
+    for option, field in _COST_OPTIONS.items():
+        costs.add_argument(option, type=float, metavar="S", dest=field)
+    parser.add_argument(
+        "--move-cost-s",
+        type=float,
+        metavar="S",
+        help=f"deo's move_cost_s (default {DEO_SETTINGS.move_cost_s:g})",
+    )
     args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error(f"--seeds must be at least 1, got {args.seeds}")
+    costs_s = {f: getattr(args, f) for f in _COST_OPTIONS.values() if getattr(args, f) is not None}
+    for option, field in _COST_OPTIONS.items():
+        if field in costs_s and not 0 <= costs_s[field] < math.inf:
+            parser.error(f"{option} must be a number >= 0, got {costs_s[field]}")
+    settings = DEO_SETTINGS
+    if args.move_cost_s is not None:
+        try:
+            settings = attrs.evolve(DEO_SETTINGS, move_cost_s=args.move_cost_s)
+        except InvalidEvent as exc:
+            parser.error(f"--move-cost-s: {exc}")
     seeds = tuple(range(1, args.seeds + 1))
     command = "python bench/arbiter.py" + (f" --seeds {args.seeds}" if args.seeds != 3 else "")
     if args.scenario:
         command += f" --scenario {args.scenario!r}"
+    for option, field in _COST_OPTIONS.items():
+        if field in costs_s:
+            command += f" {option} {costs_s[field]:g}"
+    if args.move_cost_s is not None:
+        command += f" --move-cost-s {args.move_cost_s:g}"
     print(f"command: {command}")
     print(f"seeds: {list(seeds)}; figures are means over seeds (longest wait: the maximum)")
     for scenario in SCENARIOS:
         if args.scenario and args.scenario not in scenario.name:
             continue
+        scenario = attrs.evolve(scenario, **costs_s)
         print(
             f"\n### {scenario.name} ({scenario.duration_s:.0f} s simulated, wake"
             f" {scenario.wake_s:g} s, sleep {scenario.sleep_s:g} s, preemption loses"
@@ -691,7 +740,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         header += ["preemptions", "refused plans"]
         print("| " + " | ".join(header) + " |")
         print("|" + "---|" * len(header))
-        summaries = {planner: summarize(scenario, planner, seeds) for planner in PLANNERS}
+        summaries = {p: summarize(scenario, p, seeds, settings) for p in PLANNERS}
         for planner, summary in summaries.items():
             cells = [planner]
             cells += [f"{summary.mean_step_s[n]:.0f}" for n in names]

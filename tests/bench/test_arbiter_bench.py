@@ -6,7 +6,8 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from bench.arbiter import PLANNERS, PipelineSpec, Scenario, run, summarize
+from bench.arbiter import PLANNERS, PipelineSpec, Scenario, main, run, summarize
+from core.arbiter import PlannerSettings
 
 SMALL = Scenario(
     name="small",
@@ -59,3 +60,28 @@ def test_a_seed_varies_the_run_and_the_same_seed_repeats_it() -> None:
     assert summary.pipeline_mean_step_s == pytest.approx(
         (once.pipeline_mean_step_s + other.pipeline_mean_step_s) / 2
     )
+
+
+def test_deo_runs_with_the_planner_settings_given() -> None:
+    # Moves that must gain an hour are not made; free ones are, again and again.
+    free = run(SMALL, "deo", seed=1, settings=PlannerSettings(move_cost_s=0.0, hysteresis=0.0))
+    never = run(SMALL, "deo", seed=1, settings=PlannerSettings(move_cost_s=3600.0))
+    assert never.preemptions < free.preemptions
+    assert never.refused_plans == free.refused_plans == 0
+
+
+def test_the_command_line_sets_every_scenario_s_engine_costs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--scenario", "2 equal", "--seeds", "1", "--wake-s", "15", "--sleep-s", "5"]
+    assert main([*argv, "--preempt-lost-s", "10", "--move-cost-s", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "command: python bench/arbiter.py --seeds 1 --scenario '2 equal' --wake-s 15" in out
+    assert "--move-cost-s 30" in out
+    assert "(3600 s simulated, wake 15 s, sleep 5 s, preemption loses 10 s)" in out
+    assert "3 uneven" not in out
+    for bad in (["--wake-s", "-1"], ["--move-cost-s", "-1"], ["--seeds", "0"]):
+        with pytest.raises(SystemExit) as exited:
+            main(bad)
+        assert exited.value.code == 2
+        assert bad[0] in capsys.readouterr().err
