@@ -104,9 +104,10 @@ Rules, in order:
 4. Hold up to the band's top, while a batch waits but the trainer takes none for four steps (a
    pause, or a slowdown: the next step tells), and until demand has been measured after a pause.
    With ``pause_release_startups`` k > 0, a pause that has lasted k start-ups lets the pool go to
-   its minimum and the trainer's next step brings the count back at once: the workers of a long
-   evaluation are not held idle, for about a start-up of waiting when it ends (0, the default:
-   held through pauses, so the trainer is never caught short by one).
+   its minimum and the trainer's next step brings the count back at once (p, measured with
+   those workers, stays theirs: a slowdown taken for a pause costs a restart, not p): the workers
+   of a long evaluation are not held idle, for about a start-up of waiting when it ends (0, the
+   default: held through pauses, so the trainer is never caught short by one).
 5. Remove when both Q and the latest sample are above the band, with hysteresis in whole workers (a
    fractional need would otherwise make the count alternate between neighbours): the count must
    exceed the need D / p by a whole worker plus the production spread in workers (how far
@@ -232,6 +233,9 @@ class BufferMemory:
     #: The count a pause let go to the minimum, brought back at the trainer's next step (None:
     #: no pool let go).
     paused_workers: int | None = None
+    #: The count that came back after a pause, while its workers are still starting: their p
+    #: is the one measured before it (None: none coming back).
+    returning_workers: int | None = None
     per_worker_seqs_s: float | None = None
     #: The same over a quarter of its window: it shows a fall (longer groups) sooner.
     recent_per_worker_seqs_s: float | None = None
@@ -513,14 +517,19 @@ class BufferPolicy:
         memory = replace(self._measure(context, memory), excess_since_t=None)
         if memory.paused_workers is not None and memory.last_advance_t == t:
             # The trainer steps again: what the pause let go comes back at once (its demand
-            # is measured afresh from here, and the queue the pause filled covers the start-up).
-            target = min(max(current, memory.paused_workers), context.max_workers)
-            return Decision(
-                target=target,
-                reason=f"the trainer stepped again after a pause -> {target} workers (the "
-                f"count before it)",
-                memory=replace(memory, paused_workers=None),
-            )
+            # is measured afresh from here, and the queue the pause filled covers the start-up),
+            # and p, measured with those workers, stays theirs.
+            kept = memory.paused_workers
+            memory = replace(memory, paused_workers=None)
+            if current < kept:  # (not when the reducer held the pool: nothing was let go)
+                target = min(kept, context.max_workers)
+                capped = ", at the pool's maximum" if target < kept else ""
+                return Decision(
+                    target=target,
+                    reason=f"queue {raw / batch:.2f} batches; the trainer stepped again after "
+                    f"a pause -> {target} workers (the {kept} before it{capped})",
+                    memory=replace(memory, returning_workers=target),
+                )
         demand, per_worker = memory.demand_seqs_s, self.per_worker(memory)
         queue = memory.queue_seqs
         measurable = queue < self._offpolicy_seqs(batch)
@@ -1229,13 +1238,18 @@ class BufferPolicy:
         del pending[starting:]  # cancelled or failed: the newest go first
         pending.extend([memory.last_t] * (starting - len(pending)))
         changes.update(pending_t=tuple(pending), startup_s=startup, startups_seen=seen)
+        returning = memory.returning_workers
+        if returning is not None and (context.active >= returning or context.current < returning):
+            changes["returning_workers"] = None
         if context.active > memory.last_active:
             changes["active_changed_t"] = t
             # Workers added may make less each (a shared inference saturating); a removal
             # leaves each of the rest making at least what it made, so p stays the present
             # pool's (reset there, the next removal at the off-policy limit would rest on p's
             # bound and a twentieth of the pool a cooldown, however far the need lies below).
-            changes["fresh_s"] = 0.0
+            # Workers coming back after a pause are the pool p was measured with.
+            if returning is None or context.active > returning:
+                changes["fresh_s"] = 0.0
         if dt <= 0:
             return replace(memory, **changes)
         step_s = self.step_s(memory, batch)

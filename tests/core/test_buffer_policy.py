@@ -363,11 +363,12 @@ def test_a_pause_holds_and_demand_is_measured_afresh_after_it() -> None:
 
 def test_a_pause_longer_than_a_start_up_lets_the_pool_go_where_asked_to() -> None:
     release = BufferPolicy(pause_release_startups=1.0)
-    # No step for 22 s, longer than a start-up (16 s as measured): the pool goes to its
-    # minimum, and remembers the 10 it had.
-    paused = probe(settled(queue_seqs=150.0, last_advance_t=80.0), 10, steps=0, policy=release)
+    # No step for 22 s, longer than a start-up (20 s): the pool goes to its minimum, and
+    # remembers the 10 it had.
+    before = settled(queue_seqs=150.0, last_advance_t=80.0, fresh_s=100.0, last_active=10)
+    paused = probe(before, 10, steps=0, policy=release)
     assert paused.target == 0, paused.reason
-    assert "no trainer step for 22s, longer than 16s (1 x the start-up): a pause -> 0" in (
+    assert "no trainer step for 22s, longer than 20s (1 x the start-up): a pause -> 0" in (
         paused.reason
     )
     assert paused.memory.paused_workers == 10
@@ -380,6 +381,23 @@ def test_a_pause_longer_than_a_start_up_lets_the_pool_go_where_asked_to() -> Non
     assert back.target == 10, back.reason
     assert "the trainer stepped again after a pause -> 10 workers" in back.reason
     assert back.memory.paused_workers is None
+    # They are the workers p was measured with: their coming back keeps it the pool's.
+    assert back.memory.returning_workers == 10
+    half = release.decide(ctx(136.0, 150, 51, current=10, active=5), back.memory)
+    assert half.memory.fresh_s >= 100.0 and half.memory.returning_workers == 10
+    whole = release.decide(ctx(138.0, 150, 51, current=10, active=10), half.memory)
+    assert whole.memory.fresh_s >= 100.0 and whole.memory.returning_workers is None
+    more = release.decide(ctx(140.0, 150, 51, current=11, active=11), whole.memory)
+    assert more.memory.fresh_s == 0.0  # a worker beyond them is new
+    # At most the pool's maximum comes back.
+    capped = release.decide(ctx(134.0, 86, 51, current=0, max_workers=8), still.memory)
+    assert capped.target == 8
+    assert "-> 8 workers (the 10 before it, at the pool's maximum)" in capped.reason
+    # Where the reducer held the pool (its stabilization window), nothing was let go: the
+    # next step brings nothing back, and the other rules decide.
+    held = release.decide(ctx(134.0, 86, 51, current=10), still.memory)
+    assert "after a pause" not in held.reason
+    assert held.memory.paused_workers is None
     # A pause shorter than the start-up, or the default (hold through pauses): held.
     short = BufferPolicy(pause_release_startups=2.0)
     assert (

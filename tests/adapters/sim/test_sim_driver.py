@@ -184,3 +184,17 @@ def test_a_pool_asked_to_lets_its_workers_go_in_a_long_pause_and_gets_them_back(
     assert target_at(released, 1070.0) == 1  # the pool's minimum, late in the pause
     assert target_at(released, 1100.0) >= before  # back once the trainer steps again
     assert released.metrics.worker_hours < held.metrics.worker_hours - 0.5
+
+
+def test_a_trainer_that_slows_down_taken_for_a_pause_costs_nothing_after() -> None:
+    # From 1200 s the trainer steps every 60 s instead of 5 s: the first slow step outlasts a
+    # start-up, so a pool asked to let workers go in pauses lets them go, and gets them back at
+    # that step. Afterwards it comes down by the need it measured, as the pool held through.
+    slower = {"trainer.phases": "[{ at_s = 1200, step_s = 60.0 }]"}
+    held = simulate(short("steady", 3600.0, **slower))
+    released = simulate(
+        short("steady", 3600.0, **slower, **{"pools.envs.policy.pause_release_startups": "1"})
+    )
+    assert any(p.target == 1 for p in released.series if 1200.0 <= p.t <= 1300.0)
+    assert released.metrics.starvation_share <= held.metrics.starvation_share + 0.001
+    assert released.metrics.worker_hours <= held.metrics.worker_hours + 0.1
