@@ -232,7 +232,7 @@ class BufferMemory:
     resumed_t: float | None = None
     #: The count a pause let go to the minimum, brought back at the trainer's next step (None:
     #: no pool let go).
-    paused_workers: int | None = None
+    workers_before_pause: int | None = None
     #: The count that came back after a pause, while its workers are still starting: their p
     #: is the one measured before it (None: none coming back).
     returning_workers: int | None = None
@@ -515,12 +515,12 @@ class BufferPolicy:
         # Each sample decides anew whether the excess lasts (only the removal rule carries it).
         excess_since = memory.excess_since_t
         memory = replace(self._measure(context, memory), excess_since_t=None)
-        if memory.paused_workers is not None and memory.last_advance_t == t:
+        if memory.workers_before_pause is not None and memory.last_advance_t == t:
             # The trainer steps again: what the pause let go comes back at once (its demand
-            # is measured afresh from here, and the queue the pause filled covers the start-up),
-            # and p, measured with those workers, stays theirs.
-            kept = memory.paused_workers
-            memory = replace(memory, paused_workers=None)
+            # is measured afresh from here, and the queue the pause filled feeds its first
+            # steps), and p, measured with those workers, stays theirs.
+            kept = memory.workers_before_pause
+            memory = replace(memory, workers_before_pause=None)
             if current < kept:  # (not when the reducer held the pool: nothing was let go)
                 target = min(kept, context.max_workers)
                 capped = ", at the pool's maximum" if target < kept else ""
@@ -652,13 +652,13 @@ class BufferPolicy:
             release_s = self.pause_release_startups * startup
             floor = context.min_workers
             if self.pause_release_startups and paused_s > release_s and current > floor:
-                kept = max(memory.paused_workers or 0, current)
+                kept = max(memory.workers_before_pause or 0, current)
                 return Decision(
                     target=floor,
                     reason=f"{figures}; no trainer step for {paused_s:.0f}s, longer than "
                     f"{release_s:.0f}s ({self.pause_release_startups:g} x the start-up): a "
                     f"pause -> {floor} ({kept} again at the trainer's next step)",
-                    memory=replace(memory, paused_workers=kept),
+                    memory=replace(memory, workers_before_pause=kept),
                 )
             return Decision(
                 target=current,

@@ -371,16 +371,16 @@ def test_a_pause_longer_than_a_start_up_lets_the_pool_go_where_asked_to() -> Non
     assert "no trainer step for 22s, longer than 20s (1 x the start-up): a pause -> 0" in (
         paused.reason
     )
-    assert paused.memory.paused_workers == 10
+    assert paused.memory.workers_before_pause == 10
     # Later samples of the same pause keep the count it let go, not the minimum.
     later = replace(paused.memory, last_t=130.0)
     still = release.decide(ctx(132.0, 150, 50, current=0), later)
-    assert still.target == 0 and still.memory.paused_workers == 10
+    assert still.target == 0 and still.memory.workers_before_pause == 10
     # The trainer steps again: the 10 come back at once.
     back = release.decide(ctx(134.0, 86, 51, current=0), still.memory)
     assert back.target == 10, back.reason
     assert "the trainer stepped again after a pause -> 10 workers" in back.reason
-    assert back.memory.paused_workers is None
+    assert back.memory.workers_before_pause is None
     # They are the workers p was measured with: their coming back keeps it the pool's.
     assert back.memory.returning_workers == 10
     half = release.decide(ctx(136.0, 150, 51, current=10, active=5), back.memory)
@@ -397,7 +397,7 @@ def test_a_pause_longer_than_a_start_up_lets_the_pool_go_where_asked_to() -> Non
     # next step brings nothing back, and the other rules decide.
     held = release.decide(ctx(134.0, 86, 51, current=10), still.memory)
     assert "after a pause" not in held.reason
-    assert held.memory.paused_workers is None
+    assert held.memory.workers_before_pause is None
     # A pause shorter than the start-up, or the default (hold through pauses): held.
     short = BufferPolicy(pause_release_startups=2.0)
     assert (
