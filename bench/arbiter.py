@@ -704,10 +704,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error(f"--seeds must be at least 1, got {args.seeds}")
-    costs_s = {f: getattr(args, f) for f in _COST_OPTIONS.values() if getattr(args, f) is not None}
+    costs_s: dict[str, Any] = {}  # Scenario fields (floats)
     for option, field in _COST_OPTIONS.items():
-        if field in costs_s and not 0 <= costs_s[field] < math.inf:
-            parser.error(f"{option} must be a number >= 0, got {costs_s[field]}")
+        value = getattr(args, field)
+        if value is not None and not 0 <= value < math.inf:
+            parser.error(f"{option} must be a number >= 0, got {value}")
+        if value is not None:
+            costs_s[field] = value
     settings = DEO_SETTINGS
     if args.move_cost_s is not None:
         try:
@@ -718,9 +721,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python bench/arbiter.py" + (f" --seeds {args.seeds}" if args.seeds != 3 else "")
     if args.scenario:
         command += f" --scenario {args.scenario!r}"
-    for option, field in _COST_OPTIONS.items():
-        if field in costs_s:
-            command += f" {option} {costs_s[field]:g}"
+    command += "".join(f" {o} {costs_s[f]:g}" for o, f in _COST_OPTIONS.items() if f in costs_s)
     if args.move_cost_s is not None:
         command += f" --move-cost-s {args.move_cost_s:g}"
     print(f"command: {command}")
