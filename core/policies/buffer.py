@@ -134,7 +134,13 @@ Rules, in order:
    or rule 3 or 2 added to it after this pool had held the queue at the limit) unless demand fell
    by more than a worker makes and by 40%: that count emptied the queue once. At most once per
    max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in the queue before the
-   next.
+   next. Flap damping: each removal that an addition undid while the need D / p had not risen
+   by more than 10% (the removal was wrong: neither a faster trainer nor slower groups made the
+   addition) widens what the next keeps by a whole worker plus
+   the spread, and the excess a removal needs in proportion; such flaps count half as much after
+   an hour, and at most three count. Where jitter alone sometimes starves a count that the need
+   says holds (minute-long groups, whose queue swings from empty to the off-policy limit), the
+   pool then settles higher instead of cycling between that count and a growth.
 
 What no count fixes is reported (``Decision.alerts``): ``offpolicy_stalls`` from the third time
 within 30 minutes the queue fell from the off-policy limit to under a batch with less than a batch
@@ -190,6 +196,12 @@ _PINNED_SHARE = 1 / 10
 _PINNED_STEPS = 2.0
 #: A sample this close to the off-policy limit (in batches, either side) finds the queue full.
 _FULL_SLACK_BATCHES = 1 / 8
+#: A removal undone by an addition while the measured need (D / p) is no more than this share of
+#: what it was then was a flap; flaps count half as much after this long, and at most this many
+#: count.
+_SAME_LOAD = 1.1
+_FLAP_HALF_LIFE_S = 3600.0
+_FLAPS_MAX = 3.0
 #: The trainer left waiting a step with less than a batch landing after the queue fell from the
 #: off-policy limit this many times within the window: reported (``offpolicy_stalls``).
 _STALLS_TO_ALERT = 3
@@ -252,6 +264,13 @@ class BufferMemory:
     last_desired: int | None = None
     last_up_t: float | None = None
     last_down_t: float | None = None
+    #: The need (D / p, in workers) when the pool last went down (0: unknown, or on purpose: a
+    #: saturation test or a pause let go).
+    down_need_workers: float = 0.0
+    #: Removals an addition undid at about the same need, as of ``flaps_t`` (they count half as
+    #: much an hour later).
+    flaps: float = 0.0
+    flaps_t: float = 0.0
     #: When each worker still starting was first counted, oldest first.
     pending_t: tuple[float, ...] = attrs.field(default=(), converter=_floats)
     startup_s: float | None = None
@@ -675,6 +694,19 @@ class BufferPolicy:
             )
         return self._remove(context, memory, figures, batch, per_worker, excess_since, dt)
 
+    def _need(self, memory: BufferMemory) -> float | None:
+        """Workers that make what the trainer takes, as measured (None: not yet)."""
+        per_worker = self.per_worker(memory)
+        if not per_worker or memory.demand_seqs_s is None:
+            return None
+        return memory.demand_seqs_s / per_worker
+
+    @staticmethod
+    def flaps(memory: BufferMemory, t: float) -> float:
+        """Removals undone at about the same demand, each counted half as much an hour on."""
+        age_s = max(t - memory.flaps_t, 0.0)
+        return min(memory.flaps * 0.5 ** (age_s / _FLAP_HALF_LIFE_S), _FLAPS_MAX)
+
     def removal_margin_workers(
         self, memory: BufferMemory, per_worker: float, startup: float, step_s: float
     ) -> float:
@@ -793,7 +825,10 @@ class BufferPolicy:
                 kept = math.ceil(demand / measured + spread - 1e-9)
                 target = max(current - step, kept, floor, 0)
             else:
-                balanced = math.ceil(need - 1e-9) if not full else 0
+                # (Flaps keep more: the count this descent would stop at was undone before.)
+                spread = self.removal_margin_workers(memory, per_worker, startup, step_s)
+                kept = need + self.flaps(memory, t) * (1.0 + spread)
+                balanced = math.ceil(kept - 1e-9) if not full else 0
                 target = max(min(balanced, current - 1), current - step, 0)
             if target < current and since_down >= cooldown:
                 return Decision(
@@ -809,12 +844,15 @@ class BufferPolicy:
                 memory=memory,
             )
         spread = self.removal_margin_workers(memory, per_worker, startup, step_s)
-        margin = 1.0 + spread
+        flaps = self.flaps(memory, t)
+        margin = (1.0 + spread) * (1.0 + flaps)
+        damped = f", {flaps:.1f} removals undone" if flaps >= 0.05 else ""
         excess = current - need
         if excess < margin or floor >= current:
             # Fewer to spare than that: the queue rests higher (a little lag), where a removal
             # would bring the count back up.
             why = f"{short} were short" if floor >= current else f"a removal needs {margin:.2f}"
+            why += damped
             return Decision(
                 target=current,
                 reason=f"{figures}; need {need:.2f} workers, {excess:.2f} over ({why}) "
@@ -828,12 +866,12 @@ class BufferPolicy:
             return Decision(
                 target=current,
                 reason=f"{figures}; need {need:.2f} workers, {excess:.2f} over for "
-                f"{t - since:.0f}s of the {span:.0f}s a removal needs -> hold {current}",
+                f"{t - since:.0f}s of the {span:.0f}s a removal needs{damped} -> hold {current}",
                 memory=memory,
             )
         # The need plus the spread, and the fewest workers that keep the queue inside the band
         # for a start-up (the time it takes to bring one back if this was wrong).
-        kept = math.ceil(need + spread - 1e-9)
+        kept = math.ceil(need + spread + flaps * (1.0 + spread) - 1e-9)
         horizon = startup + 4 * step_s
         safe = math.ceil((demand - (queue - low_seqs) / horizon) / per_worker - 1e-9)
         step = max(1, math.floor(current * self.max_down_fraction))
@@ -842,7 +880,7 @@ class BufferPolicy:
             return Decision(
                 target=target,
                 reason=f"{figures}; need {need:.2f} workers, {excess:.2f} over (a removal needs "
-                f"{margin:.2f}) -> stepping down to {target}",
+                f"{margin:.2f}{damped}) -> stepping down to {target}",
                 memory=replace(memory, excess_since_t=None),
             )
         return Decision(target=current, reason=f"{figures} -> hold {current}", memory=memory)
@@ -1219,8 +1257,16 @@ class BufferPolicy:
         if desired is not None and memory.last_desired is not None:
             if desired > memory.last_desired:
                 changes["last_up_t"] = memory.last_t
+                down, up = memory.last_down_t, memory.last_up_t
+                undone = down is not None and (up is None or down > up)
+                need = self._need(memory)
+                if undone and need is not None and need <= _SAME_LOAD * memory.down_need_workers:
+                    changes.update(flaps=self.flaps(memory, t) + 1.0, flaps_t=t)
             elif desired < memory.last_desired:
                 changes["last_down_t"] = memory.last_t
+                # A saturation test or a pause let go is undone on purpose: never a flap.
+                deliberate = memory.shed_workers > 0 or memory.workers_before_pause is not None
+                changes["down_need_workers"] = 0.0 if deliberate else self._need(memory) or 0.0
         changes["last_desired"] = desired
         # Start-up: the oldest workers still starting are the ones that became active.
         pending = list(memory.pending_t)

@@ -903,6 +903,51 @@ def test_no_removal_goes_back_to_a_count_found_short() -> None:
     assert probe(slower, 9).target < 9
 
 
+def test_a_removal_undone_at_the_same_need_is_a_flap() -> None:
+    # The pool went down to 9 when it needed 8 (D 32 seq/s, p 4); an addition back to 10 with
+    # the need still 8 undoes a wrong removal: one flap, dated.
+    went_down = settled(last_desired=9, last_down_t=60.0, down_need_workers=8.0)
+    undone = probe(went_down, 10).memory
+    assert (undone.flaps, undone.flaps_t) == (1.0, 102.0)
+    # A need that rose by more than a tenth since (a faster trainer, slower groups) made the
+    # addition: load followed, not a flap.
+    assert probe(replace(went_down, down_need_workers=7.0), 10).memory.flaps == 0.0
+    # An addition after an addition, or with no removal before it: not a flap either.
+    assert probe(replace(went_down, last_up_t=80.0), 10).memory.flaps == 0.0
+    assert probe(replace(went_down, last_down_t=None), 10).memory.flaps == 0.0
+    # A removal records the need it went down at; a saturation test or a pause let go goes
+    # down on purpose and records none, so the addition that undoes it is no flap.
+    down = settled(last_desired=12)
+    assert probe(down, 9).memory.down_need_workers == pytest.approx(8.0)
+    assert probe(replace(down, shed_workers=12), 9).memory.down_need_workers == 0.0
+    assert probe(replace(down, workers_before_pause=12), 9).memory.down_need_workers == 0.0
+
+
+def test_flaps_widen_what_a_removal_keeps_and_fade_over_hours() -> None:
+    # Need 32 / 4.4 = 7.3, no spread, removals not capped: 12 workers go to 8 at once; after a
+    # flap the removal needs twice the margin and keeps a worker more (the margin, 1 + spread).
+    policy = BufferPolicy(max_down_fraction=1.0)
+    above = settled(queue_seqs=130.0, last_active=12, last_desired=12, per_worker_seqs_s=4.4)
+    assert probe(above, 12, policy=policy).target == 8
+    flapped = replace(above, flaps=1.0, flaps_t=100.0)
+    decision = probe(flapped, 12, policy=policy)
+    assert decision.target == 9, decision.reason
+    assert "(a removal needs 2.00, 1.0 removals undone) -> stepping down to 9" in decision.reason
+    # Three flaps: a removal needs 4, and 4.7 over is less than twice that: only once it has
+    # lasted (3 start-ups and 8 steps).
+    thrice = probe(replace(above, flaps=3.0, flaps_t=100.0), 12, policy=policy)
+    assert thrice.target == 12, thrice.reason
+    assert "a removal needs, 3.0 removals undone -> hold 12" in thrice.reason
+    # At the off-policy limit the step down stops short of the need by as much: 40 workers
+    # needing 35 step down by a tenth to 36, with three flaps only to 38.
+    limit = settled(queue_seqs=192.0, last_active=40, last_desired=40, per_worker_seqs_s=32 / 35)
+    assert probe(limit, 40).target == 36
+    assert probe(replace(limit, flaps=3.0, flaps_t=100.0), 40).target == 38
+    # A flap counts half as much an hour on; at most three count.
+    assert BufferPolicy.flaps(flapped, 100.0 + 3600.0) == pytest.approx(0.5)
+    assert BufferPolicy.flaps(replace(above, flaps=10.0, flaps_t=100.0), 100.0) == 3.0
+
+
 def test_an_addition_with_the_pool_in_place_marks_the_count_short() -> None:
     # 8 workers for a while, p measured over its window, and the queue would empty within a
     # start-up (8 x 4 < 36 seq/s): more, and 8 is short.
