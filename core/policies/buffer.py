@@ -705,7 +705,8 @@ class BufferPolicy:
     def flaps(memory: BufferMemory, t: float) -> float:
         """Removals undone at about the same demand, each counted half as much an hour on."""
         age_s = max(t - memory.flaps_t, 0.0)
-        return min(memory.flaps * 0.5 ** (age_s / _FLAP_HALF_LIFE_S), _FLAPS_MAX)
+        faded: float = memory.flaps * 0.5 ** (age_s / _FLAP_HALF_LIFE_S)
+        return min(faded, _FLAPS_MAX)
 
     def removal_margin_workers(
         self, memory: BufferMemory, per_worker: float, startup: float, step_s: float
@@ -827,8 +828,8 @@ class BufferPolicy:
             else:
                 # (Flaps keep more: the count this descent would stop at was undone before.)
                 spread = self.removal_margin_workers(memory, per_worker, startup, step_s)
-                kept = need + self.flaps(memory, t) * (1.0 + spread)
-                balanced = math.ceil(kept - 1e-9) if not full else 0
+                keep = need + self.flaps(memory, t) * (1.0 + spread)
+                balanced = math.ceil(keep - 1e-9) if not full else 0
                 target = max(min(balanced, current - 1), current - step, 0)
             if target < current and since_down >= cooldown:
                 return Decision(
