@@ -138,7 +138,8 @@ Rules, in order:
    by more than 10% (the removal was wrong: neither a faster trainer nor slower groups made the
    addition) widens what the next keeps by a whole worker plus
    the spread, and the excess a removal needs in proportion; such flaps count half as much after
-   an hour, and at most three count. Where jitter alone sometimes starves a count that the need
+   an hour, at most three count, and none once the need has fallen by more than 10% since the
+   last (a slower trainer: a new load). Where jitter alone sometimes starves a count that the need
    says holds (minute-long groups, whose queue swings from empty to the off-policy limit), the
    pool then settles higher instead of cycling between that count and a growth.
 
@@ -268,9 +269,10 @@ class BufferMemory:
     #: saturation test or a pause let go).
     down_need_workers: float = 0.0
     #: Removals an addition undid at about the same need, as of ``flaps_t`` (they count half as
-    #: much an hour later).
+    #: much an hour later), and the need at the last of them.
     flaps: float = 0.0
     flaps_t: float = 0.0
+    flap_need_workers: float = 0.0
     #: When each worker still starting was first counted, oldest first.
     pending_t: tuple[float, ...] = attrs.field(default=(), converter=_floats)
     startup_s: float | None = None
@@ -702,8 +704,11 @@ class BufferPolicy:
         return memory.demand_seqs_s / per_worker
 
     @staticmethod
-    def flaps(memory: BufferMemory, t: float) -> float:
-        """Removals undone at about the same demand, each counted half as much an hour on."""
+    def flaps(memory: BufferMemory, t: float, need: float) -> float:
+        """Removals undone at about this need, each counted half as much an hour on (none once
+        the need fell by more than a tenth since the last: a slower trainer, faster groups)."""
+        if need * _SAME_LOAD < memory.flap_need_workers:
+            return 0.0
         age_s = max(t - memory.flaps_t, 0.0)
         faded: float = memory.flaps * 0.5 ** (age_s / _FLAP_HALF_LIFE_S)
         return min(faded, _FLAPS_MAX)
@@ -828,7 +833,7 @@ class BufferPolicy:
             else:
                 # (Flaps keep more: the count this descent would stop at was undone before.)
                 spread = self.removal_margin_workers(memory, per_worker, startup, step_s)
-                keep = need + self.flaps(memory, t) * (1.0 + spread)
+                keep = need + self.flaps(memory, t, need) * (1.0 + spread)
                 balanced = math.ceil(keep - 1e-9) if not full else 0
                 target = max(min(balanced, current - 1), current - step, 0)
             if target < current and since_down >= cooldown:
@@ -845,7 +850,7 @@ class BufferPolicy:
                 memory=memory,
             )
         spread = self.removal_margin_workers(memory, per_worker, startup, step_s)
-        flaps = self.flaps(memory, t)
+        flaps = self.flaps(memory, t, need)
         margin = (1.0 + spread) * (1.0 + flaps)
         damped = f", {flaps:.1f} removals undone" if flaps >= 0.05 else ""
         excess = current - need
@@ -1262,7 +1267,8 @@ class BufferPolicy:
                 undone = down is not None and (up is None or down > up)
                 need = self._need(memory)
                 if undone and need is not None and need <= _SAME_LOAD * memory.down_need_workers:
-                    changes.update(flaps=self.flaps(memory, t) + 1.0, flaps_t=t)
+                    flaps = self.flaps(memory, t, need) + 1.0
+                    changes.update(flaps=flaps, flaps_t=t, flap_need_workers=need)
             elif desired < memory.last_desired:
                 changes["last_down_t"] = memory.last_t
                 # A saturation test or a pause let go is undone on purpose: never a flap.

@@ -909,6 +909,7 @@ def test_a_removal_undone_at_the_same_need_is_a_flap() -> None:
     went_down = settled(last_desired=9, last_down_t=60.0, down_need_workers=8.0)
     undone = probe(went_down, 10).memory
     assert (undone.flaps, undone.flaps_t) == (1.0, 102.0)
+    assert undone.flap_need_workers == pytest.approx(8.0)
     # A need that rose by more than a tenth since (a faster trainer, slower groups) made the
     # addition: load followed, not a flap.
     assert probe(replace(went_down, down_need_workers=7.0), 10).memory.flaps == 0.0
@@ -943,9 +944,14 @@ def test_flaps_widen_what_a_removal_keeps_and_fade_over_hours() -> None:
     limit = settled(queue_seqs=192.0, last_active=40, last_desired=40, per_worker_seqs_s=32 / 35)
     assert probe(limit, 40).target == 36
     assert probe(replace(limit, flaps=3.0, flaps_t=100.0), 40).target == 38
-    # A flap counts half as much an hour on; at most three count.
-    assert BufferPolicy.flaps(flapped, 100.0 + 3600.0) == pytest.approx(0.5)
-    assert BufferPolicy.flaps(replace(above, flaps=10.0, flaps_t=100.0), 100.0) == 3.0
+    # A flap counts half as much an hour on; at most three count; none once the need has
+    # fallen by more than a tenth since the last (a slower trainer: a new load).
+    at_need = replace(flapped, flap_need_workers=7.0)
+    assert BufferPolicy.flaps(at_need, 100.0 + 3600.0, 7.0) == pytest.approx(0.5)
+    assert BufferPolicy.flaps(replace(at_need, flaps=10.0), 100.0, 7.0) == 3.0
+    assert BufferPolicy.flaps(at_need, 100.0, 6.0) == 0.0
+    assert probe(replace(at_need, demand_seqs_s=20.0, fast_demand_seqs_s=20.0,
+                         last_advance_t=98.0), 12, policy=policy).target == 5  # fmt: skip
 
 
 def test_an_addition_with_the_pool_in_place_marks_the_count_short() -> None:
