@@ -136,12 +136,12 @@ Rules, in order:
    max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in the queue before the
    next. Flap damping: each removal that an addition undid while the need D / p had not risen
    by more than 10% (the removal was wrong: neither a faster trainer nor slower groups made the
-   addition) widens what the next keeps by a whole worker plus
-   the spread, and the excess a removal needs in proportion; such flaps count half as much after
-   an hour, at most three count, and none once the need has fallen by more than 10% since the
-   last (a slower trainer: a new load). Where jitter alone sometimes starves a count that the need
-   says holds (minute-long groups, whose queue swings from empty to the off-policy limit), the
-   pool then settles higher instead of cycling between that count and a growth.
+   addition) widens what later removals keep by a whole worker plus the spread, and the excess
+   a removal needs in proportion; such flaps count half as much after an hour, at most three
+   count, and none once the need has fallen by more than 10% since the last (a slower trainer:
+   a new load). Where jitter alone sometimes starves a count that the need says holds
+   (minute-long groups, whose queue swings from empty to the off-policy limit), the pool then
+   settles higher instead of cycling between that count and a growth.
 
 What no count fixes is reported (``Decision.alerts``): ``offpolicy_stalls`` from the third time
 within 30 minutes the queue fell from the off-policy limit to under a batch with less than a batch
