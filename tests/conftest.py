@@ -19,6 +19,7 @@ from last_use import (  # the hooks end the Ray cluster after its last test
     pytest_runtest_teardown,
     pytest_sessionfinish,
 )
+from spawned import stop_process
 from waiting import wait_for
 
 from adapters.sim.driver import simulate
@@ -88,9 +89,8 @@ class AtroposApi:
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc)
         self.proc = None
 
     def register_trainer(self, batch_size_seqs: int) -> None:

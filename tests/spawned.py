@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 
 from bench.soak import alive, processes_with
 
-__all__ = ["MARKER_ENV", "alive", "kill_marked", "marked_processes"]
+__all__ = ["MARKER_ENV", "alive", "kill_marked", "marked_processes", "stop_process"]
 
 MARKER_ENV = "TEST_DEO_MARKER"
 
@@ -30,3 +31,16 @@ def kill_marked(marker: str) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGCONT)
             os.killpg(pid, signal.SIGKILL)
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
+    """SIGTERM ``proc`` and reap it; SIGKILL it if it has not exited within ``grace_s`` (a
+    server's graceful shutdown waits for its open connections, slowly on a loaded machine)."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import AtroposApi
+from spawned import stop_process
 from test_run import Deo, deo, pool, verified
 from waiting import wait_for
 
@@ -48,8 +49,7 @@ def trainer(tmp_path: Path) -> Iterator[Callable[[str, str], subprocess.Popen[by
 
     yield start
     for proc in started:
-        proc.terminate()
-        proc.wait(10)
+        stop_process(proc)
 
 
 def envs_pool(api: AtroposApi, *, latency_s: float, max_workers: int = 5, **fields: Any) -> str:
