@@ -115,9 +115,12 @@ Rules, in order:
    nothing shorter), and, unless it exceeds it by twice that, for 3 start-ups and 8 steps in a row.
    The removal goes to max(ceil(need + spread), safe, count - ``max_down_fraction`` x count), where
    safe is the fewest workers that keep the queue inside the band for a start-up at the measured
-   demand. p measured before a removal stays the pool's after it (each worker left makes at least
-   what it made); after a growth it is measured afresh for two start-ups. At the off-policy limit
-   (where p is then not measured and rests on its bound) a twentieth of the pool at a time; with
+   demand; workers still starting (they make nothing yet) go beyond that share, down to the
+   workers up or twice the need, whichever is more (a cold pool that went to the maximum, its
+   need measured from its first wave). p measured before a removal stays the pool's after it
+   (each worker left makes at least what it made); after a growth it is measured afresh for two
+   start-ups. At the off-policy limit (where p is then not measured and rests on its bound) a
+   twentieth of the pool at a time; with
    the queue held there for a whole cooldown, up to a tenth: the share whose shortfall (at most
    that share of D, since every worker makes at least D / n) the two batches above the band cover
    for a start-up, 2 steps / start-up. With the queue full (within an eighth of a batch of the
@@ -197,6 +200,8 @@ _PINNED_SHARE = 1 / 10
 _PINNED_STEPS = 2.0
 #: A sample this close to the off-policy limit (in batches, either side) finds the queue full.
 _FULL_SLACK_BATCHES = 1 / 8
+#: A removal keeps workers still starting only up to this many times the need.
+_STARTING_NEEDS = 2.0
 #: A removal undone by an addition while the measured need (D / p) is no more than this share of
 #: what it was then was a flap; flaps count half as much after this long, and at most this many
 #: count.
@@ -882,11 +887,22 @@ class BufferPolicy:
         safe = math.ceil((demand - (queue - low_seqs) / horizon) / per_worker - 1e-9)
         step = max(1, math.floor(current * self.max_down_fraction))
         target = min(max(safe, kept, floor, current - step, 0), current)
+        starting = ""
+        if current > context.active:
+            # Workers still starting make nothing yet: ``max_down_fraction``, the most a wrong
+            # estimate may take from the trainer at once, does not hold them back. Those beyond
+            # twice the need go (a cold pool's first groups may read p high by half).
+            wanted = math.ceil(_STARTING_NEEDS * need - 1e-9)
+            spare = max(context.active, wanted, kept, floor, safe)
+            if spare < target:
+                target = spare
+                going = current - target
+                starting = f" (the {going} going are still starting; twice the need stays)"
         if target < current and since_down >= cooldown:
             return Decision(
                 target=target,
                 reason=f"{figures}; need {need:.2f} workers, {excess:.2f} over (a removal needs "
-                f"{margin:.2f}{damped}) -> stepping down to {target}",
+                f"{margin:.2f}{damped}) -> stepping down to {target}{starting}",
                 memory=replace(memory, excess_since_t=None),
             )
         return Decision(target=current, reason=f"{figures} -> hold {current}", memory=memory)

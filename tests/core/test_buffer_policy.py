@@ -570,10 +570,11 @@ def test_properties(
             # removals: at most a quarter (or the fraction) at once, only from above the band
             # as smoothed and as last sampled, never without a demand estimate; at the
             # off-policy limit, workers not yet up may all go (they make nothing yet)
-            if "not yet up" in decision.reason:
+            if "not yet up" in decision.reason or "still starting" in decision.reason:
                 assert decision.target >= context.active
+            if "not yet up" in decision.reason:
                 assert queued >= 0.8 * policy.max_batches_offpolicy * batch
-            else:
+            elif "still starting" not in decision.reason:
                 assert decision.target >= current - max(1, math.floor(current * fraction))
             band_top = (policy.target(after, batch) + policy.band_batches) * batch
             assert after.queue_seqs > band_top
@@ -887,6 +888,22 @@ def test_p_measured_before_a_removal_holds_after_it_but_not_after_a_growth() -> 
     again = probe(replace(grown.memory, last_down_t=0.0), 44, desired=44)
     assert again.target == 40, again.reason
     assert "queue at the off-policy limit -> stepping down to 40" in again.reason
+
+
+def test_workers_still_starting_beyond_twice_the_need_go_at_once() -> None:
+    # A cold pool asked for 40; 12 are up and the need reads 8.04 (D 32 seq/s, p 3.98 with
+    # this sample in): a removal takes at most a quarter of the pool (max_down_fraction), but
+    # the 28 starting make nothing yet, so those beyond twice the need go with it: 40 -> 17.
+    above = settled(queue_seqs=130.0, last_active=12, last_desired=40)
+    decision = probe(above, 40, active=12)
+    assert decision.target == 17, decision.reason
+    assert "stepping down to 17 (the 23 going are still starting; twice the need stays)" in (
+        decision.reason
+    )
+    # More up than that: only the starting ones go (the workers up stay for the usual rules).
+    assert probe(replace(above, last_active=20), 40, active=20).target == 20
+    # All up: a quarter at a time, as before.
+    assert probe(replace(above, last_active=40), 40, active=40).target == 30
 
 
 def test_no_removal_goes_back_to_a_count_found_short() -> None:
