@@ -967,6 +967,7 @@ def test_flaps_widen_what_a_removal_keeps_and_fade_over_hours() -> None:
     assert BufferPolicy.flaps(at_need, 100.0 + 3600.0, 7.0) == pytest.approx(0.5)
     assert BufferPolicy.flaps(replace(at_need, flaps=10.0), 100.0, 7.0) == 3.0
     assert BufferPolicy.flaps(at_need, 100.0, 6.0) == 0.0
+    # (A trainer slowed to 20 seq/s: need 4.5, the flaps made at 7 no longer count: 12 -> 5.)
     assert probe(replace(at_need, demand_seqs_s=20.0, fast_demand_seqs_s=20.0,
                          last_advance_t=98.0), 12, policy=policy).target == 5  # fmt: skip
 
