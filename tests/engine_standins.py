@@ -10,6 +10,7 @@ from pathlib import Path
 from types import TracebackType
 
 import httpx
+from spawned import stop_process
 from waiting import wait_for
 
 from bench.ports import reserve_port
@@ -99,12 +100,8 @@ class Standin:
             self.proc.wait(timeout=30)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.proc is not None:
+            stop_process(self.proc, grace_s=30.0)
 
     def __enter__(self) -> Standin:
         return self.start()

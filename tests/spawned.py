@@ -43,4 +43,4 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
         proc.wait(grace_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=30)
