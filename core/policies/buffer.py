@@ -97,9 +97,10 @@ Rules, in order:
    the pool holds. Saturation is judged on the production measured, never on p x workers.
 3. Add: a queue below the target that, projected a start-up ahead (or a step, where a step is
    longer; workers still starting count from half-way through a start-up), would fall below the
-   band's bottom x min(step / start-up, 1), or stays below the band: up to max(n, balance,
+   band's bottom x min(step / start-up, 1)^2, or stays below the band: up to max(n, balance,
    count + 1) (not the + 1 while workers are still starting). Over a start-up of many steps
-   the queue falls smoothly at the measured drift, and the bound is about empty; a trainer
+   the queue falls smoothly at the measured drift, and the bound is about empty (a larger one
+   adds workers on the rates' noise: a reversal an hour more on a steady load); a trainer
    that steps seldom takes a whole batch at a time, and the queue, smoothed over two steps,
    reads a step late, so there the pool grows before the queue leaves the band, where the
    trainer starts to wait (a batch of 1024 every 44 s with 10-s start-ups: 4.1-5.2% of the
@@ -641,10 +642,11 @@ class BufferPolicy:
             # The queue is projected a start-up ahead, at the drift the rates give. A trainer
             # that steps seldom takes a whole batch at a time and the queue, smoothed over two
             # steps, reads a step late: look a step ahead at least, and add before the queue
-            # would fall below the band's bottom (where the trainer starts to wait) in the
-            # proportion step / start-up; over a start-up of many steps, before it would empty.
+            # would fall below the band's bottom (where the trainer starts to wait), scaled by
+            # (step / start-up) squared; over a start-up of many steps, before it would empty
+            # (a larger bound there adds workers on the rates' noise).
             horizon = max(startup, step_s) if math.isfinite(step_s) else startup
-            floor_seqs = low_seqs * min(step_s / startup, 1.0)
+            floor_seqs = low_seqs * min(step_s / startup, 1.0) ** 2
             # Workers still starting produce only once started: credit them for the part of
             # the horizon after half a start-up (they are, on average, half-way there).
             starting = max(context.current - context.active, 0)
