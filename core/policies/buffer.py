@@ -30,7 +30,11 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
   falls short (a fall that came with more workers may be a saturating inference service).
   For its first settle time of measurement p counts intervals soon after the queue was near
   the limit too (a queue that nears it every few steps would leave p unmeasured). At the
-  limit a queue that stays full proves p >= D / active, which is used when higher;
+  limit a queue that stays full proves p >= D / active, which is used when higher; so does a
+  queue held above the band's top that was near the limit within a settle time (there p is
+  left to the intervals after each visit, when the groups the limit cancelled are still in
+  generation, and reads low: a large pool read 0.73-0.79 seq/s per worker for half an hour
+  while its 117-127 workers held the queue up there, which proves 1.0-1.1);
 * the start-up time T: from the sample at which a worker was first counted to the one at which it
   was first active (``startup_prior_s`` until one has been seen, or the age of the oldest worker
   still starting when longer);
@@ -566,10 +570,22 @@ class BufferPolicy:
         demand, per_worker = memory.demand_seqs_s, self.per_worker(memory)
         queue = memory.queue_seqs
         measurable = queue < self._offpolicy_seqs(batch)
-        if demand and not measurable and context.active:
+        # Held up: above the band's top (the queue and its latest sample), near the off-policy
+        # limit within a settle time. p is measured only away from the limit, so a queue that
+        # hovers just below it leaves p to the intervals after each visit there, when the
+        # groups the limit cancelled are still in generation, and p reads low (a cold start's
+        # first reading, half the true one, can stand for minutes).
+        high_seqs = (self.target(memory, batch) + self.band_batches) * batch
+        held_up = (
+            bool(demand)
+            and memory.limit_t is not None
+            and t - memory.limit_t < _settle_s(batch / demand if demand else None)
+            and min(queue, raw) > high_seqs
+        )
+        if demand and (not measurable or held_up) and context.active:
             # At the off-policy limit the envs hold back, so p cannot be measured there (and an
-            # old measurement may read low); but a queue that stays full means every active
-            # worker makes at least D / active.
+            # old measurement may read low); but a queue that stays full, or held up, means
+            # every active worker makes at least D / active.
             per_worker = max(per_worker or 0.0, demand / context.active)
         if not per_worker or demand is None:  # not measured yet (or nothing produced)
             return self._without_rates(context, memory, queue / batch)
@@ -605,7 +621,6 @@ class BufferPolicy:
             f"{per_worker:.2f} seq/s per worker, start-up {startup:.0f}s"
         )
         low_seqs = (target_batches - self.band_batches) * batch
-        high_seqs = (target_batches + self.band_batches) * batch
         since_up = math.inf if memory.last_up_t is None else t - memory.last_up_t
         since_down = math.inf if memory.last_down_t is None else t - memory.last_down_t
         # Fed, the queue holds a batch or more before each step; starving, it never reaches one

@@ -339,6 +339,25 @@ def test_band_decisions(queue: float, count: int, expected: int, why: str) -> No
     assert why in decision.reason
 
 
+def test_a_queue_held_up_near_the_limit_bounds_production_per_worker_from_below() -> None:
+    # 40 workers hold the queue at 2.3 batches (above the band, below 0.8 of the limit), near
+    # the limit 1 s ago: they make at least D / 40 = 0.8 seq/s each, where p, measured only
+    # after the visits there, reads 0.5 (a need of 64: the pool would be held as short).
+    def decide(limit_t: float | None, queue: float = 150.0) -> Decision:
+        memory = settled(queue_seqs=queue, per_worker_seqs_s=0.5, recent_per_worker_seqs_s=0.5,
+                         limit_t=limit_t, last_active=40, last_desired=40)  # fmt: skip
+        return probe(memory, 40)
+
+    held = decide(limit_t=99.0)
+    assert "0.80 seq/s per worker" in held.reason
+    assert held.target == 39, held.reason  # the pool steps down as at the limit
+    # Not near the limit for longer than a settle time (4 steps, 10 s at least): p as measured.
+    assert "0.50 seq/s per worker" in decide(limit_t=50.0).reason
+    assert decide(limit_t=None).target == 40
+    # Inside the band the queue may be falling: p as measured.
+    assert "0.50 seq/s per worker" in decide(limit_t=99.0, queue=90.0).reason
+
+
 def test_never_removes_while_the_latest_sample_is_not_above_the_band() -> None:
     # The smoothed queue reads 2 batches (above the band top 96), the sample just drained.
     decision = probe(settled(queue_seqs=130.0), 10, queued=16)
