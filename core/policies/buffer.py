@@ -577,9 +577,8 @@ class BufferPolicy:
         # first reading, half the true one, can stand for minutes).
         high_seqs = (self.target(memory, batch) + self.band_batches) * batch
         held_up = (
-            bool(demand)
-            and memory.limit_t is not None
-            and t - memory.limit_t < _settle_s(batch / demand if demand else None)
+            memory.limit_t is not None
+            and t - memory.limit_t < _settle_s(self.step_s(memory, batch))
             and min(queue, raw) > high_seqs
         )
         if demand and (not measurable or held_up) and context.active:
