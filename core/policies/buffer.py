@@ -575,7 +575,8 @@ class BufferPolicy:
         # hovers just below it leaves p to the intervals after each visit there, when the
         # groups the limit cancelled are still in generation, and p reads low (a cold start's
         # first reading, half the true one, can stand for minutes).
-        high_seqs = (self.target(memory, batch) + self.band_batches) * batch
+        target_batches = self.target(memory, batch)
+        high_seqs = (target_batches + self.band_batches) * batch
         held_up = (
             memory.limit_t is not None
             and t - memory.limit_t < _settle_s(self.step_s(memory, batch))
@@ -592,7 +593,6 @@ class BufferPolicy:
         startup = self.startup(memory)
         step_s = batch / demand if demand > 0 else math.inf
         refill = self.refill_s or 2 * (startup + 4.0)
-        target_batches = self.target(memory, batch)
         target_seqs = target_batches * batch
         error = target_seqs - queue
         # PI on the buffer error with conditional integration (anti-windup).
