@@ -1,0 +1,51 @@
+"""The buffer policy's fixed numbers, each with why (the tunables are its parameters)."""
+
+#: Steps the demand estimate spans, and the quick estimate that catches a speed-up.
+DEMAND_STEPS = 30.0
+FAST_STEPS = 3.0
+#: Steps without an advance, with a batch waiting, that make a pause.
+PAUSE_STEPS = 4.0
+#: A removal within twice its margin waits this many start-ups plus trainer steps of excess.
+REMOVAL_STARTUPS = 3.0
+REMOVAL_STEPS = 8.0
+#: Starving, no batch for the time the pool makes this many at its measured rate: an outage.
+OUTAGE_BATCHES = 2.0
+#: Start-ups a knee found by removals (the count the shared inference saturates at) holds.
+KNEE_STARTUPS = 30.0
+#: Production per worker below this share of its best at the maximum: a sign of saturation.
+FELL = 0.7
+#: A smaller pool whose production fell by less than this share of the workers removed (a
+#: quarter of a proportional fall): saturated.
+HELD = 0.25
+#: A step past the knee loses what it removes until it is judged and brought back: at most this
+#: many seconds of the pool's production (1% of an hour) per step, and at most a quarter.
+PAST_KNEE_COST_S = 36.0
+SHED_MAX_SHARE = 1 / 4
+#: At the off-policy limit a removal takes a twentieth of the pool; with the queue held there
+#: for a whole cooldown, up to a tenth (the batches the full queue holds above the band cover
+#: the shortfall for this many trainer steps per start-up).
+LIMIT_SHARE = 1 / 20
+PINNED_SHARE = 1 / 10
+PINNED_STEPS = 2.0
+#: A sample this close to the off-policy limit (in batches, either side) finds the queue full.
+FULL_SLACK_BATCHES = 1 / 8
+#: A removal keeps workers still starting only up to this many times the need.
+STARTING_NEEDS = 2.0
+#: A removal undone by an addition while the measured need (D / p) is no more than this share of
+#: what it was then was a flap; flaps count half as much after this long, and at most this many
+#: count.
+SAME_LOAD = 1.1
+FLAP_HALF_LIFE_S = 3600.0
+FLAPS_MAX = 3.0
+#: The trainer left waiting a step with less than a batch landing after the queue fell from the
+#: off-policy limit this many times within the window: reported (``offpolicy_stalls``).
+STALLS_TO_ALERT = 3
+STALL_WINDOW_S = 1800.0
+#: A growth while starving passes its test early on what the grown pool made over this many
+#: steps (and seconds) once its workers were in.
+PROBE_STEPS = 8.0
+PROBE_MIN_S = 30.0
+#: p is also measured over this share of its window; where that reads this share of p or
+#: less, production per worker is falling (groups growing longer) and it is used instead.
+RECENT_WINDOW_SHARE = 1 / 4
+FALLING = 0.9

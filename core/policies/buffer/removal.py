@@ -1,0 +1,198 @@
+"""The buffer policy's rule 5: removing workers from a queue above the band, and at the
+off-policy limit, where production per worker cannot be measured."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from core.policies.base import Decision, PolicyContext
+from core.policies.buffer.constants import (
+    LIMIT_SHARE,
+    PINNED_SHARE,
+    PINNED_STEPS,
+    REMOVAL_STARTUPS,
+    REMOVAL_STEPS,
+    STARTING_NEEDS,
+)
+from core.policies.buffer.memory import BufferMemory, settle_s
+from core.records import replace
+
+if TYPE_CHECKING:
+    from core.policies.buffer.policy import BufferPolicy
+
+__all__ = ["remove"]
+
+
+def remove(
+    policy: BufferPolicy,
+    context: PolicyContext,
+    memory: BufferMemory,
+    figures: str,
+    batch: int,
+    per_worker: float,
+    excess_since: float | None,
+    interval_s: float,
+) -> Decision:
+    """Rule 5: the queue is above the band. Whole workers and a fractional need would
+    alternate between neighbouring counts, so a removal keeps the need plus the production
+    spread, needs a whole worker more than that, and, unless the excess is clear (twice
+    that), an excess lasting a window that spans the jitter. It never goes back to a count
+    found short while demand has not fallen by more than a worker makes."""
+    t, current = context.t, policy.in_force(context)
+    demand = memory.demand_seqs_s or 0.0
+    queue = memory.queue_seqs
+    startup = policy.startup(memory)
+    step_s = batch / demand if demand > 0 else math.inf
+    low_seqs = (policy.target(memory, batch) - policy.band_batches) * batch
+    since_down = math.inf if memory.last_down_t is None else t - memory.last_down_t
+    # A removal shows in the queue once the workers' last groups are in: a start-up (the
+    # time to bring one back if it was wrong) before the next.
+    cooldown = max(policy.down_cooldown_s, startup, min(4 * step_s, 2 * startup))
+    floor = 0
+    short = memory.short_workers
+    # Demand estimates wander by a quarter when steps are short and uneven; a real fall
+    # (a slower trainer) is more than that and more than a worker makes.
+    fell = min(memory.short_demand_seqs_s - per_worker, 0.6 * memory.short_demand_seqs_s)
+    if short is not None and demand > fell:
+        floor = short + 1
+    settle = settle_s(step_s)
+    at_limit = queue >= policy.offpolicy_seqs(batch) or (
+        memory.limit_t is not None and t - memory.limit_t < settle
+    )
+    # p measured over two start-ups of the present pool is trusted over its bound.
+    measured = policy.per_worker(memory)
+    fresh = memory.fresh_s >= 2 * startup and measured is not None
+    if fresh and measured:
+        per_worker = measured
+    need = demand / per_worker
+    pinned = memory.away_t is None or t - memory.away_t >= cooldown
+    # Held at the limit for a cooldown by the workers up (seen away from it before, so not
+    # a pool that came to this policy there): those still starting would make nothing the
+    # trainer takes. (Not sooner: a worker's first groups all start together and the
+    # fastest land first, so a queue that has just reached the limit proves little.) (Not
+    # within a cooldown of a worker exiting early: those starting may be its replacements,
+    # and their retries are what tells a crash loop.)
+    held = memory.away_t is not None and t - memory.away_t >= cooldown
+    pending = current - max(context.active, floor)
+    assert context.queue is not None
+    full_now = min(queue, context.queue.queued_sequences) >= policy.offpolicy_seqs(batch)
+    failed = context.last_failure_t is not None and t - context.last_failure_t < cooldown
+    if full_now and held and pending > 0 and not failed:
+        return Decision(
+            target=current - pending,
+            reason=f"{figures}; queue at the off-policy limit with {context.active} "
+            f"workers up -> {current - pending} (the {pending} not yet up are not needed)",
+            memory=memory,
+        )
+    if at_limit and not fresh:
+        # The envs hold back at the off-policy limit, so p is not measured there and may
+        # rest on its lower bound D / active (every estimate of the need reads high): step
+        # down by a twentieth of the pool until the queue leaves the limit, never to a
+        # count found short.
+        share, how = LIMIT_SHARE, "a twentieth of the pool"
+        covered = step_s * PINNED_STEPS / startup if startup > 0 else PINNED_SHARE
+        if not floor and pinned and covered > share:
+            # Held at the limit for a whole cooldown, every worker makes at least D / n:
+            # removing a share f leaves at most f x D short should the need lie just
+            # below. The batches the full queue holds above the band cover that for
+            # two steps / f, the start-up it takes to bring workers back when
+            # f = 2 steps / start-up. At most a tenth (and max_down_fraction): with heavy
+            # tails a pool held at the limit can fall short once the queue leaves it (the
+            # off-policy stop discards the long groups, so a full queue overstates what
+            # the pool makes).
+            share = min(covered, PINNED_SHARE, policy.max_down_fraction)
+            how = f"{share:.0%} of the pool, the queue held there for {cooldown:.0f}s"
+        step = max(1, math.floor(current * share))
+        # Full at every sample for a cooldown while the trainer took batches: each batch
+        # taken was made again within a sample interval, so the pool makes at least
+        # D x (1 + step / interval), and removing step / (interval + step) of it still
+        # makes D. (Not sooner than a cooldown: with heavy tails a pool held at the limit
+        # refills from its shortest groups, and what it makes once the queue leaves the
+        # limit shows only later.)
+        full_s = 0.0 if memory.full_since_t is None else t - memory.full_since_t
+        taken = context.queue.trainer_step - memory.full_since_step
+        full = not floor and full_s >= cooldown and taken >= 2
+        if full:
+            interval_s = interval_s if interval_s > 0 else step_s
+            share = min(policy.max_down_fraction, step_s / (interval_s + step_s))
+            step = max(1, math.floor(current * share))
+            how = f"{share:.0%} of the pool, the queue full at every sample for {full_s:.0f}s"
+        if floor:
+            # A count was found short, with p measured as the queue drained: down to the
+            # need plus the spread, never below what was short.
+            measured = measured or per_worker
+            spread = policy.removal_margin_workers(memory, measured, startup, step_s)
+            kept = math.ceil(demand / measured + spread - 1e-9)
+            target = max(current - step, kept, floor, 0)
+        else:
+            # (Flaps keep more: the count this descent would stop at was undone before.)
+            spread = policy.removal_margin_workers(memory, per_worker, startup, step_s)
+            keep = need + policy.flaps(memory, t, need) * (1.0 + spread)
+            balanced = math.ceil(keep - 1e-9) if not full else 0
+            target = max(min(balanced, current - 1), current - step, 0)
+        if target < current and since_down >= cooldown:
+            return Decision(
+                target=target,
+                reason=f"{figures}; queue at the off-policy limit -> stepping down to "
+                f"{target} (at most {how} at a time)",
+                memory=memory,
+            )
+        why = f", {short} were short" if floor >= current else ""
+        return Decision(
+            target=current,
+            reason=f"{figures}; queue at the off-policy limit{why} -> hold {current}",
+            memory=memory,
+        )
+    spread = policy.removal_margin_workers(memory, per_worker, startup, step_s)
+    flaps = policy.flaps(memory, t, need)
+    margin = (1.0 + spread) * (1.0 + flaps)
+    damped = f", {flaps:.1f} removals undone" if flaps >= 0.05 else ""
+    excess = current - need
+    if excess < margin or floor >= current:
+        # Fewer to spare than that: the queue rests higher (a little lag), where a removal
+        # would bring the count back up.
+        why = f"{short} were short" if floor >= current else f"a removal needs {margin:.2f}"
+        why += damped
+        return Decision(
+            target=current,
+            reason=f"{figures}; need {need:.2f} workers, {excess:.2f} over ({why}) "
+            f"-> hold {current}",
+            memory=memory,
+        )
+    since = excess_since if excess_since is not None else t
+    memory = replace(memory, excess_since_t=since)
+    span = REMOVAL_STARTUPS * startup + REMOVAL_STEPS * min(step_s, startup)
+    if excess < 2 * margin and t - since < span:
+        return Decision(
+            target=current,
+            reason=f"{figures}; need {need:.2f} workers, {excess:.2f} over for "
+            f"{t - since:.0f}s of the {span:.0f}s a removal needs{damped} -> hold {current}",
+            memory=memory,
+        )
+    # The need plus the spread, and the fewest workers that keep the queue inside the band
+    # for a start-up (the time it takes to bring one back if this was wrong).
+    kept = math.ceil(need + spread + flaps * (1.0 + spread) - 1e-9)
+    horizon = startup + 4 * step_s
+    safe = math.ceil((demand - (queue - low_seqs) / horizon) / per_worker - 1e-9)
+    step = max(1, math.floor(current * policy.max_down_fraction))
+    target = min(max(safe, kept, floor, current - step, 0), current)
+    starting = ""
+    if current > context.active:
+        # Workers still starting make nothing yet: ``max_down_fraction``, the most a wrong
+        # estimate may take from the trainer at once, does not hold them back. Those beyond
+        # twice the need go (a cold pool's first groups may read p high by half).
+        wanted = math.ceil(STARTING_NEEDS * need - 1e-9)
+        spare = max(context.active, wanted, kept, floor, safe)
+        if spare < target:
+            target = spare
+            going = current - target
+            starting = f" (the {going} going are still starting; twice the need stays)"
+    if target < current and since_down >= cooldown:
+        return Decision(
+            target=target,
+            reason=f"{figures}; need {need:.2f} workers, {excess:.2f} over (a removal needs "
+            f"{margin:.2f}{damped}) -> stepping down to {target}{starting}",
+            memory=replace(memory, excess_since_t=None),
+        )
+    return Decision(target=current, reason=f"{figures} -> hold {current}", memory=memory)
