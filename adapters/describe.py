@@ -8,9 +8,17 @@ from core import commands as c
 from core import events as e
 from core.drains import drain_timeout
 from core.lifecycle import WorkerState
-from core.state import State, split_worker_id
+from core.state import HeldChange, State, split_worker_id
 
-__all__ = ["at", "command_line", "event_line", "event_subject", "pool_summary", "state_lines"]
+__all__ = [
+    "at",
+    "command_line",
+    "event_line",
+    "event_subject",
+    "held_line",
+    "pool_summary",
+    "state_lines",
+]
 
 
 #: Times above this are Unix wall-clock seconds (deo run); below, seconds of a simulation.
@@ -137,6 +145,8 @@ def pool_summary(state: State, name: str) -> str:
         flags.append(f"{pool.failures} failures{waits}")
     if pool.source_error:
         flags.append(f"source down: {pool.source_error}")
+    if pool.held is not None:
+        flags.append(held_line(pool.held))
     pressure = ""
     if pool.queue is not None:
         q = pool.queue
@@ -151,6 +161,14 @@ def pool_summary(state: State, name: str) -> str:
         pressure += f"; drain deadline {seconds:g}s ({why})"
     return (
         f"{name}: target {pool.target} ({', '.join(flags)}); workers: {workers or 'none'}{pressure}"
+    )
+
+
+def held_line(held: HeldChange) -> str:
+    """A removal the stabilization window holds back, in words."""
+    return (
+        f"stabilization window holds a removal to {held.target} until {at(held.until_t)}, "
+        f"asked since {at(held.since_t)}: {held.reason}"
     )
 
 

@@ -23,7 +23,15 @@ from core.policies.base import Policy
 from core.records import replaceable
 from core.vocabulary import AlertName, StopCause, as_alert_name, as_cordon_causes, as_stop_cause
 
-__all__ = ["Gpu", "PoolState", "State", "Worker", "count_workers", "split_worker_id"]
+__all__ = [
+    "Gpu",
+    "HeldChange",
+    "PoolState",
+    "State",
+    "Worker",
+    "count_workers",
+    "split_worker_id",
+]
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -183,6 +191,22 @@ class Gpu:
 
 @replaceable
 @attrs.frozen(slots=True, kw_only=True)
+class HeldChange:
+    """A removal the pool's policy asks for that the stabilization window holds back: HPA's
+    ``ScaleDownStabilized``. It is state, not a command (nothing is done), so it shows in
+    ``deo status`` and ``deo replay --at`` without adding records to the log."""
+
+    #: The count the policy asks for, and since when it has asked for less than the pool holds.
+    target: int
+    since_t: float
+    #: When the window closes (the last scale-up plus ``stabilization_s``).
+    until_t: float
+    #: The policy's latest reason.
+    reason: str
+
+
+@replaceable
+@attrs.frozen(slots=True, kw_only=True)
 class PoolState:
     """One pool: its spec, target, overrides, pressure and crash-loop bookkeeping."""
 
@@ -214,6 +238,8 @@ class PoolState:
     #: ``crash_loop.backoff_s(failures)`` after the failure.
     retries: tuple[tuple[float, int], ...] = attrs.field(default=(), converter=_retry_tuple)
     last_scale_up_t: float | None = None
+    #: The removal the stabilization window holds back now (None: none).
+    held: HeldChange | None = None
     #: An operator woke every engine (``EnginesWakeRequested``): ``pinned`` holds them awake
     #: until autoscaling is resumed or, if set, until ``wake_hold_until_t``.
     wake_held: bool = False

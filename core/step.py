@@ -22,7 +22,7 @@ from core.errors import UnknownSubject
 from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
 from core.policies import BUILT_INS, POLICY_ALERTS, Policy, PolicyCatalog, PolicyContext
 from core.records import replace
-from core.state import Gpu, PoolState, State, Worker, split_worker_id
+from core.state import Gpu, HeldChange, PoolState, State, Worker, split_worker_id
 from core.vocabulary import PLANNED_STOPS, STICKY_CAUSES, AlertName, DecisionSource, StopCause
 
 __all__ = [
@@ -642,13 +642,23 @@ class Step:
     ) -> PoolState:
         spec = pool.spec
         target = min(max(target, spec.min_workers), spec.max_workers)
+        policy = source is DecisionSource.POLICY
+        before = pool.held
+        if policy and before is not None:
+            pool = replace(pool, held=None)  # set again below while the window holds a removal
         if target == pool.desired:
             return pool
-        policy = source is DecisionSource.POLICY
         if policy and target < pool.desired and pool.last_scale_up_t is not None:
             since = self.t - pool.last_scale_up_t
             if since < spec.stabilization_s:
-                return pool  # no flapping: hold within the stabilization window
+                # No flapping: hold within the stabilization window, and say so (status, replay).
+                held = HeldChange(
+                    target=target,
+                    since_t=self.t if before is None else before.since_t,
+                    until_t=pool.last_scale_up_t + spec.stabilization_s,
+                    reason=why,
+                )
+                return replace(pool, held=held)
         if pool.failures and self.t < pool.backoff_until_t:
             running = self.worker_counts.get(spec.name, (0, 0))[0]
             why += (
@@ -716,6 +726,8 @@ class Step:
                 decision.reason,
                 stabilize=decision.stabilize,
             )
+        elif pool.held is not None:
+            pool = replace(pool, held=None)  # an operator holds the count: no removal is waiting
         self.put_pool(pool)
 
     def follow_policy_alerts(

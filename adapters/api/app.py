@@ -361,6 +361,15 @@ def _pool_json(runner: Runner, state: State, name: str, pool: PoolState) -> dict
         "last_failure_t": pool.last_failure_t,
         "backoff_until_t": pool.backoff_until_t,
         "last_scale_up_t": pool.last_scale_up_t,
+        # A removal the stabilization window holds back (None: none).
+        "held": None
+        if pool.held is None
+        else {
+            "target": pool.held.target,
+            "since_t": pool.held.since_t,
+            "until_t": pool.held.until_t,
+            "reason": pool.held.reason,
+        },
         "decisions": [
             {"t": d.t, "type": type(d.command).__name__, "reason": d.command.reason}
             for d in runner.decisions

@@ -202,32 +202,8 @@ def status(args: argparse.Namespace) -> int:
     print(_when(now) + ("  (autoscaling paused)" if body.get("paused_all") else ""))
     print(f"{'pool':<14}{'target':>7}{'workers':>9}  by state")
     for name, pool in sorted(body.get("pools", {}).items()):
-        states = pool.get("workers_by_state", {})
-        counts = ", ".join(f"{n} {s}" for s, n in sorted(states.items()) if n)
-        print(f"{name:<14}{pool.get('target', '?'):>7}{sum(states.values()):>9}  {counts}")
-        queue = pool.get("queue")
-        if isinstance(queue, dict):
-            print(
-                f"{'':<14}queue {queue.get('queued_batches', 0):.2f} batches of "
-                f"{queue.get('batch_size_seqs')} sequences, "
-                f"trainer step {queue.get('trainer_step')} ({_age(now, queue.get('t'))} old)"
-            )
-        load = pool.get("load")
-        if isinstance(load, dict):
-            print(
-                f"{'':<14}{load.get('in_flight_requests')} requests in flight "
-                f"({_age(now, load.get('t'))} old)"
-            )
-        deadline = pool.get("drain_deadline")
-        if isinstance(deadline, dict):
-            print(f"{'':<14}drain deadline {deadline.get('seconds'):g}s: {deadline.get('why')}")
-        if pool.get("source_error"):
-            last = pool.get("last_sample_t")
-            since = "no sample yet" if last is None else f"last sample {_age(now, last)} ago"
-            print(f"{'':<14}pressure source down ({since}): {pool['source_error']}")
-        for decision in pool.get("decisions", [])[-3:]:
-            what = f"{decision.get('type')}: {decision.get('reason')}"
-            print(f"{'':<14}{_when(decision.get('t'))} {what}")
+        for line in pool_lines(name, pool, now):
+            print(line)
     for gpu in body.get("gpus", []):
         causes = ", ".join(gpu.get("causes", [])) or "ok"
         print(f"GPU {gpu.get('id')}: {causes}")
@@ -238,6 +214,45 @@ def status(args: argparse.Namespace) -> int:
     for alert in body.get("alerts", []):
         print(f"ALERT {alert.get('alert')} {alert.get('subject')}")
     return 0
+
+
+def pool_lines(name: str, pool: dict[str, Any], now: Any) -> list[str]:
+    """One pool's rows of ``deo status``: target and workers, pressure, drain deadline, a
+    removal the stabilization window holds, the latest decisions."""
+    lines: list[str] = []
+    states = pool.get("workers_by_state", {})
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(states.items()) if n)
+    lines.append(f"{name:<14}{pool.get('target', '?'):>7}{sum(states.values()):>9}  {counts}")
+    queue = pool.get("queue")
+    if isinstance(queue, dict):
+        lines.append(
+            f"{'':<14}queue {queue.get('queued_batches', 0):.2f} batches of "
+            f"{queue.get('batch_size_seqs')} sequences, "
+            f"trainer step {queue.get('trainer_step')} ({_age(now, queue.get('t'))} old)"
+        )
+    load = pool.get("load")
+    if isinstance(load, dict):
+        lines.append(
+            f"{'':<14}{load.get('in_flight_requests')} requests in flight "
+            f"({_age(now, load.get('t'))} old)"
+        )
+    deadline = pool.get("drain_deadline")
+    if isinstance(deadline, dict):
+        lines.append(f"{'':<14}drain deadline {deadline.get('seconds'):g}s: {deadline.get('why')}")
+    if pool.get("source_error"):
+        last = pool.get("last_sample_t")
+        since = "no sample yet" if last is None else f"last sample {_age(now, last)} ago"
+        lines.append(f"{'':<14}pressure source down ({since}): {pool['source_error']}")
+    held = pool.get("held")
+    if isinstance(held, dict):
+        lines.append(
+            f"{'':<14}stabilization window holds a removal to {held.get('target')} until "
+            f"{_when(held.get('until_t'))}: {held.get('reason')}"
+        )
+    for decision in pool.get("decisions", [])[-3:]:
+        what = f"{decision.get('type')}: {decision.get('reason')}"
+        lines.append(f"{'':<14}{_when(decision.get('t'))} {what}")
+    return lines
 
 
 def arbiter_lines(arbiter: dict[str, Any]) -> list[str]:

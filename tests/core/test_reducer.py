@@ -482,6 +482,41 @@ def test_no_scale_down_within_the_stabilization_window() -> None:
     assert (scale.previous, scale.target) == (5, 1)
 
 
+def test_a_removal_the_stabilization_window_holds_shows_in_the_state_until_it_ends() -> None:
+    reducer, _ = make(hpa_pool())
+    start_all(reducer, 0.0)
+    reducer.step(LoadSampled(t=1.0, pool="envs", in_flight_requests=20))  # up to 5
+    assert reducer.state.pools["envs"].held is None
+    reducer.step(LoadSampled(t=30.0, pool="envs", in_flight_requests=0))
+    held = reducer.state.pools["envs"].held
+    assert held is not None
+    assert (held.target, held.since_t, held.until_t) == (1, 30.0, 61.0)
+    assert held.reason  # the policy's own
+    # Asked again, it is still held since the first time.
+    reducer.step(LoadSampled(t=45.0, pool="envs", in_flight_requests=4))
+    held = reducer.state.pools["envs"].held
+    assert held is not None and (held.target, held.since_t) == (1, 30.0)
+    # The policy asks for the count it has: nothing is held.
+    reducer.step(LoadSampled(t=50.0, pool="envs", in_flight_requests=20))
+    assert reducer.state.pools["envs"].held is None
+    reducer.step(LoadSampled(t=55.0, pool="envs", in_flight_requests=0))
+    assert reducer.state.pools["envs"].held is not None
+    # Once the window ends the removal goes through, and nothing is held any more.
+    [scale] = of(ScalePool, reducer.step(LoadSampled(t=61.0, pool="envs", in_flight_requests=0)))
+    assert scale.target == 1 and reducer.state.pools["envs"].held is None
+
+
+def test_a_pinned_pool_holds_no_removal_for_the_window() -> None:
+    reducer, _ = make(hpa_pool())
+    start_all(reducer, 0.0)
+    reducer.step(LoadSampled(t=1.0, pool="envs", in_flight_requests=20))  # up to 5
+    reducer.step(LoadSampled(t=30.0, pool="envs", in_flight_requests=0))
+    assert reducer.state.pools["envs"].held is not None
+    reducer.step(PoolPinned(t=31.0, pool="envs", count=5))
+    reducer.step(LoadSampled(t=32.0, pool="envs", in_flight_requests=0))
+    assert reducer.state.pools["envs"].held is None
+
+
 def test_a_pool_removed_and_declared_again_starts_without_its_scaling_history() -> None:
     # Removed with no worker left, the pool is gone with its last scale-up: declared again it
     # is a new pool, free to scale down at once.

@@ -21,6 +21,7 @@ from api_serving import ManualClock, RecordingExecutor, serve_on_free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.api.app import MAX_WORKER_ID_CHARS, build_app, serve, worker_token
+from adapters.api.client import pool_lines
 from adapters.log import EventLog
 from adapters.runtime.runner import Runner
 from core import (
@@ -325,6 +326,50 @@ async def test_load_pressure_push_drives_the_hpa_policy(tmp_path: Path) -> None:
         assert infer["target"] == 5  # ceil(1 worker x 20 in flight / 4 per worker)
         scale = [d for d in infer["decisions"] if d["type"] == "ScalePool" and d["t"] == 5.0]
         assert len(scale) == 1
+
+
+@pytest.mark.anyio
+async def test_global_status_shows_a_removal_the_stabilization_window_holds(
+    tmp_path: Path,
+) -> None:
+    hpa = {"target_per_worker": 4.0, "scale_down_stabilization_s": 0.0}
+    judges = PoolSpec(
+        name="judges",
+        argv=["python", "judge.py"],
+        min_workers=1,
+        max_workers=8,
+        stabilization_s=120.0,
+        policy=PolicySpec(name="hpa", params=hpa),
+    )
+    async with running(tmp_path) as h:
+        await h.runner.submit(
+            Configured(t=1.0, config=Config(pools=[*POOLS, judges], gpus=["0", "1"]))
+        )
+        for t, in_flight in ((5.0, 20), (10.0, 0)):
+            h.clock.t_s = t
+            response = await h.client.post(
+                "/v1/pools/judges/pressure",
+                json={"in_flight_requests": in_flight},
+                headers=OPERATOR,
+            )
+            assert response.status_code == 200, response.text
+
+        status = (await h.client.get("/global-status")).json()
+        shown = status["pools"]["judges"]
+
+        assert shown["target"] == 5  # the scale-up at 5 s; the removal to 1 waits
+        held = shown["held"]
+        assert (held["target"], held["since_t"], held["until_t"]) == (1, 10.0, 125.0)
+        assert "in flight" in held["reason"]  # the policy's own words
+        assert "stabilization window holds a removal to 1 until 125.0s" in shown["summary"]
+        # deo status prints it under the pool.
+        lines = pool_lines("judges", shown, status["now"])
+        assert any(
+            line.strip().startswith("stabilization window holds a removal to 1 until t=125.0: ")
+            for line in lines
+        ), lines
+        infer = (await h.client.get("/global-status")).json()["pools"]["infer"]
+        assert infer["held"] is None
 
 
 @pytest.mark.anyio
