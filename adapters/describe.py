@@ -145,7 +145,7 @@ def pool_summary(state: State, name: str) -> str:
         flags.append(f"{pool.failures} failures{waits}")
     if pool.source_error:
         flags.append(f"source down: {pool.source_error}")
-    if pool.held is not None:
+    if pool.held is not None and state.now < pool.held.until_t:  # else the next sample applies it
         flags.append(held_line(pool.held))
     pressure = ""
     if pool.queue is not None:

@@ -113,6 +113,12 @@ def state_violations(state: State) -> list[str]:
             and (AlertName.BELOW_MIN, name) not in state.alerts
         ):
             found.append(f"2: pool {name} has {n} < min {pool.spec.min_workers} without an alert")
+        # 4. A removal the stabilization window holds back is one, asked for within the window.
+        held = pool.held
+        if held is not None and not (
+            held.target < pool.desired and held.since_t <= min(state.now, held.until_t)
+        ):
+            found.append(f"4: pool {name} holds back {held} at desired {pool.desired}")
     for worker in state.workers.values():
         owner = state.pools.get(worker.pool)
         if owner is None:

@@ -670,7 +670,7 @@ class Step:
                 pool=spec.name, previous=pool.desired, target=target, source=source, reason=why
             )
         )
-        changes: dict[str, Any] = {"desired": target}
+        changes: dict[str, Any] = {"desired": target, "held": None}  # nothing held back now
         if policy and stabilize and target > pool.desired:
             changes["last_scale_up_t"] = self.t
         self.dirty_pools.add(spec.name)

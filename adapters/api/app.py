@@ -361,9 +361,10 @@ def _pool_json(runner: Runner, state: State, name: str, pool: PoolState) -> dict
         "last_failure_t": pool.last_failure_t,
         "backoff_until_t": pool.backoff_until_t,
         "last_scale_up_t": pool.last_scale_up_t,
-        # A removal the stabilization window holds back (None: none).
+        # A removal the stabilization window holds back (None: none, or the window has ended
+        # and the next sample applies it).
         "held": None
-        if pool.held is None
+        if pool.held is None or state.now >= pool.held.until_t
         else {
             "target": pool.held.target,
             "since_t": pool.held.since_t,

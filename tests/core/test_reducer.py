@@ -51,6 +51,8 @@ from core import (
     WorkerStarted,
     WorkerState,
 )
+from core.invariants import state_violations
+from core.records import replace
 
 GB = 1 << 30
 
@@ -492,6 +494,12 @@ def test_a_removal_the_stabilization_window_holds_shows_in_the_state_until_it_en
     assert held is not None
     assert (held.target, held.since_t, held.until_t) == (1, 30.0, 61.0)
     assert held.reason  # the policy's own
+    # Checked as part of invariant 4: a hold at or above the count in force is no removal.
+    assert state_violations(reducer.state) == []
+    pools = dict(reducer.state.pools)
+    pools["envs"] = replace(pools["envs"], held=replace(held, target=5))
+    [violation] = state_violations(replace(reducer.state, pools=pools))
+    assert violation.startswith("4: pool envs holds back")
     # Asked again, it is still held since the first time.
     reducer.step(LoadSampled(t=45.0, pool="envs", in_flight_requests=4))
     held = reducer.state.pools["envs"].held

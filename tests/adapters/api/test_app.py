@@ -31,6 +31,7 @@ from core import (
     PoolSpec,
     Reducer,
     SourceDown,
+    Tick,
     WorkersSeen,
     WorkerStarted,
 )
@@ -370,6 +371,10 @@ async def test_global_status_shows_a_removal_the_stabilization_window_holds(
         ), lines
         infer = (await h.client.get("/global-status")).json()["pools"]["infer"]
         assert infer["held"] is None
+        # Once the window has ended the next sample applies the removal: nothing is shown held.
+        await h.runner.submit(Tick(t=130.0))
+        after = (await h.client.get("/global-status")).json()["pools"]["judges"]
+        assert after["held"] is None and "stabilization window" not in after["summary"]
 
 
 @pytest.mark.anyio
