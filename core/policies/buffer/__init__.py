@@ -12,8 +12,9 @@ Below, D is the demand (seq/s), p the production per worker, T the start-up, Q t
 smoothed over two steps and s the trainer's step time, all measured (:mod:`.measure`).
 
 The package: :mod:`.measure` (what the rules need, from the samples), :mod:`.policy` (the
-parameters and rules 1, 3 and 4), :mod:`.growth` (rule 2), :mod:`.removal` (rule 5),
-:mod:`.saturation` (the search for the count a shared inference saturates at),
+parameters, rule 1, and the rules tried in order on a :mod:`.reading` of the sample),
+:mod:`.growth` (rule 2), :mod:`.addition` (rule 3), :mod:`.pause` (rule 4), :mod:`.removal`
+(rule 5), :mod:`.saturation` (the search for the count a shared inference saturates at),
 :mod:`.memory` (what carries from one sample to the next), :mod:`.constants` (its fixed numbers).
 
 The count the policy works from is the one the reducer applied: ``PolicyContext.desired``

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from core.policies.base import Decision, PolicyContext
 from core.policies.buffer.constants import OUTAGE_BATCHES, PROBE_MIN_S, PROBE_STEPS
 from core.policies.buffer.memory import BufferMemory
+from core.policies.buffer.reading import Reading
 from core.policies.buffer.saturation import at_maximum, probe_grown
 from core.records import replace
 
@@ -23,12 +24,11 @@ def grow(
     policy: BufferPolicy,
     context: PolicyContext,
     memory: BufferMemory,
-    figures: str,
-    workers: int,
-    batch: int,
+    reading: Reading,
 ) -> Decision:
     """Rule 2: the trainer starves. Grow by up to ``max_up_factor`` (per start-up), unless
     the last growth showed the shared inference saturated."""
+    figures, workers, batch = reading.figures, reading.workers, reading.batch
     t, current, active = context.t, policy.in_force(context), context.active
     # What entered the queue, measured (starving, the queue never nears the off-policy
     # limit, so this is all the pool makes).

@@ -11,12 +11,12 @@ import attrs
 from core.errors import ConfigError
 from core.events import QueueSampled
 from core.policies.base import Decision, PolicyContext
+from core.policies.buffer.addition import add
 from core.policies.buffer.constants import (
     DEMAND_STEPS,
     FALLING,
     FLAP_HALF_LIFE_S,
     FLAPS_MAX,
-    PAUSE_STEPS,
     SAME_LOAD,
     STALL_WINDOW_S,
     STALLS_TO_ALERT,
@@ -24,8 +24,10 @@ from core.policies.buffer.constants import (
 from core.policies.buffer.growth import grow
 from core.policies.buffer.measure import measure
 from core.policies.buffer.memory import BufferMemory, settle_s
+from core.policies.buffer.pause import hold_through_pause
+from core.policies.buffer.reading import Reading
 from core.policies.buffer.removal import remove
-from core.policies.buffer.saturation import at_maximum, judge_shed
+from core.policies.buffer.saturation import judge_shed
 from core.records import replace
 from core.vocabulary import AlertName
 
@@ -326,13 +328,37 @@ class BufferPolicy:
             f"{target_batches:.2f}; demand {demand:.1f} seq/s (a step per {step_s:.1f}s), "
             f"{per_worker:.2f} seq/s per worker, start-up {startup:.0f}s"
         )
-        low_seqs = (target_batches - self.band_batches) * batch
         since_up = math.inf if memory.last_up_t is None else t - memory.last_up_t
-        since_down = math.inf if memory.last_down_t is None else t - memory.last_down_t
+        settled_s = settle_s(step_s)
+        reading = Reading(
+            current=current,
+            batch=batch,
+            raw_seqs=raw,
+            previous_raw_seqs=previous_raw,
+            queue_seqs=queue,
+            target_seqs=target_seqs,
+            low_seqs=(target_batches - self.band_batches) * batch,
+            high_seqs=high_seqs,
+            demand_seqs_s=demand,
+            per_worker_seqs_s=per_worker,
+            startup_s=startup,
+            step_s=step_s,
+            workers=workers,
+            balanced=balanced,
+            cap=cap,
+            measurable=measurable,
+            # The workers of the last addition just became active: their first groups are
+            # still in generation, so a trainer still waiting is no reason to grow yet.
+            warming=since_up < startup + settled_s and t - memory.active_changed_t < settled_s,
+            since_up_s=since_up,
+            since_down_s=math.inf if memory.last_down_t is None else t - memory.last_down_t,
+            interval_s=dt,
+            excess_since_t=excess_since,
+            figures=figures,
+        )
         # Fed, the queue holds a batch or more before each step; starving, it never reaches one
         # and averages about half of one.
         starving = max(raw, previous_raw) < batch and queue < 0.6 * batch
-        settled_s = settle_s(step_s)
         if cap is not None and current > cap:
             return Decision(
                 target=cap,
@@ -342,10 +368,7 @@ class BufferPolicy:
         if memory.shed_workers:
             # A removal made to test for saturation: nothing else moves the pool until judged.
             settle = self.production_settle_s(memory, batch)
-            return judge_shed(self, context, memory, figures, settle, startup, low_seqs)
-        # The workers of the last addition just became active: their first groups are still in
-        # generation, so a trainer still waiting is no reason to grow yet.
-        warming = since_up < startup + settled_s and t - memory.active_changed_t < settled_s
+            return judge_shed(self, context, memory, figures, settle, startup, reading.low_seqs)
         if memory.unfed_limit_t is not None and (starving or queue < target_seqs):
             # The envs stopped at the off-policy limit (atroposlib's cancel their groups in
             # generation there) and start again only as the trainer takes batches: what they
@@ -357,85 +380,17 @@ class BufferPolicy:
                 f"there) -> hold {current}",
                 memory=memory,
             )
-        if starving and since_up >= startup and not warming:
-            return grow(self, context, memory, figures, workers, batch)
-        if measurable and queue < target_seqs and not warming:
-            # The queue is projected a start-up ahead, at the drift the rates give. A trainer
-            # that steps seldom takes a whole batch at a time and the queue, smoothed over two
-            # steps, reads a step late: look a step ahead at least, and add before the queue
-            # would fall below the band's bottom (where the trainer starts to wait), scaled by
-            # (step / start-up) squared; over a start-up of many steps, before it would empty
-            # (a larger bound there adds workers on the rates' noise).
-            horizon = max(startup, step_s) if math.isfinite(step_s) else startup
-            floor_seqs = low_seqs * min(step_s / startup, 1.0) ** 2
-            # Workers still starting produce only once started: credit them for the part of
-            # the horizon after half a start-up (they are, on average, half-way there).
-            starting = max(context.current - context.active, 0)
-            drift = context.active * per_worker - demand
-            projected = queue + drift * horizon + starting * per_worker * (horizon - startup / 2)
-            # A removal was judged safe for a start-up: within it, only a queue below the band
-            # (not a projection, which rests on noisy rates) brings workers back.
-            trusted = since_down >= startup
-            if (projected < floor_seqs and trusted) or (queue < low_seqs and projected < low_seqs):
-                # One more worker at a time while none is starting; while some are, only what
-                # the rates ask for (the ones starting are not in the queue yet).
-                target = max(workers, balanced, current + 1 if not starting else current)
-                if cap is not None:
-                    target = min(target, max(cap, current))
-                if target > current and current >= context.max_workers:
-                    # Short at the pool's maximum: perhaps the shared inference saturates.
-                    return at_maximum(self, context, memory, figures, startup)
-                if target > current:
-                    # Short (it would empty the queue within a start-up, or p is measured over
-                    # its window, not from the cold start's first groups), with the pool in place
-                    # (its workers' groups in): no removal comes back to this count.
-                    placed = t - memory.active_changed_t >= max(startup, 2 * settled_s)
-                    known = memory.production_seen_s >= self.production_window_s
-                    told = known or projected < 0 or self.fell_from_limit(memory)
-                    if placed and told and context.active >= current:
-                        memory = replace(memory, short_workers=current, short_demand_seqs_s=demand)
-                    return Decision(
-                        target=target,
-                        reason=f"{figures}; {projected / batch:.2f} batches in {horizon:.0f}s "
-                        f"-> {target} workers",
-                        memory=memory,
-                    )
+        if starving and since_up >= startup and not reading.warming:
+            return grow(self, context, memory, reading)
+        added = add(self, context, memory, reading)
+        if added is not None:
+            return added
         if queue <= high_seqs or raw <= high_seqs:
             return Decision(target=current, reason=f"{figures} -> hold {current}", memory=memory)
-        last_advance = memory.last_advance_t
-        if last_advance is not None and t - last_advance > PAUSE_STEPS * step_s:
-            # A batch is waiting but the trainer takes none: a pause (evaluation, checkpoint)
-            # or a slowdown, told apart when the next step comes; remove nothing until then.
-            # Where asked to (``pause_release_startups``), a pause that lasts is not held idle:
-            # workers let go cost a start-up to bring back, so once it has lasted that long (k =
-            # 1, the ski-rental rule: never more than twice what knowing its length would cost)
-            # the pool goes to its minimum until the trainer steps again.
-            paused_s = t - last_advance
-            release_s = self.pause_release_startups * startup
-            floor = context.min_workers
-            if self.pause_release_startups and paused_s > release_s and current > floor:
-                kept = max(memory.workers_before_pause or 0, current)
-                return Decision(
-                    target=floor,
-                    reason=f"{figures}; no trainer step for {paused_s:.0f}s, longer than "
-                    f"{release_s:.0f}s ({self.pause_release_startups:g} x the start-up): a "
-                    f"pause -> {floor} ({kept} again at the trainer's next step)",
-                    memory=replace(memory, workers_before_pause=kept),
-                )
-            return Decision(
-                target=current,
-                reason=f"{figures}; no trainer step for {t - last_advance:.0f}s -> hold {current}",
-                memory=memory,
-            )
-        window = self.demand_window_s(step_s)
-        if memory.resumed_t is not None and memory.demand_seen_s < window:
-            return Decision(
-                target=current,
-                reason=f"{figures}; demand measured for {memory.demand_seen_s:.0f}s since the "
-                f"trainer resumed, {window:.0f}s needed -> hold {current}",
-                memory=memory,
-            )
-        return remove(self, context, memory, figures, batch, per_worker, excess_since, dt)
+        paused = hold_through_pause(self, context, memory, reading)
+        if paused is not None:
+            return paused
+        return remove(self, context, memory, reading)
 
     def _without_rates(
         self, context: PolicyContext, memory: BufferMemory, queued_batches: float

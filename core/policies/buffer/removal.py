@@ -16,6 +16,7 @@ from core.policies.buffer.constants import (
     STARTING_NEEDS,
 )
 from core.policies.buffer.memory import BufferMemory, settle_s
+from core.policies.buffer.reading import Reading
 from core.records import replace
 
 if TYPE_CHECKING:
@@ -28,17 +29,15 @@ def remove(
     policy: BufferPolicy,
     context: PolicyContext,
     memory: BufferMemory,
-    figures: str,
-    batch: int,
-    per_worker: float,
-    excess_since: float | None,
-    interval_s: float,
+    reading: Reading,
 ) -> Decision:
     """Rule 5: the queue is above the band. Whole workers and a fractional need would
     alternate between neighbouring counts, so a removal keeps the need plus the production
     spread, needs a whole worker more than that, and, unless the excess is clear (twice
     that), an excess lasting a window that spans the jitter. It never goes back to a count
     found short while demand has not fallen by more than a worker makes."""
+    figures, batch, per_worker = reading.figures, reading.batch, reading.per_worker_seqs_s
+    excess_since, interval_s = reading.excess_since_t, reading.interval_s
     t, current = context.t, policy.in_force(context)
     demand = memory.demand_seqs_s or 0.0
     queue = memory.queue_seqs
