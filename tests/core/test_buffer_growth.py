@@ -1,0 +1,129 @@
+"""core.policies.buffer.growth (rule 2): a starving trainer grows the pool, unless production
+stopped or the shared inference saturates.
+
+Batch 64 sequences throughout. Each test drives the policy with samples as the reducer would
+(``desired`` is the count the reducer applied) and checks what it measured or decided.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core.policies import BufferMemory, BufferPolicy
+from core.records import replace
+from tests.core.buffer_helpers import ctx, probe, settled
+
+
+def test_a_starving_trainer_grows_the_pool_in_proportion_to_how_long_it_waited() -> None:
+    # The queue always under half a batch for the last start-up: double.
+    always = settled(queue_seqs=8.0, last_queued_seqs=8, hungry_share=1.0, last_desired=10)
+    decision = probe(always, 10, queued=8)
+    assert decision.target == 20, decision.reason
+    assert "trainer starving" in decision.reason
+    # A quarter of the samples: x1.25.
+    some = settled(queue_seqs=20.0, last_queued_seqs=20, hungry_share=0.25, last_desired=10)
+    assert probe(some, 10, queued=20).target >= 13
+    # Within a start-up of an applied addition it waits for the added workers.
+    recent = settled(
+        queue_seqs=8.0, last_queued_seqs=8, hungry_share=1.0, last_up_t=90.0, last_desired=10
+    )
+    assert probe(recent, 10, queued=8).target < 20
+
+
+def grown_while_starving(**changes: Any) -> BufferMemory:
+    """A trainer still starving after the last growth took 10 workers making 40 seq/s to 20."""
+    fields: dict[str, Any] = {
+        "queue_seqs": 8.0,
+        "last_queued_seqs": 8,
+        "hungry_share": 1.0,
+        "last_active": 20,
+        "probe_workers": 10,
+        "probe_seqs_s": 40.0,
+        "probe_t": 60.0,
+        "last_up_t": 60.0,
+        "last_desired": 20,
+    }
+    return settled(**(fields | changes))
+
+
+def test_growth_that_already_shows_in_production_goes_on_before_the_settle_times() -> None:
+    # The grown pool active for 20 s of the two settle times (2 x 60 s) saturation is judged
+    # over; the averaged production already reads 65 seq/s (+62% for +100% workers, and still
+    # rising). Not saturated: the trainer grows again now rather than waiting them out.
+    memory = grown_while_starving(production_seqs_s=65.0, active_changed_t=80.0)
+    decision = probe(memory, 20, queued=8)
+    assert decision.target > 20, decision.reason
+    # A rise of less than half of what was added is not judged before the settle times.
+    slow = replace(memory, production_seqs_s=55.0)
+    held = probe(slow, 20, queued=8)
+    assert held.target == 20, held.reason
+    assert "warming up" in held.reason
+
+
+def test_a_growth_is_judged_on_what_the_grown_pool_made_not_on_the_average() -> None:
+    # The average over the settle time still reads 45 seq/s (it holds the pool before the
+    # growth), but over the 30 s since the new workers were in the pool made 76 seq/s: not
+    # saturated, and the trainer grows again now rather than waiting out two settle times.
+    memory = grown_while_starving(
+        production_seqs_s=45.0,
+        active_changed_t=65.0,
+        probe_made_seqs=76.0 * 30,
+        probe_made_s=30.0,
+    )
+    grown = probe(memory, 20, queued=8)
+    assert grown.target > 20, grown.reason
+    # What it made rose by a tenth for twice the workers: too few steps to call saturation on
+    # (heavy tails make them noisy), so the average decides, after its settle times.
+    flat = replace(memory, probe_made_seqs=44.0 * 30)
+    assert "warming up" in probe(flat, 20, queued=8).reason
+    # Measured for less than 30 s (and eight steps): the average decides, and waits.
+    early = replace(memory, probe_made_s=10.0, probe_made_seqs=760.0)
+    assert "warming up" in probe(early, 20, queued=8).reason
+
+
+def test_what_the_grown_pool_makes_counts_once_its_workers_are_past_their_first_groups() -> None:
+    base = grown_while_starving()
+    # Active for 2 s: their first groups are still in generation.
+    fresh = probe(replace(base, active_changed_t=100.0), 20, queued=72)
+    assert fresh.memory.probe_made_s == 0.0
+    # Active for a settle time (four steps, 10 s at least): 2 s in which 72 - 8 + 64 entered.
+    warm = probe(replace(base, active_changed_t=80.0), 20, queued=72)
+    assert warm.memory.probe_made_s == 2.0
+    assert warm.memory.probe_made_seqs == 128.0
+
+
+def test_a_production_outage_holds_the_pool() -> None:
+    # A settled pool of 8 (p = 4 seq/s, the trainer fed); then nothing enters the queue and the
+    # trainer takes nothing for ten minutes. Every worker reported active at once.
+    policy, memory, count = BufferPolicy(), settled(), 8
+    decisions = []
+    for i in range(1, 301):
+        t = 100.0 + 2 * i
+        decision = policy.decide(ctx(t, 0, 50, current=count, max_workers=100), memory)
+        memory, count = decision.memory, decision.target
+        decisions.append(decision)
+    # (At its onset a few seconds without production read as a dip: one small growth.)
+    assert max(d.target for d in decisions) <= 10, [d.reason for d in decisions]
+    assert "production stopped" in decisions[-1].reason, decisions[-1].reason
+    # No reason claims a production nobody measured.
+    assert not any("seq/s, " in d.reason and "make" in d.reason for d in decisions)
+
+
+def test_saturation_stops_growth_and_sheds() -> None:
+    # The last growth went from 10 active workers making 40 seq/s to 20 active, and p fell
+    # to 2.1: 42 seq/s. Inference, not workers, is the limit: hold what makes that, 11.
+    memory = grown_while_starving(
+        per_worker_seqs_s=2.1,
+        production_seqs_s=42.0,
+        probe_t=40.0,
+        last_up_t=None,
+        active_changed_t=-100.0,  # two settle times (2 x 30 steps of 2 s) ago
+    )
+    decision = probe(memory, 20, queued=8)
+    assert decision.target == 11, decision.reason
+    assert "saturates" in decision.reason
+    after = decision.memory
+    assert after.saturated_workers == 11
+    # While it holds, a starving trainer adds nothing.
+    later = replace(after, last_t=200.0, last_advance_t=200.0)
+    assert probe(later, 11, queued=8, desired=11).target == 11

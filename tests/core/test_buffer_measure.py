@@ -1,0 +1,147 @@
+"""core.policies.buffer.measure: demand, start-up and production per worker, from queue samples
+alone.
+
+Batch 64 sequences throughout. Each test drives the policy with samples as the reducer would
+(``desired`` is the count the reducer applied) and checks what it measured or decided.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from core.policies import BufferMemory, BufferPolicy
+from core.records import replace
+from tests.core.buffer_helpers import ctx, settled
+
+# --- measurements --------------------------------------------------------------------------------
+
+
+def test_demand_comes_from_step_advances_without_sampling_ripple() -> None:
+    # A trainer stepping every 5 s, sampled every 2 s: advances are seen after 4 or 6 s, yet
+    # the estimate (a running mean over the spans while the window fills) is exactly 64 / 5.
+    policy = BufferPolicy()
+    memory = None
+    for k in range(26):
+        t = 2.0 * k
+        memory = policy.decide(ctx(t, 100, int(t // 5), current=4), memory).memory
+    assert memory is not None
+    # First advance seen at t=6 (step 1), last at t=50 (step 10): 9 steps over 44 s.
+    assert memory.demand_seqs_s == pytest.approx(9 * 64 / 44)
+
+
+@pytest.mark.parametrize("step_s", [0.5, 6.0])  # 4x faster or 3x slower than 2 s
+def test_a_trainer_that_changes_speed_is_believed_within_a_few_steps(step_s: float) -> None:
+    policy = BufferPolicy()
+    memory = settled(demand_seqs_s=32.0, fast_demand_seqs_s=32.0, demand_seen_s=60.0)
+    t, step, progress = 100.0, 50, 0.0
+    for _ in range(10 if step_s > 2 else 3):
+        progress += 2.0 / step_s
+        taken = int(progress) - (step - 50)
+        t, step = t + 2.0, step + taken
+        memory = policy.decide(ctx(t, 80, step, current=8), memory).memory
+    assert memory.demand_seqs_s is not None
+    assert memory.demand_seqs_s == pytest.approx(64 / step_s, rel=0.35)
+
+
+def test_a_speed_up_is_believed_within_ten_of_the_new_steps() -> None:
+    # 4 s steps, then 0.5 s, sampled every second: two new steps per sample. The quick estimate
+    # averages step times over steps, so ten of the new steps move it most of the way (over
+    # three old steps' worth of seconds, as before, it read 81 seq/s of the 128 here).
+    policy = BufferPolicy()
+    memory = settled(demand_seqs_s=16.0, fast_demand_seqs_s=16.0, demand_seen_s=120.0)
+    t, step = 100.0, 50
+    for _ in range(5):
+        t, step = t + 1.0, step + 2
+        memory = policy.decide(ctx(t, 80, step, current=8), memory).memory
+    assert memory.demand_seqs_s is not None
+    assert memory.demand_seqs_s >= 0.7 * 128
+
+
+def test_production_per_worker_that_falls_is_read_from_the_recent_quarter_of_its_window() -> None:
+    # The same 8 workers for 5 minutes made 4 seq/s each; their groups grow longer and they make
+    # 3 (the trainer takes 3 batches per 8 s sample, as much as they make, so the queue stays
+    # put). After 96 s the 300 s average still reads 3.73; the quarter-window one reads 3.28 and
+    # sizes the pool.
+    policy = BufferPolicy()
+    memory = settled(
+        demand_seqs_s=24.0,
+        fast_demand_seqs_s=24.0,
+        production_seen_s=300.0,
+        active_changed_t=-300.0,
+    )
+    t, step = 100.0, 50
+    for _ in range(12):
+        t, step = t + 8.0, step + 3
+        decision = policy.decide(ctx(t, 80, step, current=8), memory)
+        memory = decision.memory
+    assert memory.per_worker_seqs_s == pytest.approx(3.73, abs=0.01)
+    assert memory.recent_per_worker_seqs_s == pytest.approx(3.28, abs=0.01)
+    assert "3.28 seq/s per worker" in decision.reason, decision.reason
+    # The same fall right after workers came may be a shared inference saturating (more
+    # workers would not help): the whole window's p sizes the pool.
+    assert policy.per_worker(memory) == memory.recent_per_worker_seqs_s
+    crowded = replace(memory, active_changed_t=t - 100.0)
+    assert policy.per_worker(crowded) == memory.per_worker_seqs_s
+
+
+def test_start_up_is_measured_from_counted_to_active() -> None:
+    policy = BufferPolicy()
+    memory = policy.decide(ctx(0.0, 0, 0, current=4, active=0), None).memory
+    assert memory.pending_t == (0.0,) * 4
+    memory = policy.decide(ctx(2.0, 0, 0, current=6, active=0), memory).memory
+    assert memory.pending_t == (0.0,) * 4 + (0.0,) * 2  # counted since the previous sample
+    memory = policy.decide(ctx(32.0, 0, 0, current=6, active=3), memory).memory
+    assert memory.startup_s == pytest.approx(32.0)
+    assert memory.pending_t == (0.0,) * 3
+    assert policy.startup(memory) == pytest.approx(32.0)
+    # Before any is seen, the oldest still starting sets a floor under the prior (30 s).
+    cold = policy.decide(ctx(50.0, 0, 0, current=2, active=0), None).memory
+    cold = policy.decide(ctx(95.0, 0, 0, current=2, active=0), cold).memory
+    assert policy.startup(cold) == pytest.approx(45.0)
+
+
+def test_production_is_not_measured_near_the_limit_nor_just_after_workers_came() -> None:
+    # batch 10, limit 0.8 x 5 x 10 = 40 seq
+    policy = BufferPolicy(max_batches_offpolicy=5.0)
+    memory = policy.decide(ctx(100.0, 0, 0, current=1, batch=10), None).memory
+    memory = policy.decide(ctx(110.0, 10, 0, current=1, batch=10), memory).memory
+    assert memory.per_worker_seqs_s == pytest.approx(1.0)  # the first: (10 - 0) / 10 s / 1
+    memory = policy.decide(ctx(120.0, 45, 0, current=1, batch=10), memory).memory
+    assert memory.per_worker_seqs_s == pytest.approx(1.0)  # 45 >= 40: the envs held back
+    memory = policy.decide(ctx(130.0, 35, 1, current=2, batch=10), memory).memory
+    assert memory.per_worker_seqs_s == pytest.approx(1.0)  # a worker just came
+    assert memory.active_changed_t == 130.0
+
+
+@pytest.mark.parametrize("landed", [40, 0])
+def test_a_cold_pool_is_measured_over_a_settle_time_not_on_the_interval_its_workers_came(
+    landed: int,
+) -> None:
+    # batch 32, the off-policy limit at 0.8 x 3 x 32 = 76.8 seq: 8 workers making 6 seq/s each
+    # (24 seq per 0.5 s sample) for a trainer that takes every full batch queued each 2 s, so
+    # the queue comes near the limit every cycle (the envs hold back at 3 batches). The
+    # interval in which 7 workers came reads 80 seq/s per worker (40 sequences: their first
+    # groups landed at once, counted as the one worker active throughout) or 0 (none yet).
+    policy = BufferPolicy()
+
+    def sample(memory: BufferMemory | None, t: float, queued: int, step: int, current: int) -> Any:
+        context = ctx(t, queued, step, current=current, batch=32, max_workers=8)
+        return policy.decide(context, memory).memory
+
+    memory = sample(None, 0.0, 0, 0, 1)
+    queued, step = landed, 0
+    memory = sample(memory, 0.5, queued, step, 8)
+    assert memory.per_worker_seqs_s is None
+    readings = []
+    for k in range(2, 80):
+        queued = min(queued + 24, 96)
+        if k % 4 == 0:
+            step, queued = step + queued // 32, queued % 32
+        memory = sample(memory, 0.5 * k, queued, step, 8)
+        readings.append(memory.per_worker_seqs_s)
+    # Measured from the intervals with the same 8 workers, not left at a single interval's.
+    assert all(p is None or p < 12.0 for p in readings), readings
+    assert memory.per_worker_seqs_s is not None
+    assert memory.per_worker_seqs_s == pytest.approx(6.0, rel=0.25)

@@ -1,0 +1,284 @@
+"""core.policies.buffer.removal (rule 5): removals above the band, in whole workers, and at the
+off-policy limit.
+
+Batch 64 sequences throughout. Each test drives the policy with samples as the reducer would
+(``desired`` is the count the reducer applied) and checks what it measured or decided.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from core.policies import BufferMemory, BufferPolicy, Decision
+from core.records import replace
+from tests.core.buffer_helpers import probe, settled
+
+# --- hysteresis in whole workers -----------------------------------------------------------------
+
+
+def hold_queue(start: BufferMemory, count: int, seconds: float) -> list[Decision]:
+    """Samples every 2 s for ``seconds``, the measurements and the count held as they are (only
+    the time and what the policy remembers of the excess move on)."""
+    decisions, memory = [], start
+    for _ in range(round(seconds / 2)):
+        decision = probe(memory, count)
+        decisions.append(decision)
+        after = decision.memory
+        memory = replace(
+            start,
+            last_t=after.last_t,
+            last_step=after.last_step,
+            last_advance_t=after.last_advance_t,
+            excess_since_t=after.excess_since_t,
+        )
+    return decisions
+
+
+def test_a_marginal_excess_is_removed_only_once_it_has_lasted() -> None:
+    # Need 32 / 4.2 = 7.6 workers; 9 leave 1.4 over, more than the margin with no spread (1)
+    # but less than twice it: the queue above the band is not removed from at once, only after
+    # 3 start-ups and 8 steps (76 s) of it.
+    start = settled(queue_seqs=130.0, per_worker_seqs_s=4.2, last_active=9, last_desired=9)
+    decisions = hold_queue(start, 9, 100.0)
+    removals = [k for k, d in enumerate(decisions) if d.target < 9]
+    assert removals, decisions[-1].reason
+    first = removals[0]
+    assert 2.0 * first >= 76.0  # the excess was first seen at the first sample
+    assert "of the 76s a removal needs" in decisions[0].reason
+    assert decisions[first].target == 8
+    # Twice the margin over is clear: at once.
+    assert probe(settled(queue_seqs=130.0), 10).target == 8
+
+
+def test_no_removal_leaves_less_than_a_whole_worker_plus_the_spread() -> None:
+    # Production wanders by 0.5 worker over a start-up (4 seq/s x 0.5 x 20 s): 9 workers leave
+    # 1 over, under the 1.5 a removal needs, however long the queue stays above the band (the
+    # target is 1 + 40 / 64 batches, the band's top 136 seq).
+    memory = settled(queue_seqs=150.0, spread_var_seqs2=40.0**2, spreads_seen=5, last_active=9)
+    decisions = hold_queue(memory, 9, 300.0)
+    assert all(d.target == 9 for d in decisions), decisions[-1].reason
+    assert "a removal needs 1.50" in decisions[-1].reason
+    # 12 leave 4 over, more than twice the margin: down to the need plus the spread, 9.
+    assert probe(memory, 12).target == 9
+
+
+def test_the_spread_counts_over_a_step_where_a_step_outlasts_a_start_up() -> None:
+    # Workers that start in a second, production wandering by 8 seq from one second to the
+    # next (two groups of four): a trainer stepping every 10 s sees 0.8 seq/s of it, a fifth
+    # of a worker, and 5 workers where 1.6 are needed lose a quarter at once.
+    wander = {"spread_var_seqs2": 8.0**2, "spreads_seen": 5, "startup_s": 1.0}
+    slow = settled(queue_seqs=150.0, demand_seqs_s=6.4, fast_demand_seqs_s=6.4, last_active=5,
+                   last_desired=5, **wander)  # fmt: skip
+    decision = probe(slow, 5, steps=0)
+    assert decision.target == 4, decision.reason
+    assert "(a removal needs 1.20) -> stepping down to 4" in decision.reason
+    # A trainer stepping every second sees the whole wander: 2 workers of it.
+    fast = settled(queue_seqs=150.0, demand_seqs_s=64.0, fast_demand_seqs_s=64.0,
+                   last_active=18, last_desired=18, **wander)  # fmt: skip
+    decision = probe(fast, 18, steps=2)
+    assert decision.target == 18, decision.reason
+    assert "(a removal needs 3.00) -> hold 18" in decision.reason
+
+
+def test_p_measured_before_a_removal_holds_after_it_but_not_after_a_growth() -> None:
+    # 40 workers at the off-policy limit, p measured over 100 s of them: the trainer needs 8,
+    # and the removal goes by that need (a quarter of the pool, max_down_fraction), not by a
+    # twentieth.
+    memory = settled(queue_seqs=192.0, last_active=40, last_desired=40, fresh_s=100.0)
+    first = probe(memory, 40)
+    assert first.target == 30, first.reason
+    assert "need 8.00 workers" in first.reason
+    # Applied: each of the 30 left makes at least what it made, p is still the pool's, and
+    # the next removal (a cooldown later) goes by the need again.
+    applied = probe(first.memory, 30, desired=30)
+    assert applied.memory.fresh_s >= 100.0
+    later = replace(applied.memory, last_down_t=0.0)
+    second = probe(later, 30, desired=30)
+    assert second.target == 23, second.reason
+    assert "need 8.00 workers" in second.reason
+    # Workers added may make less each: p is measured afresh, and until it is the pool at
+    # the limit steps down by its share (here a tenth), not by the need.
+    grown = probe(first.memory, 44, desired=44)
+    assert grown.memory.fresh_s == 0.0
+    again = probe(replace(grown.memory, last_down_t=0.0), 44, desired=44)
+    assert again.target == 40, again.reason
+    assert "queue at the off-policy limit -> stepping down to 40" in again.reason
+
+
+def test_workers_still_starting_beyond_twice_the_need_go_at_once() -> None:
+    # A cold pool asked for 40; 12 are up and the need reads 8.04 (D 32 seq/s, p 3.98 with
+    # this sample in): a removal takes at most a quarter of the pool (max_down_fraction), but
+    # the 28 starting make nothing yet, so those beyond twice the need go with it: 40 -> 17.
+    above = settled(queue_seqs=130.0, last_active=12, last_desired=40)
+    decision = probe(above, 40, active=12)
+    assert decision.target == 17, decision.reason
+    assert "stepping down to 17 (the 23 going are still starting; twice the need stays)" in (
+        decision.reason
+    )
+    # More up than that: only the starting ones go (the workers up stay for the usual rules).
+    assert probe(replace(above, last_active=20), 40, active=20).target == 20
+    # All up: a quarter at a time, as before.
+    assert probe(replace(above, last_active=40), 40, active=40).target == 30
+
+
+def test_no_removal_goes_back_to_a_count_found_short() -> None:
+    # 8 workers emptied the queue at this demand (an addition brought a 9th): with the queue
+    # above the band and p reading a need of 32 / 4.5 = 7.1, the pool stays at 9.
+    short = settled(queue_seqs=130.0, per_worker_seqs_s=4.5, short_workers=8,
+                    short_demand_seqs_s=32.0)  # fmt: skip
+    decisions = hold_queue(short, 9, 200.0)
+    assert all(d.target == 9 for d in decisions), decisions[-1].reason
+    assert "8 were short" in decisions[-1].reason
+    assert probe(short, 12).target == 9
+    # Demand halved (a slower trainer, not the jitter of the estimate): 8 may go.
+    slower = replace(short, demand_seqs_s=16.0, fast_demand_seqs_s=16.0, last_advance_t=98.0)
+    assert probe(slower, 9).target < 9
+
+
+def test_a_removal_undone_at_the_same_need_is_a_flap() -> None:
+    # The pool went down to 9 when it needed 8 (D 32 seq/s, p 4); an addition back to 10 with
+    # the need still 8 undoes a wrong removal: one flap, dated.
+    went_down = settled(last_desired=9, last_down_t=60.0, down_need_workers=8.0)
+    undone = probe(went_down, 10).memory
+    assert (undone.flaps, undone.flaps_t) == (1.0, 102.0)
+    assert undone.flap_need_workers == pytest.approx(8.0)
+    # A need that rose by more than a tenth since (a faster trainer, slower groups) made the
+    # addition: load followed, not a flap.
+    assert probe(replace(went_down, down_need_workers=7.0), 10).memory.flaps == 0.0
+    # An addition after an addition, or with no removal before it: not a flap either.
+    assert probe(replace(went_down, last_up_t=80.0), 10).memory.flaps == 0.0
+    assert probe(replace(went_down, last_down_t=None), 10).memory.flaps == 0.0
+    # A removal records the need it went down at; a saturation test or a pause let go goes
+    # down on purpose and records none, so the addition that undoes it is no flap.
+    down = settled(last_desired=12)
+    assert probe(down, 9).memory.down_need_workers == pytest.approx(8.0)
+    assert probe(replace(down, shed_workers=12), 9).memory.down_need_workers == 0.0
+    assert probe(replace(down, workers_before_pause=12), 9).memory.down_need_workers == 0.0
+
+
+def test_flaps_widen_what_a_removal_keeps_and_fade_over_hours() -> None:
+    # Need 32 / 4.4 = 7.3, no spread, removals not capped: 12 workers go to 8 at once; after a
+    # flap the removal needs twice the margin and keeps a worker more (the margin, 1 + spread).
+    policy = BufferPolicy(max_down_fraction=1.0)
+    above = settled(queue_seqs=130.0, last_active=12, last_desired=12, per_worker_seqs_s=4.4)
+    assert probe(above, 12, policy=policy).target == 8
+    flapped = replace(above, flaps=1.0, flaps_t=100.0)
+    decision = probe(flapped, 12, policy=policy)
+    assert decision.target == 9, decision.reason
+    assert "(a removal needs 2.00, 1.0 removals undone) -> stepping down to 9" in decision.reason
+    # Three flaps: a removal needs 4, and 4.7 over is less than twice that: only once it has
+    # lasted (3 start-ups and 8 steps).
+    thrice = probe(replace(above, flaps=3.0, flaps_t=100.0), 12, policy=policy)
+    assert thrice.target == 12, thrice.reason
+    assert "a removal needs, 3.0 removals undone -> hold 12" in thrice.reason
+    # At the off-policy limit the step down stops short of the need by as much: 40 workers
+    # needing 35 step down by a tenth to 36, with three flaps only to 38.
+    limit = settled(queue_seqs=192.0, last_active=40, last_desired=40, per_worker_seqs_s=32 / 35)
+    assert probe(limit, 40).target == 36
+    assert probe(replace(limit, flaps=3.0, flaps_t=100.0), 40).target == 38
+    # A flap counts half as much an hour on; at most three count; none once the need has
+    # fallen by more than a tenth since the last (a slower trainer: a new load).
+    at_need = replace(flapped, flap_need_workers=7.0)
+    assert BufferPolicy.flaps(at_need, 100.0 + 3600.0, 7.0) == pytest.approx(0.5)
+    assert BufferPolicy.flaps(replace(at_need, flaps=10.0), 100.0, 7.0) == 3.0
+    assert BufferPolicy.flaps(at_need, 100.0, 6.0) == 0.0
+    # (A trainer slowed to 20 seq/s: need 4.5, the flaps made at 7 no longer count: 12 -> 5.)
+    assert probe(replace(at_need, demand_seqs_s=20.0, fast_demand_seqs_s=20.0,
+                         last_advance_t=98.0), 12, policy=policy).target == 5  # fmt: skip
+
+
+def test_a_queue_held_at_the_limit_for_a_cooldown_steps_down_by_up_to_a_tenth() -> None:
+    # 40 workers, a queue of 3 batches (at the off-policy limit), a step per 2 s and a 20 s
+    # start-up: the two batches above the band cover a shortfall of a fifth of D for a
+    # start-up, so a pool held there since the last sample away from the limit steps down by a
+    # tenth (the cap), not a twentieth.
+    pinned = settled(queue_seqs=192.0, last_active=40, last_desired=40)
+    decision = probe(pinned, 40)
+    assert decision.target == 36, decision.reason
+    assert "stepping down to 36 (at most 10% of the pool, the queue held there for 20s" in (
+        decision.reason
+    )
+    # The queue was away from the limit within the cooldown (the last removal may have left
+    # the pool near its need): a twentieth.
+    left = replace(pinned, away_t=95.0)
+    decision = probe(left, 40)
+    assert decision.target == 38, decision.reason
+    assert "stepping down to 38 (at most a twentieth of the pool at a time)" in decision.reason
+    # A trainer stepping every 0.4 s covers less than a twentieth in a start-up: a twentieth.
+    fast = replace(pinned, demand_seqs_s=160.0, fast_demand_seqs_s=160.0, per_worker_seqs_s=8.0)
+    assert probe(fast, 40, steps=5).target == 38
+    # A count found short at this demand: a twentieth, never to it.
+    short = replace(pinned, short_workers=30, short_demand_seqs_s=32.0)
+    assert probe(short, 40).target == 38
+    # A removal share below a tenth is respected.
+    assert probe(pinned, 40, policy=BufferPolicy(max_down_fraction=0.05)).target == 38
+
+
+def test_workers_not_yet_up_are_not_started_once_the_queue_held_the_limit() -> None:
+    # 20 of 40 workers up (a cold start goes to the maximum before any rate is known) have
+    # held the queue at the off-policy limit for a cooldown: those 20 make what the trainer
+    # takes, so the 20 still starting are stopped at once, not a worker per cooldown.
+    pinned = settled(queue_seqs=192.0, last_active=20, last_desired=40, away_t=50.0)
+    decision = probe(pinned, 40, active=20)
+    assert decision.target == 20, decision.reason
+    assert "with 20 workers up -> 20 (the 20 not yet up are not needed)" in decision.reason
+    # At the limit only since a sample within the cooldown: a worker's first groups all
+    # start together and the fastest land first, so a queue that just reached the limit
+    # proves nothing yet.
+    recent = replace(pinned, away_t=95.0)
+    assert probe(recent, 40, active=20).target >= 38
+    # Below the limit the workers starting are still wanted.
+    assert probe(replace(pinned, queue_seqs=80.0), 40, active=20, queued=80).target == 40
+    # Never below a count found short at this demand.
+    short = replace(pinned, short_workers=30, short_demand_seqs_s=32.0)
+    assert probe(short, 40, active=20).target == 31
+    # Within a cooldown (20 s here) of a worker exiting early, those starting may be its
+    # replacements (their retries tell a crash loop): the tenth a pool held there sheds.
+    assert probe(pinned, 40, active=20, last_failure_t=90.0).target == 36
+    assert probe(pinned, 40, active=20, last_failure_t=50.0).target == 20
+    # A pool never seen away from the limit (its policy just changed): not the workers up
+    # alone held it there; a tenth goes, as for any pool held at the limit.
+    assert probe(replace(pinned, away_t=None), 40, active=20).target == 36
+
+
+def test_a_queue_full_at_every_sample_for_a_cooldown_steps_down_by_a_quarter() -> None:
+    # 40 workers whose production was never measured above its bound (p reads 0.5 seq/s, the
+    # need the whole pool), the queue full (3 batches) at every 2 s sample while the trainer
+    # takes a batch each: a worker at a time at first, then, full for a cooldown (a 20 s
+    # start-up), each batch taken was made again within a sample interval, so the pool makes
+    # at least twice what the trainer takes: a quarter of it goes.
+    def run(queued: list[int]) -> list[int]:
+        memory, count, targets = settled(per_worker_seqs_s=0.5, last_active=40), 40, []
+        for sample in queued:
+            decision = probe(memory, count, queued=sample, desired=count)
+            memory, count = decision.memory, decision.target
+            targets.append(count)
+        return targets
+
+    full = run([192] * 12)
+    assert full == [39] * 10 + [30] * 2, full
+    # One sample a batch short within the cooldown: the proof starts again; meanwhile the
+    # queue held at the limit takes a worker at a time.
+    sagged = run([192] * 5 + [128] + [192] * 6)
+    assert sagged[-1] == 38, sagged
+    # A backlog above the limit (groups in flight when it was reached landed on top) stays
+    # full whatever the pool makes: no proof.
+    backlog = run([320] * 12)
+    assert backlog[-1] == 38, backlog
+
+
+def test_a_pool_that_let_the_queue_fall_from_the_limit_is_short() -> None:
+    # 8 workers that held the queue at the off-policy limit (90 s ago) now let it fall below
+    # the band with p measured for less than its window: more, and 8 is marked short (a
+    # removal at the limit would otherwise bring the pool back to 8, again and again).
+    memory = settled(queue_seqs=20.0, last_queued_seqs=64, active_changed_t=0.0, limit_t=10.0)
+    decision = probe(memory, 8, queued=16)
+    assert decision.target >= 9, decision.reason
+    assert decision.memory.short_workers == 8
+    # Without the limit since the pool came, the same p does not tell.
+    assert probe(replace(memory, limit_t=None), 8, queued=16).memory.short_workers is None
+    # A trainer starving after it: the growth marks 8 short too.
+    starving = replace(memory, queue_seqs=8.0, last_queued_seqs=8, hungry_share=1.0)
+    grown = probe(starving, 8, queued=8)
+    assert "trainer starving" in grown.reason and grown.target > 8, grown.reason
+    assert grown.memory.short_workers == 8
