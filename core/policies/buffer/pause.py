@@ -1,6 +1,7 @@
 """The buffer policy's rule 4: nothing is removed while the trainer pauses (a batch waits but
 the trainer takes none), nor until its demand has been measured again after a pause; where
-asked to (``pause_release_startups``), a long pause lets the pool go to its minimum."""
+asked to (``pause_release_startups``), a long pause lets the pool go to its minimum, and the
+trainer's next step brings it back (in ``BufferPolicy._decide``, before the sample is read)."""
 
 from __future__ import annotations
 

@@ -262,9 +262,10 @@ class BufferPolicy:
         excess_since = memory.excess_since_t
         memory = replace(measure(self, context, memory), excess_since_t=None)
         if memory.workers_before_pause is not None and memory.last_advance_t == t:
-            # The trainer steps again: what the pause let go comes back at once (its demand
-            # is measured afresh from here, and the queue the pause filled feeds its first
-            # steps), and p, measured with those workers, stays theirs.
+            # Rule 4's end (the rest is in :mod:`.pause`): the trainer steps again, and what the
+            # pause let go comes back at once (its demand is measured afresh from here, and the
+            # queue the pause filled feeds its first steps); p, measured with those workers,
+            # stays theirs.
             kept = memory.workers_before_pause
             memory = replace(memory, workers_before_pause=None)
             if current < kept:  # (not when the reducer held the pool: nothing was let go)
