@@ -145,8 +145,9 @@ def pool_summary(state: State, name: str) -> str:
         flags.append(f"{pool.failures} failures{waits}")
     if pool.source_error:
         flags.append(f"source down: {pool.source_error}")
-    if pool.held is not None and state.now < pool.held.until_t:  # else the next sample applies it
-        flags.append(held_line(pool.held))
+    held = pool.held_at(state.now)
+    if held is not None:
+        flags.append(held_line(held))
     pressure = ""
     if pool.queue is not None:
         q = pool.queue

@@ -254,6 +254,11 @@ class PoolState:
         default=None, init=False, eq=False, repr=False
     )
 
+    def held_at(self, now: float) -> HeldChange | None:
+        """The removal the stabilization window holds back at ``now`` (None once its window has
+        ended: the next sample applies it)."""
+        return self.held if self.held is not None and now < self.held.until_t else None
+
     @property
     def target(self) -> int:
         """How many counted workers the pool should have now."""

@@ -329,6 +329,7 @@ def _pool_json(runner: Runner, state: State, name: str, pool: PoolState) -> dict
     spec = pool.spec
     queue = pool.queue
     load = pool.load
+    held = pool.held_at(state.now)
     return {
         "target": pool.target,
         "desired": pool.desired,
@@ -361,15 +362,14 @@ def _pool_json(runner: Runner, state: State, name: str, pool: PoolState) -> dict
         "last_failure_t": pool.last_failure_t,
         "backoff_until_t": pool.backoff_until_t,
         "last_scale_up_t": pool.last_scale_up_t,
-        # A removal the stabilization window holds back (None: none, or the window has ended
-        # and the next sample applies it).
+        # A removal the stabilization window holds back (None: none now).
         "held": None
-        if pool.held is None or state.now >= pool.held.until_t
+        if held is None
         else {
-            "target": pool.held.target,
-            "since_t": pool.held.since_t,
-            "until_t": pool.held.until_t,
-            "reason": pool.held.reason,
+            "target": held.target,
+            "since_t": held.since_t,
+            "until_t": held.until_t,
+            "reason": held.reason,
         },
         "decisions": [
             {"t": d.t, "type": type(d.command).__name__, "reason": d.command.reason}
