@@ -267,6 +267,42 @@ def test_a_queue_full_at_every_sample_for_a_cooldown_steps_down_by_a_quarter() -
     assert backlog[-1] == 38, backlog
 
 
+def test_a_small_pool_with_long_start_ups_removes_a_worker_only_on_proof() -> None:
+    # 8 workers at the off-policy limit whose production rests on its bound (the need reads
+    # as the whole pool), a step per 2 s and 240-s start-ups: a worker fewer could leave the
+    # trainer an eighth short, which the two batches above the band cover for 4 s, not for
+    # the start-up its replacement would take. Held there, with the queue back to full at
+    # only a quarter of the samples, the pool holds, and says why.
+    def run(queued: list[int], startup_s: float = 240.0) -> list[Decision]:
+        memory = settled(per_worker_seqs_s=0.5, queue_seqs=192.0, startup_s=startup_s)
+        count, decisions = 8, []
+        for sample in queued:
+            decision = probe(memory, count, queued=sample, desired=count)
+            memory, count = decision.memory, decision.target
+            decisions.append(decision)
+        return decisions
+
+    sagging = [192, 128, 128, 128] * 3
+    held = run(sagging)
+    assert [d.target for d in held] == [8] * 12, [d.reason for d in held]
+    assert (
+        "a worker fewer could leave the trainer 12% short, more than the full queue covers "
+        "for a 240s start-up -> hold 8" in held[-1].reason
+    )
+    # Full again at three samples of four: each take was made again within half a step, so
+    # the pool makes at least half as much again as the trainer takes: a worker goes.
+    refilled = run([192, 192, 128, 192] * 3)
+    removal = next(d for d in refilled if d.target < 8)
+    assert removal.target == 7, removal.reason
+    assert "at most a worker at a time: the queue was full at 75% of the samples" in (
+        removal.reason
+    )
+    # The count smaller, the proof starts again (and the start-up-long cooldown holds it).
+    assert refilled[-1].target == 7
+    # With 20-s start-ups the batches above the band cover a worker: it goes either way.
+    assert run(sagging, startup_s=20.0)[0].target == 7
+
+
 def test_a_pool_that_let_the_queue_fall_from_the_limit_is_short() -> None:
     # 8 workers that held the queue at the off-policy limit (90 s ago) now let it fall below
     # the band with p measured for less than its window: more, and 8 is marked short (a

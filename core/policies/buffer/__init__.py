@@ -81,7 +81,11 @@ Rules, in order:
    limit, either side: a backlog above it proves nothing) at every sample for a whole cooldown
    while the trainer took batches, each batch taken was made again within a sample interval, so the
    pool makes at least D x (1 + step / interval): up to step / (interval + step) of it (and
-   ``max_down_fraction``) goes at once, whatever p reads. With the queue held at the limit for a
+   ``max_down_fraction``) goes at once, whatever p reads. A step is a whole worker at least, so
+   one goes only where 1 / count is within the share the queue covers, or within the share of
+   that sample-interval bound the samples found it full at (a small pool with long start-ups:
+   a worker removed in error leaves 1 / count of D short until its replacement is up). With the
+   queue held at the limit for a
    whole cooldown by the workers up, every worker still starting goes at once (it would make
    nothing the trainer takes: a cold start that went to the maximum keeps only its first waves;
    not within a cooldown of a worker exiting early: the retries tell a crash loop). Once a count

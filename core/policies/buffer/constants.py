@@ -27,6 +27,8 @@ SHED_MAX_SHARE = 1 / 4
 LIMIT_SHARE = 1 / 20
 PINNED_SHARE = 1 / 10
 PINNED_STEPS = 2.0
+#: Samples at the off-policy limit before the share of them that found the queue full counts.
+LIMIT_SAMPLES = 8
 #: A sample this close to the off-policy limit (in batches, either side) finds the queue full.
 FULL_SLACK_BATCHES = 1 / 8
 #: A removal keeps workers still starting only up to this many times the need.

@@ -197,11 +197,19 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
     # Full: at the limit, not above it (groups that were in flight when it was reached
     # may land on top: a backlog above the limit stays full whatever the pool makes).
     limit_seqs = policy.max_batches_offpolicy * batch
-    if abs(queued - limit_seqs) <= FULL_SLACK_BATCHES * batch:
+    full_now = abs(queued - limit_seqs) <= FULL_SLACK_BATCHES * batch
+    if full_now:
         if memory.full_since_t is None:
             changes.update(full_since_t=t, full_since_step=sample.trainer_step)
     else:
         changes["full_since_t"] = None
+    if "away_t" in changes or "last_down_t" in changes:
+        changes.update(limit_samples=0, full_samples=0)
+    else:
+        changes.update(
+            limit_samples=memory.limit_samples + 1,
+            full_samples=memory.full_samples + int(full_now),
+        )
     # Until p has been measured for a settle time it is provisional: once the pool has
     # settled, intervals soon after the queue was near the limit count too. Where the queue
     # reaches the limit every few steps (a trainer that fetches every full batch at once),

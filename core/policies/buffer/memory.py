@@ -132,6 +132,10 @@ class BufferMemory:
     #: off-policy limit), and the trainer step then (None: the last sample was not full).
     full_since_t: float | None = None
     full_since_step: int = 0
+    #: Samples since the queue was last away from the off-policy limit or the pool last
+    #: shrank, and how many of them found it full.
+    limit_samples: int = 0
+    full_samples: int = 0
     #: When the queue last stood at the off-policy limit with less than a batch landed since
     #: (None: a batch landed since, or it was not there), and when it then fell below a batch.
     unfed_limit_t: float | None = None

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from core.policies.base import Decision, PolicyContext
 from core.policies.buffer.constants import (
+    LIMIT_SAMPLES,
     LIMIT_SHARE,
     PINNED_SHARE,
     PINNED_STEPS,
@@ -89,7 +90,7 @@ def remove(
         # rest on its lower bound D / active (every estimate of the need reads high): step
         # down by a twentieth of the pool until the queue leaves the limit, never to a
         # count found short.
-        share, how = LIMIT_SHARE, "a twentieth of the pool"
+        share, how = LIMIT_SHARE, "a twentieth of the pool at a time"
         covered = step_s * PINNED_STEPS / startup if startup > 0 else PINNED_SHARE
         if not floor and pinned and covered > share:
             # Held at the limit for a whole cooldown, every worker makes at least D / n:
@@ -101,7 +102,7 @@ def remove(
             # off-policy stop discards the long groups, so a full queue overstates what
             # the pool makes).
             share = min(covered, PINNED_SHARE, policy.max_down_fraction)
-            how = f"{share:.0%} of the pool, the queue held there for {cooldown:.0f}s"
+            how = f"{share:.0%} of the pool, the queue held there for {cooldown:.0f}s at a time"
         step = max(1, math.floor(current * share))
         # Full at every sample for a cooldown while the trainer took batches: each batch
         # taken was made again within a sample interval, so the pool makes at least
@@ -112,11 +113,23 @@ def remove(
         full_s = 0.0 if memory.full_since_t is None else t - memory.full_since_t
         taken = context.queue.trainer_step - memory.full_since_step
         full = not floor and full_s >= cooldown and taken >= 2
+        interval_s = interval_s if interval_s > 0 else step_s
+        refill_share = min(policy.max_down_fraction, step_s / (interval_s + step_s))
+        proven = 0.0
         if full:
-            interval_s = interval_s if interval_s > 0 else step_s
-            share = min(policy.max_down_fraction, step_s / (interval_s + step_s))
+            share = proven = refill_share
             step = max(1, math.floor(current * share))
-            how = f"{share:.0%} of the pool, the queue full at every sample for {full_s:.0f}s"
+            how = (
+                f"{share:.0%} of the pool, the queue full at every sample for {full_s:.0f}s at "
+                "a time"
+            )
+        elif not floor and pinned and memory.limit_samples >= LIMIT_SAMPLES:
+            # Full at most samples: each take is made again within the share of a step the
+            # samples found it short, so that share of the sample-interval bound holds.
+            full_share = memory.full_samples / memory.limit_samples
+            proven = full_share * refill_share
+            if current * covered < 1 <= current * proven:
+                how = f"a worker at a time: the queue was full at {full_share:.0%} of the samples"
         if floor:
             # A count was found short, with p measured as the queue drained: down to the
             # need plus the spread, never below what was short.
@@ -130,14 +143,24 @@ def remove(
             keep = need + policy.flaps(memory, t, need) * (1.0 + spread)
             balanced = math.ceil(keep - 1e-9) if not full else 0
             target = max(min(balanced, current - 1), current - step, 0)
-        if target < current and since_down >= cooldown:
+        # A step rounds up to a whole worker, which may leave the trainer 1 / n of D short:
+        # in a small pool with long start-ups more than the full queue covers for a
+        # start-up (or the refills prove), and one removed in error starves the trainer
+        # until its replacement is up.
+        covers = full or floor or current * max(covered, proven) >= 1
+        if target < current and since_down >= cooldown and covers:
             return Decision(
                 target=target,
                 reason=f"{figures}; queue at the off-policy limit -> stepping down to "
-                f"{target} (at most {how} at a time)",
+                f"{target} (at most {how})",
                 memory=memory,
             )
         why = f", {short} were short" if floor >= current else ""
+        if target < current and not covers:
+            why = (
+                f", a worker fewer could leave the trainer {1 / current:.0%} short, more than "
+                f"the full queue covers for a {startup:.0f}s start-up"
+            )
         return Decision(
             target=current,
             reason=f"{figures}; queue at the off-policy limit{why} -> hold {current}",
