@@ -85,10 +85,10 @@ Rules, in order:
    one goes only where 1 / count is within the share the queue covers, or within the share of
    that sample-interval bound the samples found it full at (a small pool with long start-ups:
    a worker removed in error leaves 1 / count of D short until its replacement is up). With the
-   queue held at the limit for a
-   whole cooldown by the workers up, every worker still starting goes at once (it would make
-   nothing the trainer takes: a cold start that went to the maximum keeps only its first waves;
-   not within a cooldown of a worker exiting early: the retries tell a crash loop). Once a count
+   queue held at the limit for a whole cooldown by the workers up, every worker still starting
+   goes at once (it would make nothing the trainer takes: a cold start that went to the maximum
+   keeps only its first waves; not within a cooldown of a worker exiting early: the retries tell
+   a crash loop). Once a count
    has been found short, a twentieth, and only down to the need plus the spread at the p last
    measured. No removal goes back to the last count found short (rule 3 added to it with the pool
    in place, its workers' groups in, and p measured over its window or the queue about to empty;
