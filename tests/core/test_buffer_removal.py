@@ -303,6 +303,18 @@ def test_a_small_pool_with_long_start_ups_removes_a_worker_only_on_proof() -> No
     assert run(sagging, startup_s=20.0)[0].target == 7
 
 
+def test_the_last_worker_stays_while_the_trainer_takes_batches() -> None:
+    # One worker holds the queue at the off-policy limit for a trainer that takes a batch
+    # every 2 s (p rests on its bound: the need reads as the pool): with no minimum
+    # configured, the descent at the limit stops at one, and says why no more.
+    memory = settled(per_worker_seqs_s=0.5, queue_seqs=192.0, last_active=1, last_desired=1)
+    for _ in range(20):
+        decision = probe(memory, 1, queued=192, desired=1)
+        assert decision.target == 1, decision.reason
+        memory = decision.memory
+    assert decision.reason.endswith("queue at the off-policy limit -> hold 1")
+
+
 def test_a_pool_that_let_the_queue_fall_from_the_limit_is_short() -> None:
     # 8 workers that held the queue at the off-policy limit (90 s ago) now let it fall below
     # the band with p measured for less than its window: more, and 8 is marked short (a

@@ -142,7 +142,9 @@ def remove(
             spread = policy.removal_margin_workers(memory, per_worker, startup, step_s)
             keep = need + policy.flaps(memory, t, need) * (1.0 + spread)
             balanced = math.ceil(keep - 1e-9) if not full else 0
-            target = max(min(balanced, current - 1), current - step, 0)
+            # Never the last worker while the trainer takes batches: none would make them.
+            lowest = 1 if demand > 0 else 0
+            target = max(min(balanced, current - 1), current - step, lowest)
         # A step rounds up to a whole worker, which may leave the trainer 1 / n of D short:
         # in a small pool with long start-ups more than the full queue covers for a
         # start-up (or the refills prove), and one removed in error starves the trainer
