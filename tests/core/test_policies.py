@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from core.config import PolicySpec
 from core.errors import ConfigError
-from core.events import LoadSampled, QueueSampled
+from core.events import LoadSampled
 from core.policies import (
     BUILT_INS,
     POLICIES,
@@ -29,6 +29,7 @@ from core.policies import (
     ThresholdPolicy,
     build,
 )
+from tests.core.buffer_helpers import ctx as queue_ctx
 
 
 def load_ctx(
@@ -48,30 +49,6 @@ def load_ctx(
         min_workers=min_workers,
         max_workers=max_workers,
         load=LoadSampled(t=t, pool="p", in_flight_requests=in_flight),
-    )
-
-
-def queue_ctx(
-    t: float,
-    queued: int,
-    step: int,
-    *,
-    current: int,
-    active: int | None = None,
-    batch: int = 64,
-    min_workers: int = 0,
-    max_workers: int = 100,
-) -> PolicyContext:
-    return PolicyContext(
-        t=t,
-        pool="p",
-        current=current,
-        active=current if active is None else active,
-        min_workers=min_workers,
-        max_workers=max_workers,
-        queue=QueueSampled(
-            t=t, pool="p", queued_sequences=queued, batch_size_seqs=batch, trainer_step=step
-        ),
     )
 
 
@@ -203,7 +180,7 @@ def test_validation_looks_at_the_parameter_type_not_only_its_value() -> None:
         load_ctx(0.0, 0, 0),
         load_ctx(5.0, 3, 1000),  # heavy load: still count
         load_ctx(9.0, 50, 0, min_workers=10, max_workers=60),  # idle: still count
-        queue_ctx(1.0, 0, 0, current=2),
+        queue_ctx(1.0, 0, 0, current=2),  # a queue sample: still count
     ],
 )
 def test_static_always_count(count: int, context: PolicyContext) -> None:
