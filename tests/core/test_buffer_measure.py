@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from core.policies import BufferMemory, BufferPolicy
+from core.policies.buffer.constants import REFILL_TAKES
 from core.records import replace
 from tests.core.buffer_helpers import ctx, settled
 
@@ -145,3 +146,42 @@ def test_a_cold_pool_is_measured_over_a_settle_time_not_on_the_interval_its_work
     assert all(p is None or p < 12.0 for p in readings), readings
     assert memory.per_worker_seqs_s is not None
     assert memory.per_worker_seqs_s == pytest.approx(6.0, rel=0.25)
+
+
+def test_refills_of_the_full_queue_are_timed_in_worker_seconds() -> None:
+    # 8 workers hold the queue at the off-policy limit (3 batches); samples every 2 s.
+    policy = BufferPolicy()
+    memory = settled(queue_seqs=192.0, full_since_t=100.0, full_since_step=50)
+
+    def sample(queued: int, step: int, active: int = 8) -> BufferMemory:
+        t = memory.last_t + 2.0
+        return policy.decide(ctx(t, queued, step, current=active), memory).memory
+
+    memory = sample(192, 51)  # taken and full again within the interval: 2 s x 8 workers
+    assert memory.refills_worker_s == (16.0,)
+    memory = sample(128, 52)  # taken, a batch short at the next sample...
+    memory = sample(128, 52)
+    memory = sample(192, 52)  # ...full again 6 s after the sample before the take
+    assert memory.refills_worker_s == (16.0, 48.0)
+    assert memory.refill_t == memory.last_t
+    # A removal carries them (a smaller pool refills in fewer worker-seconds; over the
+    # interval it came in, the count before it counts); workers that come start them again.
+    memory = sample(192, 53, active=6)
+    assert memory.refills_worker_s == (16.0, 48.0, 16.0)
+    memory = sample(192, 54, active=6)
+    assert memory.refills_worker_s == (16.0, 48.0, 16.0, 12.0)
+    memory = sample(192, 55, active=9)
+    assert memory.refills_worker_s == ()
+    # Only the last REFILL_TAKES count.
+    for step in range(56, 61):
+        memory = sample(192, step, active=9)
+    assert memory.refills_worker_s == (18.0,) * REFILL_TAKES
+    # Taken again before it was full: no proof.
+    memory = sample(128, 61, active=9)
+    memory = sample(128, 62, active=9)
+    assert memory.refills_worker_s == ()
+    # A backlog above the limit (groups in flight when it was reached landed on top) is
+    # still full after a take whatever the pool makes: not timed.
+    memory = sample(320, 62, active=9)
+    memory = sample(256, 63, active=9)
+    assert memory.refills_worker_s == ()

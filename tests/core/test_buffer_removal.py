@@ -7,11 +7,14 @@ Batch 64 sequences throughout. Each test drives the policy with samples as the r
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 
 from core.policies import BufferMemory, BufferPolicy, Decision
 from core.records import replace
-from tests.core.buffer_helpers import probe, settled
+from tests.core.buffer_helpers import ctx, probe, settled
 
 # --- hysteresis in whole workers -----------------------------------------------------------------
 
@@ -330,3 +333,72 @@ def test_a_pool_that_let_the_queue_fall_from_the_limit_is_short() -> None:
     grown = probe(starving, 8, queued=8)
     assert "trainer starving" in grown.reason and grown.target > 8, grown.reason
     assert grown.memory.short_workers == 8
+
+
+def test_a_pool_that_refills_the_queue_within_a_fraction_of_a_step_halves() -> None:
+    # 40 workers at the off-policy limit (p never measured above its bound: the need reads
+    # as the whole pool), a trainer taking a batch every 20 s, samples every 2 s. Each take
+    # leaves the queue a batch short and it is full again by the next sample but one: the
+    # envs restart at every take, so the pool makes a batch from scratch within 4 s x 40
+    # workers = 160 worker-seconds, and 2 x 160 / 20 = 16 workers make twice what the trainer
+    # takes. After four such refills half the pool goes (at most half at a time), then half
+    # again once the smaller pool has refilled as fast.
+    memory = settled(
+        demand_seqs_s=3.2,
+        fast_demand_seqs_s=3.2,
+        per_worker_seqs_s=0.08,
+        last_active=40,
+        last_desired=40,
+        queue_seqs=192.0,
+    )
+    count, halvings = 40, []
+    for k in range(1, 120):
+        step = 50 + k // 10
+        queued = 128 if k % 10 == 0 else 192  # the sample right after a take
+        decision = BufferPolicy().decide(
+            ctx(100.0 + 2 * k, queued, step, current=count, desired=count), memory
+        )
+        if "full again within" in decision.reason:
+            halvings.append((count, decision))
+        memory, count = decision.memory, decision.target
+    # (Meanwhile the share rules take a worker a cooldown.)
+    before, first = halvings[0]
+    assert 38 <= before <= 40 and first.target == before - before // 2, first.reason
+    # The slowest of the last four refills, each 4 s x the workers then (38 to 40).
+    found = re.search(
+        r"full again within (\d+) worker-seconds of each of the last 4 takes: "
+        r"(\d+) workers make twice what the trainer takes -> stepping down to "
+        r"(\d+) \(at most half the pool at a time\)",
+        first.reason,
+    )
+    assert found, first.reason
+    worker_s, kept, target = (int(g) for g in found.groups())
+    assert 4 * before <= worker_s <= 160 and worker_s % 4 == 0
+    assert kept == math.ceil(2 * worker_s / 20) and target == first.target
+    assert len(halvings) >= 2 and count <= 10, [d.reason for _, d in halvings]
+    # Never below what the refills prove: 4 s x n workers keeps 2 x 4 n / 20 = 0.4 n.
+    assert all(d.target >= math.ceil(0.4 * n) for n, d in halvings)
+
+
+def test_a_take_before_the_queue_is_full_again_is_no_proof() -> None:
+    # The same pool, but each take leaves the queue short until the next take: nothing is
+    # timed, and the pool descends only as the share rules allow (a worker at a time).
+    memory = settled(
+        demand_seqs_s=3.2,
+        fast_demand_seqs_s=3.2,
+        per_worker_seqs_s=0.08,
+        last_active=40,
+        last_desired=40,
+        queue_seqs=192.0,
+    )
+    count = 40
+    for k in range(1, 120):
+        step = 50 + k // 10
+        queued = 192 if k < 10 else 160  # a batch short after the first take, never refilled
+        decision = BufferPolicy().decide(
+            ctx(100.0 + 2 * k, queued, step, current=count, desired=count), memory
+        )
+        memory, count = decision.memory, decision.target
+        assert "full again within" not in decision.reason, decision.reason
+    assert memory.refills_worker_s == ()
+    assert count >= 30

@@ -29,6 +29,14 @@ PINNED_SHARE = 1 / 10
 PINNED_STEPS = 2.0
 #: Samples at the off-policy limit before the share of them that found the queue full counts.
 LIMIT_SAMPLES = 8
+#: Refills of the full queue that bound what a pool makes (the slowest of the last this many),
+#: and the share of a trainer step the slowest may take for a removal to rest on them: a pool
+#: that makes a batch from scratch in half a step makes twice what the trainer takes (the
+#: other half covers heavy tails, whose shortest groups refill the queue faster than the
+#: pool makes once it is off the limit). At most half the pool goes at a time.
+REFILL_TAKES = 4
+REFILL_MARGIN = 2.0
+REFILL_MAX_SHARE = 1 / 2
 #: A sample this close to the off-policy limit (in batches, either side) finds the queue full.
 FULL_SLACK_BATCHES = 1 / 8
 #: A removal keeps workers still starting only up to this many times the need.

@@ -52,6 +52,7 @@ from core.policies.buffer.constants import (
     FULL_SLACK_BATCHES,
     PAUSE_STEPS,
     RECENT_WINDOW_SHARE,
+    REFILL_TAKES,
     SAME_LOAD,
     STALL_WINDOW_S,
 )
@@ -62,7 +63,7 @@ from core.records import replace
 if TYPE_CHECKING:
     from core.policies.buffer.policy import BufferPolicy
 
-__all__ = ["fold_spread", "measure", "watch_stalls"]
+__all__ = ["fold_spread", "measure", "time_refills", "watch_stalls"]
 
 
 def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) -> BufferMemory:
@@ -203,6 +204,7 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
             changes.update(full_since_t=t, full_since_step=sample.trainer_step)
     else:
         changes["full_since_t"] = None
+    changes.update(time_refills(policy, memory, context, steps))
     if "away_t" in changes or "last_down_t" in changes:
         changes.update(limit_samples=0, full_samples=0)
     else:
@@ -248,6 +250,48 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
             changes["fewest_measured_workers"] = min(fewest, throughout) if fewest else throughout
         changes.update(fold_spread(policy, memory, t, produced, throughout * dt))
     return replace(memory, **changes)
+
+
+def time_refills(
+    policy: BufferPolicy, memory: BufferMemory, context: PolicyContext, steps: int
+) -> dict[str, object]:
+    """Time how long the full queue takes to be full again after each take. At the off-policy
+    limit the envs cancel what they generate and start afresh at each take, so a refill is
+    the present pool making a batch from scratch: the slowest of the recent ones bounds what
+    it makes from below (a pool that refills in a tenth of a step makes ten times what the
+    trainer takes) where the queue samples cannot measure production per worker. A refill is
+    kept in worker-seconds per batch (its time x the workers active): a smaller pool refills
+    in fewer (each batch needs a larger share of the groups it has in generation, and the
+    share of the shortest ones the first batch takes grows more slowly than the pool
+    shrinks), so the series carries over a removal and starts again when workers come; a
+    take before the queue was full again ends it (the proof fails)."""
+    assert context.queue is not None
+    batch = context.queue.batch_size_seqs
+    full_seqs = (policy.max_batches_offpolicy - FULL_SLACK_BATCHES) * batch
+    full_now = context.queue.queued_sequences >= full_seqs
+    # (Over an interval in which workers went, the count before: those that went may have
+    # made part of it.)
+    came = context.active > memory.last_active
+    refills, workers = () if came else memory.refills_worker_s, memory.last_active
+    pending, batches, timed = memory.refill_from_t, memory.refill_batches, None
+    if pending is not None and full_now:
+        timed = (context.t - pending) * workers / batches
+        pending = None
+    elif pending is not None and steps:
+        refills, pending = (), None  # taken again before it was full: no proof
+    # Taken from the full queue (not from a backlog above the limit, which a take may leave
+    # full whatever the pool makes).
+    if steps and memory.full_since_t is not None:
+        if full_now:
+            timed = (context.t - memory.last_t) * workers / steps
+        else:
+            pending, batches = memory.last_t, steps
+    changes: dict[str, object] = {"refill_from_t": pending, "refill_batches": batches}
+    if timed is not None and not came:
+        refills = (*refills, timed)[-REFILL_TAKES:]
+        changes["refill_t"] = context.t
+    changes["refills_worker_s"] = refills
+    return changes
 
 
 def watch_stalls(

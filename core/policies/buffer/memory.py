@@ -136,6 +136,16 @@ class BufferMemory:
     #: shrank, and how many of them found it full.
     limit_samples: int = 0
     full_samples: int = 0
+    #: A take from the full queue that left it short: the sample before it (the take came
+    #: after) and the batches taken (None: no refill under way).
+    refill_from_t: float | None = None
+    refill_batches: int = 0
+    #: Worker-seconds per batch the full queue took to be full again after each recent take
+    #: (from the sample before the take: at most that), newest last; none since the active
+    #: count last rose.
+    refills_worker_s: tuple[float, ...] = attrs.field(default=(), converter=floats)
+    #: When the newest of them was timed (None: none).
+    refill_t: float | None = None
     #: When the queue last stood at the off-policy limit with less than a batch landed since
     #: (None: a batch landed since, or it was not there), and when it then fell below a batch.
     unfed_limit_t: float | None = None

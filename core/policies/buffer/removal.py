@@ -12,6 +12,9 @@ from core.policies.buffer.constants import (
     LIMIT_SHARE,
     PINNED_SHARE,
     PINNED_STEPS,
+    REFILL_MARGIN,
+    REFILL_MAX_SHARE,
+    REFILL_TAKES,
     REMOVAL_STARTUPS,
     REMOVAL_STEPS,
     STARTING_NEEDS,
@@ -85,6 +88,30 @@ def remove(
             f"workers up -> {current - pending} (the {pending} not yet up are not needed)",
             memory=memory,
         )
+    lowest = 1 if demand > 0 else 0  # never the last worker while the trainer takes batches
+    refills = memory.refills_worker_s
+    refilled = memory.refill_t is not None and (
+        memory.last_down_t is None or memory.refill_t > memory.last_down_t
+    )
+    if at_limit and len(refills) >= REFILL_TAKES and refilled:
+        # Each take restarts the envs at the limit, so each refill is the pool making a batch
+        # from scratch: refilled within w worker-seconds of every take, REFILL_MARGIN x w /
+        # step workers make REFILL_MARGIN x what the trainer takes. (The pool the last
+        # removal left has refilled since.)
+        slowest = max(refills)
+        kept = math.ceil(REFILL_MARGIN * slowest / step_s - 1e-9)
+        halved = current - math.floor(current * REFILL_MAX_SHARE)
+        target = max(kept, halved, floor, lowest)
+        if target < current:
+            return Decision(
+                target=target,
+                reason=f"{figures}; queue at the off-policy limit, full again within "
+                f"{slowest:.0f} worker-seconds of each of the last {len(refills)} takes: {kept} "
+                "workers make "
+                f"twice what the trainer takes -> stepping down to {target} (at most half the "
+                "pool at a time)",
+                memory=memory,
+            )
     if at_limit and not fresh:
         # The envs hold back at the off-policy limit, so p is not measured there and may
         # rest on its lower bound D / active (every estimate of the need reads high): step
@@ -142,8 +169,6 @@ def remove(
             spread = policy.removal_margin_workers(memory, per_worker, startup, step_s)
             keep = need + policy.flaps(memory, t, need) * (1.0 + spread)
             balanced = math.ceil(keep - 1e-9) if not full else 0
-            # Never the last worker while the trainer takes batches: none would make them.
-            lowest = 1 if demand > 0 else 0
             target = max(min(balanced, current - 1), current - step, lowest)
         # A step rounds up to a whole worker, which may leave the trainer 1 / n of D short:
         # in a small pool with long start-ups more than the full queue covers for a
