@@ -127,3 +127,21 @@ def test_saturation_stops_growth_and_sheds() -> None:
     # While it holds, a starving trainer adds nothing.
     later = replace(after, last_t=200.0, last_advance_t=200.0)
     assert probe(later, 11, queued=8, desired=11).target == 11
+
+
+def test_a_removal_after_a_growth_voids_its_saturation_test() -> None:
+    # The same figures, but the pool went down after that growth (and came back to 20 by
+    # another rule): the pool that grew is gone, and what this one makes, later, says
+    # nothing about saturation (groups that grow longer over a run make less per worker
+    # whatever the count). The starving trainer grows the pool.
+    memory = grown_while_starving(
+        per_worker_seqs_s=2.1,
+        production_seqs_s=42.0,
+        probe_t=40.0,
+        last_up_t=None,
+        last_down_t=50.0,
+        active_changed_t=-100.0,
+    )
+    decision = probe(memory, 20, queued=8)
+    assert decision.target > 20, decision.reason
+    assert "saturates" not in decision.reason

@@ -53,7 +53,15 @@ def grow(
             f"chase -> hold {current}",
             memory=memory,
         )
-    probing = probe_grown(memory, active) and t - memory.probe_t <= 3 * startup + 3 * settle
+    # A removal since the growth voids its test: the pool it grew is gone, and what the
+    # present one makes, later, compares with production before it only by chance (groups
+    # that grow longer over the run read as a saturating inference).
+    removed = memory.last_down_t is not None and memory.last_down_t >= memory.probe_t
+    probing = (
+        probe_grown(memory, active)
+        and t - memory.probe_t <= 3 * startup + 3 * settle
+        and not removed
+    )
     added = (active - memory.probe_workers) / max(memory.probe_workers, 1)
     gained = production / memory.probe_seqs_s - 1 if memory.probe_seqs_s > 0 else added
     # What the grown pool made over eight of its steps (and 30 s) since its workers were in

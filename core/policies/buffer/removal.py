@@ -106,10 +106,9 @@ def remove(
             return Decision(
                 target=target,
                 reason=f"{figures}; queue at the off-policy limit, full again within "
-                f"{slowest:.0f} worker-seconds of each of the last {len(refills)} takes: {kept} "
-                "workers make "
-                f"twice what the trainer takes -> stepping down to {target} (at most half the "
-                "pool at a time)",
+                f"{slowest:.0f} worker-seconds of each of the last {len(refills)} takes: "
+                f"{kept} {'worker makes' if kept == 1 else 'workers make'} twice what the "
+                f"trainer takes -> stepping down to {target} (at most half the pool at a time)",
                 memory=memory,
             )
     if at_limit and not fresh:

@@ -2,8 +2,9 @@
 help.
 
 While the trainer starves the pool grows in steps (rule 2: :mod:`.growth`); when a step's workers
-are active and the total production rose by less than half of what they should have added, the
-shared inference service is the bottleneck: the pool is held at the count that makes that
+are active and the total production rose by less than half of what they should have added (with
+no removal since the step: that voids the test), the shared inference service is the
+bottleneck: the pool is held at the count that makes that
 production, and tried again only after 10 start-ups. Production is averaged, so that is judged two
 settle times after the workers came; a rise already half as large before then passes at once (the
 trainer is starving meanwhile), in the average or in what the grown pool made over eight steps (30
