@@ -402,3 +402,20 @@ def test_a_take_before_the_queue_is_full_again_is_no_proof() -> None:
         assert "full again within" not in decision.reason, decision.reason
     assert memory.refills_worker_s == ()
     assert count >= 30
+
+
+def test_the_share_rules_keep_what_the_refills_kept() -> None:
+    # 30 workers at the off-policy limit, p resting on its bound (the need reads as the whole
+    # pool): the share rules would take a worker a cooldown. Where the last removal on the
+    # refills kept 30 (twice what makes a batch from scratch within a step), they hold there.
+    memory = settled(per_worker_seqs_s=32 / 30, queue_seqs=192.0, last_active=30, last_desired=30)
+    assert probe(memory, 30, queued=192, desired=30).target == 29
+    kept = replace(memory, refill_kept=30)
+    decision = probe(kept, 30, queued=192, desired=30)
+    assert decision.target == 30, decision.reason
+    assert decision.reason.endswith(
+        "queue at the off-policy limit, 30 kept on the refills -> hold 30"
+    )
+    # Workers that come start the refills, and what they kept, again.
+    came = probe(kept, 31, queued=192, desired=31, active=31)
+    assert came.memory.refill_kept == 0

@@ -39,7 +39,8 @@ Rules, in order:
    since the last applied addition, grow by 1 + (``max_up_factor`` - 1) x the hungry share (a
    dip in the jitter adds a worker or two; a trainer that sped up unseen doubles the pool per
    start-up), unless the shared inference saturates (or the pool is at its maximum), and not
-   while the last addition's workers have just become active. No batch for the time the active
+   while the last addition's workers have just become active (a removal since that growth voids
+   its test: the pool it grew is gone). No batch for the time the active
    workers at the measured p make two is an outage of production (inference down), not demand:
    the pool holds. Saturation is judged on the production measured, never on p x workers.
 3. Add: a queue below the target that, projected a start-up ahead (or a step, where a step is
@@ -84,8 +85,17 @@ Rules, in order:
    ``max_down_fraction``) goes at once, whatever p reads. A step is a whole worker at least, so
    one goes only where 1 / count is within the share the queue covers, or within the share of
    that sample-interval bound the samples found it full at (a small pool with long start-ups:
-   a worker removed in error leaves 1 / count of D short until its replacement is up). With the
-   queue held at the limit for a whole cooldown by the workers up, every worker still starting
+   a worker removed in error leaves 1 / count of D short until its replacement is up). At the
+   limit the envs cancel their groups and start afresh at each take, so a refill is the pool
+   making a batch from scratch: full again within w worker-seconds of each of the last four
+   takes (from the sample before the take to the first full one, times the workers then; a
+   smaller pool refills in fewer, so they carry over a removal and start again when workers
+   come; a take before the queue is full again voids them), 2 w / s workers make twice what
+   the trainer takes: down to that many, at most half the pool at a time, once the pool the
+   last removal left has refilled (the cooldown does not apply: each take tests the pool); the
+   shares above never take the pool under the count such a removal kept until workers come
+   (they step on the bound D / active, which says nothing of a pool the refills sized). With
+   the queue held at the limit for a whole cooldown by the workers up, every worker still starting
    goes at once (it would make nothing the trainer takes: a cold start that went to the maximum
    keeps only its first waves; not within a cooldown of a worker exiting early: the retries tell
    a crash loop). Once a count

@@ -291,6 +291,8 @@ def time_refills(
         refills = (*refills, timed)[-REFILL_TAKES:]
         changes["refill_t"] = context.t
     changes["refills_worker_s"] = refills
+    if came:
+        changes["refill_kept"] = 0
     return changes
 
 
