@@ -410,7 +410,7 @@ def test_the_share_rules_keep_what_the_refills_kept() -> None:
     # refills kept 30 (twice what makes a batch from scratch within a step), they hold there.
     memory = settled(per_worker_seqs_s=32 / 30, queue_seqs=192.0, last_active=30, last_desired=30)
     assert probe(memory, 30, queued=192, desired=30).target == 29
-    kept = replace(memory, refill_kept=30)
+    kept = replace(memory, refill_kept_workers=30)
     decision = probe(kept, 30, queued=192, desired=30)
     assert decision.target == 30, decision.reason
     assert decision.reason.endswith(
@@ -418,4 +418,4 @@ def test_the_share_rules_keep_what_the_refills_kept() -> None:
     )
     # Workers that come start the refills, and what they kept, again.
     came = probe(kept, 31, queued=192, desired=31, active=31)
-    assert came.memory.refill_kept == 0
+    assert came.memory.refill_kept_workers == 0

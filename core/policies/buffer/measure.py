@@ -27,6 +27,9 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
   left to the intervals after each visit, when the groups the limit cancelled are still in
   generation, and reads low: a large pool read 0.73-0.79 seq/s per worker for half an hour
   while its 117-127 workers held the queue up there, which proves 1.0-1.1);
+* the refills (:func:`time_refills`): how long the full queue takes to be full again after each
+  take, in worker-seconds per batch; at the limit the envs start afresh at each take, so this
+  is the pool making a batch from scratch, where p cannot be measured;
 * the start-up time T: from the sample at which a worker was first counted to the one at which it
   was first active (``startup_prior_s`` until one has been seen, or the age of the oldest worker
   still starting when longer);
@@ -292,7 +295,7 @@ def time_refills(
         changes["refill_t"] = context.t
     changes["refills_worker_s"] = refills
     if came:
-        changes["refill_kept"] = 0
+        changes["refill_kept_workers"] = 0
     return changes
 
 

@@ -148,7 +148,7 @@ class BufferMemory:
     refill_t: float | None = None
     #: The count the last removal on refills kept (0: none since workers last came): the
     #: share rules at the limit step no lower.
-    refill_kept: int = 0
+    refill_kept_workers: int = 0
     #: When the queue last stood at the off-policy limit with less than a batch landed since
     #: (None: a batch landed since, or it was not there), and when it then fell below a batch.
     unfed_limit_t: float | None = None

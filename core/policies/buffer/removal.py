@@ -109,7 +109,7 @@ def remove(
                 f"{slowest:.0f} worker-seconds of each of the last {len(refills)} takes: "
                 f"{kept} {'worker makes' if kept == 1 else 'workers make'} twice what the "
                 f"trainer takes -> stepping down to {target} (at most half the pool at a time)",
-                memory=replace(memory, refill_kept=kept),
+                memory=replace(memory, refill_kept_workers=kept),
             )
     if at_limit and not fresh:
         # The envs hold back at the off-policy limit, so p is not measured there and may
@@ -171,7 +171,9 @@ def remove(
             # Never below what the last removal on refills kept: the share rules step on the
             # bound D / active, which says nothing of a pool the refills sized (brought near
             # twice its need from scratch, it would descend a worker a cooldown below it).
-            target = max(min(balanced, current - 1), current - step, lowest, memory.refill_kept)
+            target = max(
+                min(balanced, current - 1), current - step, lowest, memory.refill_kept_workers
+            )
         # A step rounds up to a whole worker, which may leave the trainer 1 / n of D short:
         # in a small pool with long start-ups more than the full queue covers for a
         # start-up (or the refills prove), and one removed in error starves the trainer
@@ -185,8 +187,8 @@ def remove(
                 memory=memory,
             )
         why = f", {short} were short" if floor >= current else ""
-        if not floor and memory.refill_kept >= current:
-            why = f", {memory.refill_kept} kept on the refills"
+        if not floor and memory.refill_kept_workers >= current:
+            why = f", {memory.refill_kept_workers} kept on the refills"
         if target < current and not covers:
             why = (
                 f", a worker fewer could leave the trainer {1 / current:.0%} short, more than "
