@@ -109,17 +109,22 @@ def test_a_production_outage_holds_the_pool() -> None:
     assert not any("seq/s, " in d.reason and "make" in d.reason for d in decisions)
 
 
+def grown_short_of_its_workers(**changes: Any) -> BufferMemory:
+    """The last growth went from 10 active workers making 40 seq/s to 20 active, and p fell
+    to 2.1: 42 seq/s, two settle times (2 x 30 steps of 2 s) after the workers came."""
+    fields: dict[str, Any] = {
+        "per_worker_seqs_s": 2.1,
+        "production_seqs_s": 42.0,
+        "probe_t": 40.0,
+        "last_up_t": None,
+        "active_changed_t": -100.0,
+    }
+    return grown_while_starving(**(fields | changes))
+
+
 def test_saturation_stops_growth_and_sheds() -> None:
-    # The last growth went from 10 active workers making 40 seq/s to 20 active, and p fell
-    # to 2.1: 42 seq/s. Inference, not workers, is the limit: hold what makes that, 11.
-    memory = grown_while_starving(
-        per_worker_seqs_s=2.1,
-        production_seqs_s=42.0,
-        probe_t=40.0,
-        last_up_t=None,
-        active_changed_t=-100.0,  # two settle times (2 x 30 steps of 2 s) ago
-    )
-    decision = probe(memory, 20, queued=8)
+    # Inference, not workers, is the limit: hold what makes 42 seq/s, 11.
+    decision = probe(grown_short_of_its_workers(), 20, queued=8)
     assert decision.target == 11, decision.reason
     assert "saturates" in decision.reason
     after = decision.memory
@@ -134,14 +139,6 @@ def test_a_removal_after_a_growth_voids_its_saturation_test() -> None:
     # another rule): the pool that grew is gone, and what this one makes, later, says
     # nothing about saturation (groups that grow longer over a run make less per worker
     # whatever the count). The starving trainer grows the pool.
-    memory = grown_while_starving(
-        per_worker_seqs_s=2.1,
-        production_seqs_s=42.0,
-        probe_t=40.0,
-        last_up_t=None,
-        last_down_t=50.0,
-        active_changed_t=-100.0,
-    )
-    decision = probe(memory, 20, queued=8)
+    decision = probe(grown_short_of_its_workers(last_down_t=50.0), 20, queued=8)
     assert decision.target > 20, decision.reason
     assert "saturates" not in decision.reason

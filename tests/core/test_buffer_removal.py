@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 
 import pytest
 
@@ -335,14 +336,10 @@ def test_a_pool_that_let_the_queue_fall_from_the_limit_is_short() -> None:
     assert grown.memory.short_workers == 8
 
 
-def test_a_pool_that_refills_the_queue_within_a_fraction_of_a_step_halves() -> None:
-    # 40 workers at the off-policy limit (p never measured above its bound: the need reads
-    # as the whole pool), a trainer taking a batch every 20 s, samples every 2 s. Each take
-    # leaves the queue a batch short and it is full again by the next sample but one: the
-    # envs restart at every take, so the pool makes a batch from scratch within 4 s x 40
-    # workers = 160 worker-seconds, and 2 x 160 / 20 = 16 workers make twice what the trainer
-    # takes. After four such refills half the pool goes (at most half at a time), then half
-    # again once the smaller pool has refilled as fast.
+def forty_at_the_limit(queued: Callable[[int], int]) -> list[tuple[int, Decision]]:
+    """40 workers at the off-policy limit whose p was never measured above its bound (the need
+    reads as the whole pool), a trainer taking a batch every 20 s, samples every 2 s (the k-th
+    finds ``queued(k)`` sequences): each sample's count before it and the decision."""
     memory = settled(
         demand_seqs_s=3.2,
         fast_demand_seqs_s=3.2,
@@ -351,16 +348,23 @@ def test_a_pool_that_refills_the_queue_within_a_fraction_of_a_step_halves() -> N
         last_desired=40,
         queue_seqs=192.0,
     )
-    count, halvings = 40, []
+    count, decisions = 40, []
     for k in range(1, 120):
-        step = 50 + k // 10
-        queued = 128 if k % 10 == 0 else 192  # the sample right after a take
-        decision = BufferPolicy().decide(
-            ctx(100.0 + 2 * k, queued, step, current=count, desired=count), memory
-        )
-        if "full again within" in decision.reason:
-            halvings.append((count, decision))
+        sample = ctx(100.0 + 2 * k, queued(k), 50 + k // 10, current=count, desired=count)
+        decision = BufferPolicy().decide(sample, memory)
+        decisions.append((count, decision))
         memory, count = decision.memory, decision.target
+    return decisions
+
+
+def test_a_pool_that_refills_the_queue_within_a_fraction_of_a_step_halves() -> None:
+    # Each take leaves the queue a batch short and it is full again by the next sample but
+    # one: the envs restart at every take, so the pool makes a batch from scratch within 4 s
+    # x 40 workers = 160 worker-seconds, and 2 x 160 / 20 = 16 workers make twice what the
+    # trainer takes. After four such refills half the pool goes (at most half at a time),
+    # then half again once the smaller pool has refilled as fast.
+    decisions = forty_at_the_limit(lambda k: 128 if k % 10 == 0 else 192)
+    halvings = [(n, d) for n, d in decisions if "full again within" in d.reason]
     # (Meanwhile the share rules take a worker a cooldown.)
     before, first = halvings[0]
     assert 38 <= before <= 40 and first.target == before - before // 2, first.reason
@@ -375,33 +379,20 @@ def test_a_pool_that_refills_the_queue_within_a_fraction_of_a_step_halves() -> N
     worker_s, kept, target = (int(g) for g in found.groups())
     assert 4 * before <= worker_s <= 160 and worker_s % 4 == 0
     assert kept == math.ceil(2 * worker_s / 20) and target == first.target
-    assert len(halvings) >= 2 and count <= 10, [d.reason for _, d in halvings]
+    assert len(halvings) >= 2 and decisions[-1][1].target <= 10, [d.reason for _, d in halvings]
     # Never below what the refills prove: 4 s x n workers keeps 2 x 4 n / 20 = 0.4 n.
     assert all(d.target >= math.ceil(0.4 * n) for n, d in halvings)
 
 
 def test_a_take_before_the_queue_is_full_again_is_no_proof() -> None:
-    # The same pool, but each take leaves the queue short until the next take: nothing is
-    # timed, and the pool descends only as the share rules allow (a worker at a time).
-    memory = settled(
-        demand_seqs_s=3.2,
-        fast_demand_seqs_s=3.2,
-        per_worker_seqs_s=0.08,
-        last_active=40,
-        last_desired=40,
-        queue_seqs=192.0,
-    )
-    count = 40
-    for k in range(1, 120):
-        step = 50 + k // 10
-        queued = 192 if k < 10 else 160  # a batch short after the first take, never refilled
-        decision = BufferPolicy().decide(
-            ctx(100.0 + 2 * k, queued, step, current=count, desired=count), memory
-        )
-        memory, count = decision.memory, decision.target
-        assert "full again within" not in decision.reason, decision.reason
-    assert memory.refills_worker_s == ()
-    assert count >= 30
+    # Each take leaves the queue short until the next take (a batch short after the first,
+    # never refilled): nothing is timed, and the pool descends only as the share rules allow
+    # (a worker at a time).
+    decisions = forty_at_the_limit(lambda k: 192 if k < 10 else 160)
+    assert not any("full again within" in d.reason for _, d in decisions)
+    last = decisions[-1][1]
+    assert last.memory.refills_worker_s == ()
+    assert last.target >= 30
 
 
 def test_the_share_rules_keep_what_the_refills_kept() -> None:
