@@ -270,8 +270,7 @@ def time_refills(
     take before the queue was full again ends it (the proof fails)."""
     assert context.queue is not None
     batch = context.queue.batch_size_seqs
-    full_seqs = (policy.max_batches_offpolicy - FULL_SLACK_BATCHES) * batch
-    full_now = context.queue.queued_sequences >= full_seqs
+    full_now = context.queue.queued_sequences >= policy.limit_reached_seqs(batch)
     # (Over an interval in which workers went, the count before: those that went may have
     # made part of it.)
     came = context.active > memory.last_active
@@ -321,7 +320,7 @@ def watch_stalls(
     counted = watched is not None and bool(stalls) and stalls[-1] >= watched  # this visit's
     landed = memory.unfed_made_seqs + produced >= batch
     # At the limit: within the slack of a full queue, where the envs stop.
-    at_limit = queued >= (policy.max_batches_offpolicy - FULL_SLACK_BATCHES) * batch
+    at_limit = queued >= policy.limit_reached_seqs(batch)
     if counted and memory.unfed_below_t is not None and (at_limit or landed):
         changes["stall_wait_s"] = t - memory.unfed_below_t  # a stalled visit ends
     if at_limit:

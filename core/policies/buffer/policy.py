@@ -17,6 +17,7 @@ from core.policies.buffer.constants import (
     FALLING,
     FLAP_HALF_LIFE_S,
     FLAPS_MAX,
+    FULL_SLACK_BATCHES,
     SAME_LOAD,
     STALL_WINDOW_S,
     STALLS_TO_ALERT,
@@ -203,6 +204,11 @@ class BufferPolicy:
     def offpolicy_seqs(self, batch: int) -> float:
         """From this queue length on envs may hold back (atroposlib's limit, with a margin)."""
         return 0.8 * self.max_batches_offpolicy * batch
+
+    def limit_reached_seqs(self, batch: int) -> float:
+        """From this queue length on the queue stands at atroposlib's limit (within
+        ``FULL_SLACK_BATCHES`` of it), where the envs cancel their groups."""
+        return (self.max_batches_offpolicy - FULL_SLACK_BATCHES) * batch
 
     # --- deciding --------------------------------------------------------------------------------
 
