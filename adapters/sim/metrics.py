@@ -13,6 +13,8 @@
   oracle's own count, short of capacity for most of the run, read 2.5% avoidable).
 * ``worker_hours``: GPU-hours, each worker's GPUs from its SpawnWorker until it exits (or the
   run ends); a worker of a pool with ``gpus_per_worker = 0`` counts one worker-hour per hour.
+  :func:`worker_hours_ratio_since` gives the ratio to the oracle's over the run's end from a
+  time on: past the cold start, where every controller starts before it knows any rate.
 * ``mean_lag_steps`` / ``p95_lag_steps``: per consumed sequence, the trainer steps taken between
   its group entering the queue (generation finished) and the step that consumes it: 0 when the
   very next batch takes it. Generation time itself is not counted: it belongs to the environment,
@@ -96,6 +98,32 @@ class SimResult:
     oracle: OracleResult
     #: Everything the world recorded (starvation intervals, worker spans, scaling decisions).
     record: WorldRecord | None = None
+
+
+def _worker_s(record: WorldRecord, from_s: float) -> float:
+    """GPU-seconds the workers held from ``from_s`` to the run's end."""
+    end = record.duration_s
+    held_s = 0.0
+    for span in record.spans:
+        exited = end if span.exited_t is None else min(span.exited_t, end)
+        held_s += span.cost * max(exited - max(span.spawned_t, from_s), 0.0)
+    return held_s
+
+
+def worker_hours_ratio_since(result: SimResult, from_s: float) -> float:
+    """Worker-hours over the reactive oracle's, both counted from ``from_s`` to the run's end
+    (infinity if the oracle holds none then)."""
+    if result.record is None:
+        raise ValueError("the run's record is needed (simulate keeps it)")
+    if not 0 <= from_s < result.record.duration_s:
+        raise ValueError(
+            f"from_s must be within the run [0, {result.record.duration_s:g}), got {from_s!r}"
+        )
+    oracle_s = sum(p.gpus * GRID_S for p in result.oracle.series if p.t >= from_s)
+    held_s = _worker_s(result.record, from_s)
+    if oracle_s <= 0:
+        return float("inf") if held_s > 0 else 1.0
+    return held_s / oracle_s
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -186,10 +214,7 @@ def measure(scenario: Scenario, record: WorldRecord, oracle: OracleResult) -> Me
     ]
     avoidable_s = _avoidable_s(windows)
     outside_s = running_s - unavoidable_s
-    worker_s = sum(
-        span.cost * (min(end if span.exited_t is None else span.exited_t, end) - span.spawned_t)
-        for span in record.spans
-    )
+    worker_s = _worker_s(record, 0.0)
     mean_lag, p95_lag = _lag(record.lag_seqs)
     return Metrics(
         starvation_share=starved_s / running_s if running_s > 0 else 0.0,

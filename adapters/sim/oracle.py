@@ -55,6 +55,8 @@ class OraclePoint:
     t: float
     #: Workers the reactive oracle holds (all pools), start-up included.
     workers: int
+    #: What they cost: GPUs held (a CPU worker counts one), as ``worker_hours`` counts them.
+    gpus: int
     #: The trainer's consumption and the most the pools could produce, sequences/s.
     consumption_seqs_s: float
     capacity_seqs_s: float
@@ -518,6 +520,7 @@ def oracle(scenario: Scenario) -> OracleResult:
         OraclePoint(
             t=i * GRID_S,
             workers=sum(held[p.name][i] for p in scenario.pools),
+            gpus=sum(held[p.name][i] * p.cost_per_worker for p in scenario.pools),
             consumption_seqs_s=consumption[i],
             capacity_seqs_s=capacity[i],
         )

@@ -67,3 +67,15 @@ def test_bad_arguments_exit_2(tmp_path: Path) -> None:
     broken = tmp_path / "broken.md"
     broken.write_text(f"{regimes.END_MARK}\n{regimes.START_MARK}\n", encoding="utf-8")
     assert regimes.main(["--count", "1", "--out", str(broken)]) == 2
+
+
+def test_worker_hours_after_the_cold_start_are_counted_apart() -> None:
+    fed = [r for r in (regimes.draw(i, 1) for i in range(20)) if r.feasible][:2]
+    outcomes = [
+        regimes.Outcome(regime=fed[0], hours_x=3.0, settled_hours_x=1.1),
+        regimes.Outcome(regime=fed[1], hours_x=1.1, settled_hours_x=2.0),
+    ]
+    report = regimes.render(outcomes, "python bench/regimes.py")
+    assert "| worker-hours <= 1.15 x the oracle's | 1/2 |" in report
+    assert "| worker-hours after 15 minutes <= 1.15 x the oracle's | 1/2 |" in report
+    assert f"#{fed[0].index}: 0.00% avoidable, 3.00 x (1.10 x after 15 minutes)" in report

@@ -11,6 +11,7 @@ import pytest
 
 from adapters.postmortem.engine import replay
 from adapters.sim.driver import SimResult, simulate
+from adapters.sim.metrics import worker_hours_ratio_since
 from adapters.sim.scenario import Scenario, load_scenario
 from core import ConfigError, PolicySpec
 
@@ -106,6 +107,9 @@ def test_a_fed_trainer_is_measured_as_such() -> None:
     # The oracle holds ceil(51.2 / 2.67) = 20 workers throughout: 24 / 20.
     assert m.oracle_worker_hours == pytest.approx(20 * 900 / 3600)
     assert m.worker_hours_ratio == pytest.approx(24 / 20, rel=0.01)
+    # The same figure over the run's second half, and over the whole of it.
+    assert worker_hours_ratio_since(result, 450.0) == pytest.approx(24 / 20, rel=0.01)
+    assert worker_hours_ratio_since(result, 0.0) == pytest.approx(m.worker_hours_ratio)
 
 
 def test_faults_reach_the_core(tmp_path: Path) -> None:

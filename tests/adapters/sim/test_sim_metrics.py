@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import attrs
 import pytest
 
-from adapters.sim.metrics import Metrics, measure
-from adapters.sim.oracle import GRID_S, LowerBound, OracleResult
+from adapters.sim.metrics import Metrics, SimResult, measure, worker_hours_ratio_since
+from adapters.sim.oracle import GRID_S, LowerBound, OracleResult, OraclePoint
 from adapters.sim.scenario import EnvPool, Pause, Scenario, TrainerSpec
 from adapters.sim.world import ScaleRecord, SeriesPoint, WorkerSpan, WorldRecord
 
@@ -128,6 +129,40 @@ def test_worker_hours_count_gpus_from_spawn_to_exit_or_the_end() -> None:
     assert m.worker_hours == pytest.approx(0.4)
     assert m.oracle_worker_hours == 2.0
     assert m.worker_hours_ratio == pytest.approx(0.2)
+
+
+def test_worker_hours_after_a_time_count_only_what_is_held_from_then_on_both_sides() -> None:
+    # Held: 2 GPUs from 0 to 360 s and from 640 s to the end (1000 s). The oracle holds 3
+    # workers of 2 GPUs until 500 s, then 1.
+    spans = (
+        WorkerSpan(worker_id="envs-0", pool="envs", cost=2, spawned_t=0.0, exited_t=360.0),
+        WorkerSpan(worker_id="envs-1", pool="envs", cost=2, spawned_t=640.0, exited_t=None),
+    )
+    record = make_record(spans=spans)
+    held = [3 if i * GRID_S < 500 else 1 for i in range(round(1000 / GRID_S))]
+    series = tuple(
+        OraclePoint(
+            t=i * GRID_S, workers=n, gpus=2 * n, consumption_seqs_s=1.0, capacity_seqs_s=1.0
+        )
+        for i, n in enumerate(held)
+    )
+    oracle = attrs.evolve(make_oracle(), series=series)
+    result = SimResult(
+        scenario="hand",
+        policy="deo",
+        metrics=measure(SCENARIO, record, oracle),
+        series=(),
+        oracle=oracle,
+        record=record,
+    )
+    # From 300 s: held 2 x (60 + 360) = 840; the oracle 2 x (3 x 200 + 1 x 500) = 2200.
+    assert worker_hours_ratio_since(result, 300.0) == pytest.approx(840 / 2200)
+    # From 0 s: 1440 against 2 x (1500 + 500) = 4000 GPU-seconds.
+    assert worker_hours_ratio_since(result, 0.0) == pytest.approx(1440 / 4000)
+    with pytest.raises(ValueError, match="from_s must be within the run"):
+        worker_hours_ratio_since(result, 1000.0)
+    with pytest.raises(ValueError, match="record"):
+        worker_hours_ratio_since(attrs.evolve(result, record=None), 300.0)
 
 
 def test_lag_mean_and_p95_per_sequence() -> None:
