@@ -9,7 +9,7 @@ import attrs
 import pytest
 
 from adapters.sim.metrics import Metrics, SimResult, measure, worker_hours_ratio_since
-from adapters.sim.oracle import GRID_S, LowerBound, OracleResult, OraclePoint
+from adapters.sim.oracle import GRID_S, LowerBound, OraclePoint, OracleResult
 from adapters.sim.scenario import EnvPool, Pause, Scenario, TrainerSpec
 from adapters.sim.world import ScaleRecord, SeriesPoint, WorkerSpan, WorldRecord
 
