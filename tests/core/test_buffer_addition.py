@@ -39,3 +39,17 @@ def test_an_addition_with_the_pool_in_place_marks_the_count_short() -> None:
     # The cold start's pool, just in place: no mark (its p is from the first groups).
     fresh = replace(memory, active_changed_t=95.0, production_seen_s=30.0)
     assert probe(fresh, 8).memory.short_workers is None
+
+
+def test_workers_just_up_defer_a_reaction_to_the_queue_not_to_a_demand_they_cannot_meet() -> None:
+    # 8 workers, the last of them active for 2 s (their first groups still in generation),
+    # the queue low (40 seq). What the trainer takes (32 seq/s) the 8 make once their groups
+    # are in: the pool waits for them.
+    warming = settled(queue_seqs=40.0, last_up_t=90.0, active_changed_t=98.0)
+    held = probe(warming, 8)
+    assert held.target == 8, held.reason
+    # The trainer sped up: it takes 64 seq/s, twice what the whole pool makes. No group in
+    # generation changes that: the pool grows now, not a settle time later.
+    faster = replace(warming, demand_seqs_s=64.0, fast_demand_seqs_s=64.0)
+    decision = probe(faster, 8, steps=2)
+    assert decision.target >= 16, decision.reason

@@ -55,7 +55,8 @@ Rules, in order:
    time starved avoidably with a projection to empty, 1.0-1.5% with this).
    Within a start-up of a removal only a queue below the band adds workers, and nothing is
    added while the last addition's workers have just become active (their groups are still in
-   generation).
+   generation), unless the measured demand needs more than the whole pool makes (a trainer
+   that sped up: what is in generation does not change that).
 4. Hold up to the band's top, while a batch waits but the trainer takes none for four steps (a
    pause, or a slowdown: the next step tells), and until demand has been measured after a pause.
    With ``pause_release_startups`` k > 0, a pause that has lasted k start-ups lets the pool go to

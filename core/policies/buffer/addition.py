@@ -25,7 +25,10 @@ def add(
     the step against the start-up) or already below the band, gets workers; None where the
     rule does not apply (the next rules decide)."""
     below_target = reading.queue_seqs < reading.target_seqs
-    if not (reading.measurable and below_target and not reading.warming):
+    # Warming (the last workers' first groups still in generation) defers a reaction to the
+    # queue, not the balance: more than the whole pool, once up, makes is asked for.
+    short = reading.balanced > reading.current
+    if not (reading.measurable and below_target and (short or not reading.warming)):
         return None
     t, current, queue = context.t, reading.current, reading.queue_seqs
     startup, step_s = reading.startup_s, reading.step_s
