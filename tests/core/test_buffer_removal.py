@@ -344,6 +344,7 @@ def forty_at_the_limit(queued: Callable[[int], int]) -> list[tuple[int, Decision
         demand_seqs_s=3.2,
         fast_demand_seqs_s=3.2,
         per_worker_seqs_s=0.08,
+        production_seqs_s=3.2,
         last_active=40,
         last_desired=40,
         queue_seqs=192.0,
@@ -410,3 +411,24 @@ def test_the_share_rules_keep_what_the_refills_kept() -> None:
     # Workers that come start the refills, and what they kept, again.
     came = probe(kept, 31, queued=192, desired=31, active=31)
     assert came.memory.refill_kept_workers == 0
+
+
+def test_p_measured_where_nothing_could_land_is_not_trusted_over_its_bound() -> None:
+    # 40 workers at the off-policy limit feed a trainer taking 32 seq/s: each makes at least
+    # 0.8 seq/s. p "measured" over two start-ups at 0.01 seq/s comes from intervals in which
+    # nothing could land (the envs restarting after the limit cancelled their groups): it
+    # would ask for 3200 workers and hold the pool for good. p rests on what entered the
+    # queue per worker, and the pool steps down at the limit as one whose p was never
+    # measured: a worker a cooldown (its need on that bound is the whole pool).
+    censored = settled(queue_seqs=192.0, last_active=40, last_desired=40,
+                       per_worker_seqs_s=0.01, fresh_s=60.0)  # fmt: skip
+    assert BufferPolicy().per_worker(censored) == pytest.approx(32.0 / 40)
+    decision = probe(censored, 40)
+    assert decision.target == 39, decision.reason
+    assert "queue at the off-policy limit -> stepping down to 39" in decision.reason
+    # p measured at 4 seq/s over two start-ups is trusted: down by the need (8 workers), a
+    # quarter of the pool at a time.
+    measured = replace(censored, per_worker_seqs_s=4.0)
+    decision = probe(measured, 40)
+    assert decision.target == 30, decision.reason
+    assert "need 8.00 workers" in decision.reason

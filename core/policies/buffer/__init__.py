@@ -75,8 +75,11 @@ Rules, in order:
    workers up or twice the need, whichever is more (a cold pool that went to the maximum, its
    need measured from its first wave). p measured before a removal stays the pool's after it
    (each worker left makes at least what it made); after a growth it is measured afresh for two
-   start-ups. At the off-policy limit (where p is then not measured and rests on its bound) a
-   twentieth of the pool at a time; with
+   start-ups. p read under a quarter of what entered the queue per active worker was read
+   where nothing could land (the envs restarting after the limit cancelled their groups, with
+   groups longer than the steps the queue held): p rests on that instead, and at the limit
+   the pool steps down as one whose p was never measured. At the off-policy limit (where p
+   is then not measured and rests on its bound) a twentieth of the pool at a time; with
    the queue held there for a whole cooldown, up to a tenth: the share whose shortfall (at most
    that share of D, since every worker makes at least D / n) the two batches above the band cover
    for a start-up, 2 steps / start-up. With the queue full (within an eighth of a batch of the

@@ -59,3 +59,6 @@ PROBE_MIN_S = 30.0
 #: less, production per worker is falling (groups growing longer) and it is used instead.
 RECENT_WINDOW_SHARE = 1 / 4
 FALLING = 0.9
+#: Production per worker measured below what entered the queue per worker by more than this
+#: factor is taken for a measurement of intervals in which nothing could land.
+CENSORED_RATIO = 4.0

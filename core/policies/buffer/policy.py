@@ -13,6 +13,7 @@ from core.events import QueueSampled
 from core.policies.base import Decision, PolicyContext
 from core.policies.buffer.addition import add
 from core.policies.buffer.constants import (
+    CENSORED_RATIO,
     DEMAND_STEPS,
     FALLING,
     FLAP_HALF_LIFE_S,
@@ -147,8 +148,20 @@ class BufferPolicy:
         whole, recent = memory.per_worker_seqs_s, memory.recent_per_worker_seqs_s
         unchanged = memory.last_t - memory.active_changed_t >= self.production_window_s
         if whole and recent and unchanged and recent <= FALLING * whole:
-            return recent
+            whole = recent
+        if whole and self.censored(memory, whole):
+            return memory.production_seqs_s / memory.last_active
         return whole
+
+    @staticmethod
+    def censored(memory: BufferMemory, per_worker: float | None) -> bool:
+        """What entered the queue per active worker bounds p from below: a measurement far
+        under it was made where nothing could land (the envs had cancelled their groups at
+        the off-policy limit and restarted, groups longer than the steps the queue held), and
+        would ask for the pool many times over."""
+        if not (per_worker and memory.last_active and memory.production_seqs_s):
+            return False
+        return per_worker < memory.production_seqs_s / memory.last_active / CENSORED_RATIO
 
     def demand_window_s(self, step_s: float | None) -> float:
         """The demand estimate's window: 30 trainer steps (4 s at least), ``rate_window_s`` at

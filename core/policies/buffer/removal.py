@@ -65,7 +65,9 @@ def remove(
     )
     # p measured over two start-ups of the present pool is trusted over its bound.
     measured = policy.per_worker(memory)
-    fresh = memory.fresh_s >= 2 * startup and measured is not None
+    # (Not a measurement of intervals in which nothing could land: p then rests on its bound.)
+    censored = policy.censored(memory, memory.per_worker_seqs_s)
+    fresh = memory.fresh_s >= 2 * startup and measured is not None and not censored
     if fresh and measured:
         per_worker = measured
     need = demand / per_worker
