@@ -144,7 +144,8 @@ class BufferPolicy:
         quarter of it where that reads 10% lower with the same workers active over the whole
         window (their groups grow longer, which the whole window trails: the pool it sizes
         would fall short). A fall that came with more workers may be a shared inference
-        saturating, which more workers would not help: the growth rule judges that."""
+        saturating, which more workers would not help: the growth rule judges that. Never
+        far under what entered the queue per active worker (:meth:`censored`)."""
         whole, recent = memory.per_worker_seqs_s, memory.recent_per_worker_seqs_s
         unchanged = memory.last_t - memory.active_changed_t >= self.production_window_s
         if whole and recent and unchanged and recent <= FALLING * whole:
