@@ -150,19 +150,20 @@ class BufferPolicy:
         unchanged = memory.last_t - memory.active_changed_t >= self.production_window_s
         if whole and recent and unchanged and recent <= FALLING * whole:
             whole = recent
-        if whole and self.censored(memory, whole):
-            return memory.production_seqs_s / memory.last_active
-        return whole
+        delivered = self.censored(memory, whole)
+        return whole if delivered is None else delivered
 
     @staticmethod
-    def censored(memory: BufferMemory, per_worker: float | None) -> bool:
-        """What entered the queue per active worker bounds p from below: a measurement far
-        under it was made where nothing could land (the envs had cancelled their groups at
-        the off-policy limit and restarted, groups longer than the steps the queue held), and
-        would ask for the pool many times over."""
+    def censored(memory: BufferMemory, per_worker: float | None) -> float | None:
+        """What entered the queue per active worker, where ``per_worker`` is far under it (None
+        otherwise). That bounds p from below: a measurement far under it was made where nothing
+        could land (the envs had cancelled their groups at the off-policy limit and restarted,
+        groups longer than the steps the queue held), and would ask for the pool many times
+        over."""
         if not (per_worker and memory.last_active and memory.production_seqs_s):
-            return False
-        return per_worker < memory.production_seqs_s / memory.last_active / CENSORED_RATIO
+            return None
+        delivered = memory.production_seqs_s / memory.last_active
+        return delivered if per_worker < delivered / CENSORED_RATIO else None
 
     def demand_window_s(self, step_s: float | None) -> float:
         """The demand estimate's window: 30 trainer steps (4 s at least), ``rate_window_s`` at

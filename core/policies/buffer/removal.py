@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from core.policies.base import Decision, PolicyContext
 from core.policies.buffer.constants import (
+    FULL_SAMPLES_SHARE,
     LIMIT_SAMPLES,
     LIMIT_SHARE,
     PINNED_SHARE,
@@ -66,7 +67,7 @@ def remove(
     # p measured over two start-ups of the present pool is trusted over its bound.
     measured = policy.per_worker(memory)
     # (Not a measurement of intervals in which nothing could land: p then rests on its bound.)
-    censored = policy.censored(memory, memory.per_worker_seqs_s)
+    censored = policy.censored(memory, memory.per_worker_seqs_s) is not None
     fresh = memory.fresh_s >= 2 * startup and measured is not None and not censored
     if fresh and measured:
         per_worker = measured
@@ -156,8 +157,16 @@ def remove(
             # samples found it short, so that share of the sample-interval bound holds.
             full_share = memory.full_samples / memory.limit_samples
             proven = full_share * refill_share
-            if current * covered < 1 <= current * proven:
-                how = f"a worker at a time: the queue was full at {full_share:.0%} of the samples"
+            found = f"the queue was full at {full_share:.0%} of the samples"
+            if full_share >= FULL_SAMPLES_SHARE and proven > share and current * proven >= 1:
+                # Full at most samples, the share proven covers the step: the need on the
+                # bound D / active (the whole pool) does not hold it to a worker.
+                full = True
+                how = f"{share:.0%} of the pool: {found}"
+                if step == 1:
+                    how = f"a worker at a time: {found}"
+            elif current * covered < 1 <= current * proven:
+                how = f"a worker at a time: {found}"
         if floor:
             # A count was found short, with p measured as the queue drained: down to the
             # need plus the spread, never below what was short.
