@@ -89,16 +89,19 @@ Rules, in order:
    ``max_down_fraction``) goes at once, whatever p reads. A step is a whole worker at least, so
    one goes only where 1 / count is within the share the queue covers, or within the share of
    that sample-interval bound the samples found it full at (a small pool with long start-ups:
-   a worker removed in error leaves 1 / count of D short until its replacement is up). At the
-   limit the envs cancel their groups and start afresh at each take, so a refill is the pool
-   making a batch from scratch: full again within w worker-seconds of each of the last four
-   takes (from the sample before the take to the first full one, times the workers then; a
-   smaller pool refills in fewer, so they carry over a removal and start again when workers
-   come; a take before the queue is full again voids them), 2 w / s workers make twice what
-   the trainer takes: down to that many, at most half the pool at a time, once the pool the
-   last removal left has refilled (the cooldown does not apply: each take tests the pool); the
-   shares above never take the pool under the count such a removal kept until workers come
-   (they step on the bound D / active, which says nothing of a pool the refills sized). With
+   a worker removed in error leaves 1 / count of D short until its replacement is up). Full at
+   three samples in four or more, where the share of that bound the samples found it full at
+   covers a worker and the share of the pool, the pool steps down by its share, not a worker
+   off the need on the bound D / active (the whole pool). At the limit the envs cancel their
+   groups and start afresh at each take, so a refill is the pool making a batch from scratch:
+   full again within w worker-seconds of each of the last four takes (from the sample before
+   the take to the first full one, times the workers then; a smaller pool refills in fewer, so
+   they carry over a removal and start again when workers come; a take before the queue is full
+   again voids them), 2 w / s workers make twice what the trainer takes: down to that many, at
+   most half the pool at a time, once the pool the last removal left has refilled (the cooldown
+   does not apply: each take tests the pool); the shares above never take the pool under the
+   count such a removal kept until workers come (they step on the bound D / active, which says
+   nothing of a pool the refills sized). With
    the queue held at the limit for a whole cooldown by the workers up, every worker still starting
    goes at once (it would make nothing the trainer takes: a cold start that went to the maximum
    keeps only its first waves; not within a cooldown of a worker exiting early: the retries tell
