@@ -434,3 +434,21 @@ def test_p_measured_where_nothing_could_land_is_not_trusted_over_its_bound() -> 
     decision = probe(measured, 40)
     assert decision.target == 30, decision.reason
     assert "need 8.00 workers" in decision.reason
+
+
+def test_a_queue_full_at_most_samples_steps_down_by_what_they_prove() -> None:
+    # 40 workers whose p rests on its bound (the need reads as the whole pool), 120-s start-ups,
+    # a step per 2 s: the full queue covers a shortfall for two steps, a sixtieth of a
+    # start-up, so the share rules take a twentieth. The queue is full at 9 samples in 10 (a
+    # take leaves it a batch short now and then): each take was made again within about a
+    # sample interval, which proves 90% of a quarter of the pool spare (step / (interval +
+    # step), at most max_down_fraction), and each removal takes a tenth (the most a share at
+    # the limit takes), not a worker.
+    memory, count, targets = settled(per_worker_seqs_s=0.5, last_active=40, startup_s=120.0), 40, []
+    for sample in ([192] * 9 + [128]) * 14:
+        decision = probe(memory, count, queued=sample, desired=count)
+        if decision.target != count:
+            targets.append(decision.target)
+            assert "full at 90% of the samples" in decision.reason or targets == [39]
+        memory, count = decision.memory, decision.target
+    assert targets == [39, 36, 33], targets

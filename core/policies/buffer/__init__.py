@@ -91,8 +91,9 @@ Rules, in order:
    that sample-interval bound the samples found it full at (a small pool with long start-ups:
    a worker removed in error leaves 1 / count of D short until its replacement is up). Full at
    three samples in four or more, where the share of that bound the samples found it full at
-   covers a worker and the share of the pool, the pool steps down by its share, not a worker
-   off the need on the bound D / active (the whole pool). At the limit the envs cancel their
+   covers a worker and the share of the pool, the pool steps down by its share (up to what is
+   proven, a tenth at most), not a worker off the need on the bound D / active (the whole
+   pool). At the limit the envs cancel their
    groups and start afresh at each take, so a refill is the pool making a batch from scratch:
    full again within w worker-seconds of each of the last four takes (from the sample before
    the take to the first full one, times the workers then; a smaller pool refills in fewer, so

@@ -30,7 +30,8 @@ PINNED_STEPS = 2.0
 #: Samples at the off-policy limit before the share of them that found the queue full counts.
 LIMIT_SAMPLES = 8
 #: Found full at this share of them or more (where what that proves covers the step), a
-#: removal at the limit takes the pool's share, not a worker (below it, a worker at most).
+#: removal at the limit takes the pool's share, up to what is proven, not a worker (below it,
+#: a worker at most).
 FULL_SAMPLES_SHARE = 3 / 4
 #: Refills of the full queue that bound what a pool makes (the slowest of the last this many),
 #: and the share of a trainer step the slowest may take for a removal to rest on them: a pool

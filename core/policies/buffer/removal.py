@@ -159,9 +159,12 @@ def remove(
             proven = full_share * refill_share
             found = f"the queue was full at {full_share:.0%} of the samples"
             if full_share >= FULL_SAMPLES_SHARE and proven > share and current * proven >= 1:
-                # Full at most samples, the share proven covers the step: the need on the
-                # bound D / active (the whole pool) does not hold it to a worker.
+                # Full at most samples, the share proven covers the step: the pool's share,
+                # up to what is proven (a tenth at most), not a worker off the need on the
+                # bound D / active (the whole pool).
                 full = True
+                share = max(share, min(proven, PINNED_SHARE, policy.max_down_fraction))
+                step = max(1, math.floor(current * share))
                 how = f"{share:.0%} of the pool: {found}"
                 if step == 1:
                     how = f"a worker at a time: {found}"
