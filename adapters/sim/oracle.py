@@ -4,19 +4,20 @@
   that knows the present perfectly (the trainer's consumption now, the pools' true production per
   worker, the GPUs alive, the inference capacity) but not the future. It holds, at every moment,
   the workers that cover the present consumption; a worker it asks for produces its start-up
-  later; it cannot know how long a pause will last, so it keeps its workers for one start-up time
-  into a pause and then lets them go to the minimum (the ski-rental rule: never paying more than
-  twice what foresight would). Its starvation intervals are the "unavoidable" ones: starvation
-  outside them is what a controller could have avoided.
+  later, and no more than the pool's ``max_starting`` start at once (the reducer holds every
+  policy to that); it cannot know how long a pause will last, so it keeps its workers for one
+  start-up time into a pause and then lets them go to the minimum (the ski-rental rule: never
+  paying more than twice what foresight would). Its starvation intervals are the "unavoidable"
+  ones: starvation outside them is what a controller could have avoided.
 * The **lower bound** (:class:`LowerBound`) is clairvoyant: no controller on this realized world
   can do better than it on either axis. Starvation: every pool at its maximum from t = 0 (with the
-  fastest start-up drawn), a buffer filled up to the off-policy limit whenever it can be, groups at
-  the realized mean rate; no controller starves less. Worker-hours, for a trainer that takes
-  ``steps`` steps: the generation those batches need, the realized latencies of the first groups
-  drawn (each worker runs at most ``groups_in_flight`` at once, at most nominal speed), the
-  cheapest sequences first across pools, plus one start-up, and never below the pools'
-  ``min_workers`` held throughout. Idle workers, off-policy waits and discards, restarts after
-  pauses and faults only add to any real controller's cost.
+  fastest start-up drawn, ``max_starting`` at a time), a buffer filled up to the off-policy limit
+  whenever it can be, groups at the realized mean rate; no controller starves less. Worker-hours,
+  for a trainer that takes ``steps`` steps: the generation those batches need, the realized
+  latencies of the first groups drawn (each worker runs at most ``groups_in_flight`` at once, at
+  most nominal speed), the cheapest sequences first across pools, plus one start-up, and never
+  below the pools' ``min_workers`` held throughout. Idle workers, off-policy waits and discards,
+  restarts after pauses and faults only add to any real controller's cost.
 
 Both are fluid models on a grid of ``GRID_S`` seconds, with production per worker at the pool's
 realized mean rate: ``groups_in_flight * group_size / (latency mean at t * realized mean factor)``,
@@ -185,14 +186,14 @@ def _production(
 
 def _first_batch_t(
     scenario: Scenario,
-    counts: dict[str, int],
-    startup_s: dict[str, float],
+    asked: dict[str, list[tuple[float, int]]],
     mean_s: Callable[[EnvPool, float], float],
 ) -> float:
-    """The earliest a first batch is ready with ``counts`` workers asked for at t = 0.
+    """The earliest a first batch is ready with the workers ``asked`` for (per pool: when, how
+    many), each producing its pool's start-up after it is asked for.
 
-    Sequences done by time tau ~ sum over pools of N_i x groups_in_flight x group_size x
-    M_i(tau - startup_i), where M_i(x) = F_i(x) + max(x / mean_i - 1, 0) approximates the groups
+    Sequences done by time tau ~ sum over waves of N x groups_in_flight x group_size x
+    M(tau - asked_t - startup), where M(x) = F(x) + max(x / mean - 1, 0) approximates the groups
     done per slot: the latency CDF for the first round, the mean rate after it.
     """
     batch = scenario.trainer.batch_size_seqs
@@ -200,17 +201,22 @@ def _first_batch_t(
 
     def done(tau: float) -> float:
         total = 0.0
+        slots_left = (
+            math.inf
+            if scenario.inference is None
+            else float(scenario.inference.max_concurrent_groups)
+        )
         for pool in scenario.pools:
-            elapsed = tau - startup_s[pool.name]
-            n = counts.get(pool.name, 0)
-            if elapsed <= 0 or not n:
-                continue
-            mean = mean_s(pool, startup_s[pool.name])
-            slots = n * pool.groups_in_flight
-            if scenario.inference is not None:
-                slots = min(slots, scenario.inference.max_concurrent_groups)
-            rounds = pool.latency_cdf(elapsed, mean) + max(elapsed / mean - 1.0, 0.0)
-            total += slots * pool.group_size * rounds
+            for asked_t, n in asked.get(pool.name, ()):
+                up_t = asked_t + pool.startup_s
+                elapsed = tau - up_t
+                if elapsed <= 0 or not n or slots_left <= 0:
+                    continue
+                mean = mean_s(pool, up_t)
+                slots = min(n * pool.groups_in_flight, slots_left)
+                slots_left -= slots
+                rounds = pool.latency_cdf(elapsed, mean) + max(elapsed / mean - 1.0, 0.0)
+                total += slots * pool.group_size * rounds
         return total
 
     if done(duration) < batch:
@@ -257,6 +263,45 @@ def _earliest_first_batch_t(
         if seqs >= batch:
             return min(t, duration)
     return duration
+
+
+def _waves_up(t: float, startup_s: float, pool: EnvPool) -> int:
+    """The most workers of ``pool`` that can produce at ``t`` when each takes ``startup_s`` to
+    start and at most ``max_starting`` start at once."""
+    if startup_s <= 0:
+        return pool.max_workers
+    return min(pool.max_starting * math.floor(t / startup_s + 1e-9), pool.max_workers)
+
+
+def _started_at_most(wanted: list[int], span: int, most_starting: int) -> list[int]:
+    """The count held, cell by cell, by a controller that wants ``wanted`` but has at most
+    ``most_starting`` workers starting at once (each takes ``span`` cells to start), as the
+    reducer's ``max_starting`` allows: the rest are asked for as those come up. A count that
+    falls lets the workers still starting go first (they make nothing yet)."""
+    held: list[int] = []
+    starts: deque[list[int]] = deque()  # [cell asked for, workers] still starting
+    starting = count = 0
+    for i, want in enumerate(wanted):
+        while starts and starts[0][0] <= i - span:
+            starting -= starts.popleft()[1]
+        if want < count:
+            drop = count - want
+            while drop and starts:
+                let_go = min(starts[-1][1], drop)
+                starts[-1][1] -= let_go
+                starting -= let_go
+                drop -= let_go
+                if not starts[-1][1]:
+                    starts.pop()
+            count = want
+        else:
+            asked = min(want - count, most_starting - starting)
+            if asked > 0:
+                starts.append([i, asked])
+                starting += asked
+                count += asked
+        held.append(count)
+    return held
 
 
 def _window(
@@ -446,8 +491,22 @@ def oracle(scenario: Scenario) -> OracleResult:
         for p in scenario.pools
     }
     bound_first = _earliest_first_batch_t(scenario, {n: most[n][0] for n in most}, fastest_startup)
+    # At most max_starting of a pool start at once, none faster than the fastest start-up: by t,
+    # at most max_starting x floor(t / fastest) of its workers produce.
+    bound_capacity = [
+        _production(
+            scenario,
+            i * GRID_S,
+            {
+                p.name: min(most[p.name][i], _waves_up(i * GRID_S, fastest_startup[p.name], p))
+                for p in scenario.pools
+            },
+            mean_s,
+        )
+        for i in range(cells)
+    ]
     bound_starved_s, bound_starved, bound_cells = _fluid_queue(
-        scenario, paused, capacity, consumption, bound_first
+        scenario, paused, bound_capacity, consumption, bound_first
     )
     active_s = GRID_S * sum(1 for flag in paused if not flag)
     bound_steps = _steps_taken(scenario, paused, bound_cells)
@@ -476,6 +535,7 @@ def oracle(scenario: Scenario) -> OracleResult:
                 pool_held[i] = (
                     before if i * GRID_S < pause.at_s + pool.startup_s else pool.min_workers
                 )
+        pool_held = _started_at_most(pool_held, span, pool.max_starting)
         held[name] = pool_held
         # Producing: the workers held continuously for a start-up time, less those a fault took
         # within the last start-up time (their replacements are still starting) beyond the ones
@@ -507,9 +567,15 @@ def oracle(scenario: Scenario) -> OracleResult:
         _production(scenario, i * GRID_S, {n: producing[n][i] for n in producing}, mean_s)
         for i in range(cells)
     ]
-    first_counts = {name: held[name][0] for name in held}
-    startups = {p.name: p.startup_s for p in scenario.pools}
-    first = max(_first_batch_t(scenario, first_counts, startups, mean_s), bound_first)
+    # The waves asked for before the first batch (a count that grows, max_starting at a time).
+    asked: dict[str, list[tuple[float, int]]] = {}
+    for name, pool_held in held.items():
+        before = 0
+        for i, count in enumerate(pool_held):
+            if count > before:
+                asked.setdefault(name, []).append((i * GRID_S, count - before))
+            before = count
+    first = max(_first_batch_t(scenario, asked, mean_s), bound_first)
     starved_s, intervals, cells_starved = _fluid_queue(
         scenario, paused, production, consumption, first
     )

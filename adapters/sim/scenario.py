@@ -189,6 +189,10 @@ class EnvPool:
     gpus_per_worker: int = 1
     min_workers: int = 1
     max_workers: int = 32
+    #: At most this many workers starting at once, as the core's ``PoolSpec.max_starting``: the
+    #: reducer requests the rest as those come up, under every policy, and the oracle and the
+    #: lower bound start theirs the same way.
+    max_starting: int = 32
     #: atroposlib's max_batches_offpolicy: no new group while this many batches are queued.
     max_batches_offpolicy: int = 3
     policy: PolicySpec = attrs.field(factory=PolicySpec)
@@ -201,7 +205,7 @@ class EnvPool:
     crash_loop: CrashLoopRules = attrs.field(factory=CrashLoopRules)
 
     def __attrs_post_init__(self) -> None:
-        for key in ("group_size", "groups_in_flight", "max_batches_offpolicy"):
+        for key in ("group_size", "groups_in_flight", "max_batches_offpolicy", "max_starting"):
             value = getattr(self, key)
             _require(value >= 1, f"{key}: must be >= 1, got {value}")
         for key in ("latency_mean_s", "latency_sigma", "latency_growth"):
@@ -261,6 +265,7 @@ class EnvPool:
             argv=["sim-env", "--pool", "{pool}", "--slot", "{index}"],
             min_workers=self.min_workers,
             max_workers=self.max_workers,
+            max_starting=self.max_starting,
             gpus_per_worker=self.gpus_per_worker,
             policy=self.world_params(policy or self.policy, policies),
             require_ready=self.require_ready,

@@ -73,6 +73,26 @@ def test_the_lower_bound_starves_only_at_the_start_and_costs_the_generation_need
     assert bound.worker_hours < result.worker_hours
 
 
+def test_the_oracle_and_the_bound_start_no_more_at_once_than_the_pool_allows() -> None:
+    # max_starting 1, as the reducer enforces it under every policy: the 4 workers needed come
+    # one a start-up (1 at t = 0, 2 at 10, 3 at 20, 4 at 30), each producing 10 s later.
+    pool = EnvPool(**{**_fields(make_scenario().pools[0]), "max_starting": 1})
+    result = oracle(make_scenario(pools=(pool,)))
+    workers = [p.workers for p in result.series]
+    assert workers[:40] == [1] * 10 + [2] * 10 + [3] * 10 + [4] * 10
+    assert set(workers[40:]) == {4}
+    assert result.worker_hours == pytest.approx((10 + 20 + 30 + 4 * 70) / 3600)
+    # The first worker's 4 groups land at 18 s (32 sequences) and again at 26 s: the first
+    # batch. The queue it starts then drains at 8 seq/s to t = 30 and 4 seq/s to t = 38, and
+    # the trainer gets 12 of its 16 seq/s until the fourth worker produces at 40: 0.5 s more.
+    assert result.first_batch_t == pytest.approx(26.0, abs=1e-3)
+    assert result.unavoidable_starvation_share == pytest.approx(0.265, abs=1e-3)
+    # The bound's workers come as slowly (none starts faster than the fastest start-up drawn):
+    # it starves more than with every worker at once, and never more than the oracle.
+    unthrottled = oracle(make_scenario()).bound.starvation_share
+    assert unthrottled < result.bound.starvation_share <= result.unavoidable_starvation_share
+
+
 def test_gpus_per_worker_multiply_the_cost_and_min_workers_are_kept() -> None:
     base = make_scenario()
     pool = base.pools[0]

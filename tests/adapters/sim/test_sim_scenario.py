@@ -74,6 +74,9 @@ def test_the_core_configuration_fills_in_world_facts(tmp_path: Path) -> None:
     assert spec.stabilization_s == 0.0
     (spec,) = scenario.config(PolicySpec(name="static", params={"count": 3})).pools
     assert spec.policy.params == {"count": 3}
+    assert spec.max_starting == 32  # the core's default, unless the pool says otherwise
+    (spec,) = load_scenario(write(tmp_path, MINIMAL + "max_starting = 8\n")).config().pools
+    assert spec.max_starting == 8
 
 
 def test_step_time_follows_phases_and_pauses_cover_their_window(tmp_path: Path) -> None:
@@ -182,6 +185,7 @@ def test_trainer_mistakes_name_the_key(tmp_path: Path, extra: str, message: str)
     [
         ("max_worker = 4", "pools.envs.max_worker: unknown key (did you mean max_workers?)"),
         ("group_size = 0", "pools.envs.group_size: must be >= 1, got 0"),
+        ("max_starting = 0", "pools.envs.max_starting: must be >= 1, got 0"),
         ("latency_sigma = 'high'", "pools.envs.latency_sigma: expected a number, got 'high'"),
         ("latency_dist = 'weibull'", "pools.envs.latency_dist: 'weibull' is not one of"),
         ("latency_alpha = 1.0", "pools.envs.latency_alpha: must be > 1"),
