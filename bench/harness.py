@@ -508,7 +508,8 @@ _POLICY_NOTES: dict[str, str] = {
     "of a worker's groups in flight, tolerance 0.1, 300 s scale-down stabilization",
     "static": "a fixed pool at its maximum",
     ORACLE: "the reactive oracle: holds, at every moment, the workers that cover the present "
-    "consumption, each producing a start-up after it asks; keeps its workers one start-up into a "
+    "consumption, each producing a start-up after it asks (at most the pool's max_starting "
+    "starting at once, as for every policy); keeps its workers one start-up into a "
     "pause; its starvation is the unavoidable share. The lower bound below it is clairvoyant: "
     "no controller beats it on either axis on the same realized world",
 }

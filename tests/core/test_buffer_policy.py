@@ -265,6 +265,52 @@ def test_a_trainer_left_waiting_each_time_the_queue_falls_from_the_limit_is_repo
     assert not any(d.alerts for d in stall_cycles(4, wait_samples=0))
 
 
+def short_stall_cycles(
+    cycles: int, *, steps_then: tuple[int, int], landed: tuple[int, int]
+) -> list[Decision]:
+    """A trainer stepping every 0.5 s, sampled every 2 s: the queue at the limit, two samples
+    in which the trainer takes ``steps_then`` batches and ``landed`` sequences land, then
+    refilled to the limit by a trainer fed throughout."""
+    memory = settled(
+        queue_seqs=192.0,
+        last_queued_seqs=192,
+        demand_seqs_s=128.0,
+        fast_demand_seqs_s=128.0,
+        production_seqs_s=128.0,
+        per_worker_seqs_s=16.0,
+    )
+    decisions = []
+    for _ in range(cycles):
+        queued = 3 * BATCH
+        samples = [(queued, 4)]
+        for steps, seqs in zip(steps_then, landed, strict=True):
+            queued += seqs - steps * BATCH
+            samples.append((queued, steps))
+        while queued < 3 * BATCH:
+            queued = min(queued + BATCH, 3 * BATCH)
+            samples.append((queued, 4))
+        for queued, steps in samples:
+            decision = probe(memory, 8, queued=queued, steps=steps)
+            memory = decision.memory
+            decisions.append(decision)
+    return decisions
+
+
+def test_waits_shorter_than_the_sample_interval_after_the_limit_are_stalls_too() -> None:
+    # The queue lasts 1.5 s past the limit, a group lands, and 80 sequences land within the
+    # next 2-s sample: no sample finds the trainer waiting with nothing landed, but from the
+    # limit on it took 4 batches in 4 s where it could have taken 8. Waits, and reported.
+    decisions = short_stall_cycles(3, steps_then=(3, 1), landed=(8, 80))
+    (alert, reason) = decisions[-1].alerts[0]
+    assert alert is AlertName.OFFPOLICY_STALLS
+    assert "3 times in 30 minutes" in reason and "raise max_batches_offpolicy" in reason
+    # A trainer that kept stepping through the fall (the envs making again at once) took as
+    # many as it could: no wait, though a sample found less than a batch with a group landed.
+    fed = short_stall_cycles(4, steps_then=(3, 4), landed=(8, 264))
+    assert not any(d.alerts for d in fed)
+    assert not fed[-1].memory.stall_times
+
+
 def test_a_trainer_restart_that_empties_the_queue_is_not_a_stall() -> None:
     # At the limit, then the trainer (or the API server) restarts: its step goes back to 0 and
     # the queue is empty. Not the trainer taking what the envs stopped making.

@@ -312,32 +312,51 @@ def watch_stalls(
     A restart (the trainer's step going back) or a queue flushed ends the watch."""
     assert context.queue is not None
     t, queued, batch = context.t, context.queue.queued_sequences, context.queue.batch_size_seqs
+    step = context.queue.trainer_step
     stalls = tuple(s for s in memory.stall_times if t - s < STALL_WINDOW_S)
     changes: dict[str, object] = {"stall_times": stalls}
     unfed = {"unfed_limit_t": None, "unfed_below_t": None, "unfed_made_seqs": 0}
-    restarted = context.queue.trainer_step < memory.last_step
+    restarted = step < memory.last_step
     watched = memory.unfed_limit_t
     counted = watched is not None and bool(stalls) and stalls[-1] >= watched  # this visit's
     landed = memory.unfed_made_seqs + produced >= batch
     # At the limit: within the slack of a full queue, where the envs stop.
     at_limit = queued >= policy.limit_reached_seqs(batch)
-    if counted and memory.unfed_below_t is not None and (at_limit or landed):
-        changes["stall_wait_s"] = t - memory.unfed_below_t  # a stalled visit ends
+    # From the limit on the trainer could have stepped back to back: the time it did not
+    # step is time it waited, less up to a step (it may have been within one at the limit).
+    # Samples further apart than the wait (steps of half a second, a batch landing within
+    # the sample interval) see it only so.
+    # (Within a settle time of the limit: a longer span, samples missed for minutes, says
+    # nothing of what the trainer did in it.)
+    idle_s = 0.0
+    if watched is not None and step_s and t - watched <= settle_s(step_s):
+        idle_s = t - watched - (step - memory.unfed_limit_step) * step_s - step_s
+    if counted and (at_limit or landed):
+        # A stalled visit ends: it waited from the queue falling below a batch, or as long
+        # as it did not step.
+        below_s = 0.0 if memory.unfed_below_t is None else t - memory.unfed_below_t
+        changes["stall_wait_s"] = max(below_s, idle_s)
     if at_limit:
-        changes.update(unfed, unfed_limit_t=t)
-    elif watched is None:
-        pass
-    elif restarted or queued < memory.last_queued_seqs - consumed or context.active == 0:
+        changes.update(unfed, unfed_limit_t=t, unfed_limit_step=step)
+        return changes
+    if watched is None:
+        return changes
+    if restarted or queued < memory.last_queued_seqs - consumed or context.active == 0:
         changes.update(unfed)  # a restart or a flushed queue, not the trainer taking it
-    elif landed:
+        return changes
+    if step_s is not None and idle_s >= step_s and not counted:
+        changes["stall_times"] = (*stalls, t)
+        changes["stall_wait_s"] = idle_s
+        counted = True
+    if landed:
         changes.update(unfed)  # a batch landed: the envs are making again
-    else:
-        changes["unfed_made_seqs"] = memory.unfed_made_seqs + produced
-        if queued < batch:
-            below = t if memory.unfed_below_t is None else memory.unfed_below_t
-            changes["unfed_below_t"] = below
-            if step_s is not None and t - below >= step_s and not counted:
-                changes["stall_times"] = (*stalls, t)
+        return changes
+    changes["unfed_made_seqs"] = memory.unfed_made_seqs + produced
+    if queued < batch:
+        below = t if memory.unfed_below_t is None else memory.unfed_below_t
+        changes["unfed_below_t"] = below
+        if step_s is not None and t - below >= step_s and not counted:
+            changes["stall_times"] = (*stalls, t)
     return changes
 
 

@@ -153,6 +153,8 @@ class BufferMemory:
     #: (None: a batch landed since, or it was not there), and when it then fell below a batch.
     unfed_limit_t: float | None = None
     unfed_below_t: float | None = None
+    #: The trainer's step when it stood there.
+    unfed_limit_step: int = 0
     #: Sequences landed since it stood there (a batch ends the watch).
     unfed_made_seqs: int = 0
     #: When the trainer then waited a step or more, within the last ``STALL_WINDOW_S``, and
