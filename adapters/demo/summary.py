@@ -155,6 +155,7 @@ def simulate_static(
         startup_s=startup_s,
         min_workers=pool.min_workers,
         max_workers=pool.max_workers,
+        max_starting=pool.max_starting,
         max_batches_offpolicy=max_batches_offpolicy,
         policy=pool.policy,
         stabilization_s=pool.stabilization_s,

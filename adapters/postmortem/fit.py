@@ -1098,6 +1098,7 @@ def fit_scenario(
         gpus_per_worker=spec.gpus_per_worker,
         min_workers=spec.min_workers,
         max_workers=spec.max_workers,
+        max_starting=spec.max_starting,
         max_batches_offpolicy=pool.max_batches_offpolicy,
         policy=spec.policy,
         stabilization_s=spec.stabilization_s,

@@ -116,6 +116,20 @@ def test_the_fit_reads_what_the_log_shows(
         assert loop.kind == "crash_loop" and 1200 < loop.at_s <= 1240, loop
 
 
+def test_the_fit_keeps_how_many_workers_may_start_at_once(tmp_path: Path) -> None:
+    # The pool's max_starting paces every controller's start-ups (and the oracle's): a what-if
+    # that dropped it would start the recorded pool faster than it could have.
+    truth = load_scenario(
+        SCENARIOS / "steady.toml",
+        {"duration_s": "300", "pools.envs.max_starting": "8"},
+        policies=CATALOG,
+    )
+    log = tmp_path / "run.jsonl"
+    simulate(truth, log_path=log, policies=CATALOG)
+    fitted = fit_scenario(read_run(log), "fitted", CATALOG, calibrate=False)
+    assert fitted.scenario.pools[0].max_starting == 8
+
+
 @pytest.mark.parametrize(
     "phases",
     [
