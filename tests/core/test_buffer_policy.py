@@ -304,6 +304,10 @@ def test_waits_shorter_than_the_sample_interval_after_the_limit_are_stalls_too()
     (alert, reason) = decisions[-1].alerts[0]
     assert alert is AlertName.OFFPOLICY_STALLS
     assert "3 times in 30 minutes" in reason and "raise max_batches_offpolicy" in reason
+    # About 1.5 s each time (4 s less 4 steps, less the step it may have been in at the
+    # limit; the steps, measured, take a little longer than 0.5 s with the waits in them):
+    # three batches more would have covered it.
+    assert "to 6 at least (the last wait was 1s)" in reason
     # A trainer that kept stepping through the fall (the envs making again at once) took as
     # many as it could: no wait, though a sample found less than a batch with a group landed.
     fed = short_stall_cycles(4, steps_then=(3, 4), landed=(8, 264))

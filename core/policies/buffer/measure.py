@@ -324,10 +324,9 @@ def watch_stalls(
     at_limit = queued >= policy.limit_reached_seqs(batch)
     # From the limit on the trainer could have stepped back to back: the time it did not
     # step is time it waited, less up to a step (it may have been within one at the limit).
-    # Samples further apart than the wait (steps of half a second, a batch landing within
-    # the sample interval) see it only so.
-    # (Within a settle time of the limit: a longer span, samples missed for minutes, says
-    # nothing of what the trainer did in it.)
+    # Samples further apart than the wait (a batch landing within the sample interval) see
+    # it only so. Only within a settle time of the limit: a longer span (samples missed for
+    # minutes) says nothing of what the trainer did in it.
     idle_s = 0.0
     if watched is not None and step_s and t - watched <= settle_s(step_s):
         idle_s = t - watched - (step - memory.unfed_limit_step) * step_s - step_s
@@ -335,7 +334,8 @@ def watch_stalls(
         # A stalled visit ends: it waited from the queue falling below a batch, or as long
         # as it did not step.
         below_s = 0.0 if memory.unfed_below_t is None else t - memory.unfed_below_t
-        changes["stall_wait_s"] = max(below_s, idle_s)
+        if max(below_s, idle_s) > 0:  # (else the wait measured when it was counted stands)
+            changes["stall_wait_s"] = max(below_s, idle_s)
     if at_limit:
         changes.update(unfed, unfed_limit_t=t, unfed_limit_step=step)
         return changes
