@@ -226,17 +226,24 @@ def stall_cycles(cycles: int, *, landing_seqs: int = 0, wait_samples: int = 5) -
     """Every 2 s: the queue at the off-policy limit (3 batches), the trainer taking it down a
     batch a sample (``landing_seqs`` landing meanwhile), then waiting ``wait_samples`` samples
     on what is left, until a burst fills it to the limit again."""
-    memory, decisions = settled(queue_seqs=192.0), []
+    samples: list[tuple[int, int]] = []
     for _ in range(cycles):
-        queued, samples = 3 * BATCH, [(3 * BATCH, 0)]
+        queued = 3 * BATCH
+        samples.append((queued, 0))
         for _ in range(3):
             queued = queued - BATCH + landing_seqs
             samples.append((queued, 1))
         samples += [(queued, 0)] * wait_samples
-        for queued, steps in samples:
-            decision = probe(memory, 8, queued=queued, steps=steps)
-            memory = decision.memory
-            decisions.append(decision)
+    return decide_each(settled(queue_seqs=192.0), samples)
+
+
+def decide_each(memory: BufferMemory, samples: list[tuple[int, int]]) -> list[Decision]:
+    """Each (queued, trainer steps) sample in turn, 2 s apart, with 8 workers."""
+    decisions = []
+    for queued, steps in samples:
+        decision = probe(memory, 8, queued=queued, steps=steps)
+        memory = decision.memory
+        decisions.append(decision)
     return decisions
 
 
@@ -279,21 +286,17 @@ def short_stall_cycles(
         production_seqs_s=128.0,
         per_worker_seqs_s=16.0,
     )
-    decisions = []
+    samples: list[tuple[int, int]] = []
     for _ in range(cycles):
         queued = 3 * BATCH
-        samples = [(queued, 4)]
+        samples.append((queued, 4))
         for steps, seqs in zip(steps_then, landed, strict=True):
             queued += seqs - steps * BATCH
             samples.append((queued, steps))
         while queued < 3 * BATCH:
             queued = min(queued + BATCH, 3 * BATCH)
             samples.append((queued, 4))
-        for queued, steps in samples:
-            decision = probe(memory, 8, queued=queued, steps=steps)
-            memory = decision.memory
-            decisions.append(decision)
-    return decisions
+    return decide_each(memory, samples)
 
 
 def test_waits_shorter_than_the_sample_interval_after_the_limit_are_stalls_too() -> None:
