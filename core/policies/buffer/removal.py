@@ -165,9 +165,8 @@ def remove(
                 full = True
                 share = max(share, min(proven, PINNED_SHARE, policy.max_down_fraction))
                 step = max(1, math.floor(current * share))
-                how = f"{share:.0%} of the pool: {found}"
-                if step == 1:
-                    how = f"a worker at a time: {found}"
+                what = "a worker at a time" if step == 1 else f"{share:.0%} of the pool"
+                how = f"{what}: {found}"
             elif current * covered < 1 <= current * proven:
                 how = f"a worker at a time: {found}"
         if floor:
