@@ -158,6 +158,8 @@ class Check:
     target: str
     value: str
     ok: bool
+    #: A word or two naming the target in the overview table ("lag", "worker-hours").
+    short: str = ""
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -422,17 +424,20 @@ def check_targets(report: ScenarioReport) -> tuple[Check, ...]:
     checks = [
         Check(
             target=f"starvation <= {AVOIDABLE_STARVATION:.0%} beyond the reactive oracle's",
+            short="starvation",
             value=f"{_pct(deo.avoidable_starvation_share)} (all: {_pct(deo.starvation_share)}, "
             f"unavoidable {_pct(unavoidable)})",
             ok=deo.avoidable_starvation_share <= AVOIDABLE_STARVATION + _SHARE_TIE,
         ),
         Check(
             target=f"worker-hours <= {WORKER_HOURS_X_ORACLE:g} x oracle",
+            short="worker-hours",
             value=hours,
             ok=deo.worker_hours <= WORKER_HOURS_X_ORACLE * oracle_hours + _HOURS_TIE,
         ),
         Check(
             target=f"mean lag <= {MEAN_LAG_STEPS:g} steps",
+            short="lag",
             value=_steps(deo.mean_lag_steps),
             ok=deo.mean_lag_steps <= MEAN_LAG_STEPS,  # NaN (nothing trained) fails
         ),
@@ -441,6 +446,7 @@ def check_targets(report: ScenarioReport) -> tuple[Check, ...]:
         checks.append(
             Check(
                 target=f"<= {REVERSALS_PER_HOUR:g} reversals per hour (jitter-only)",
+                short="reversals",
                 value=f"{deo.reversals_per_hour:.1f} ({deo.flaps})",
                 ok=deo.reversals_per_hour <= REVERSALS_PER_HOUR,
             )
@@ -453,6 +459,7 @@ def check_targets(report: ScenarioReport) -> tuple[Check, ...]:
     checks.append(
         Check(
             target="against every baseline: better on starvation or on worker-hours",
+            short="a baseline",
             value="yes" if not failures else "better on neither against " + "; ".join(failures),
             ok=not failures,
         )
@@ -479,7 +486,7 @@ def check_every_seed(report: ScenarioReport) -> tuple[Check, ...]:
                 f"missed on {len(missed)} of {len(seeds)} seeds ({names}); seed "
                 f"{seeds[missed[0]]}: {checks[missed[0]].value}"
             )
-        combined.append(Check(target=first.target, value=value, ok=not missed))
+        combined.append(Check(target=first.target, value=value, ok=not missed, short=first.short))
     return tuple(combined)
 
 
@@ -632,9 +639,9 @@ def render_section(
         "(nothing changes but the random latencies); against every baseline, never worse on both "
         "starvation and worker-hours: strictly better on at least one of them.",
     ]
+    lines += _overview(reports)
     for report in reports:
-        title = report.name + (" (jitter-only)" if report.jitter_only else "")
-        lines += ["", f"### {title}", ""]
+        lines += ["", f"### {_title(report)}", ""]
         if report.description:
             lines += [report.description.strip(), ""]
         lines += [
@@ -659,6 +666,44 @@ def render_section(
             ]
     lines.append(END_MARK)
     return "\n".join(lines) + "\n"
+
+
+def _title(report: ScenarioReport) -> str:
+    return report.name + (" (jitter-only)" if report.jitter_only else "")
+
+
+def _anchor(title: str) -> str:
+    """The fragment a markdown renderer (GitHub's) gives a heading."""
+    kept = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
+    return kept.replace(" ", "-")
+
+
+def _overview(reports: Sequence[ScenarioReport]) -> list[str]:
+    """One row per scenario: deo's worst seed on each target's figure, and the targets it
+    missed on some seed (the scenario's own section gives the mean and every check)."""
+    lines = [
+        "",
+        "deo on every scenario, at its worst seed (each figure the worst of the seeds; a target "
+        "is missed where any seed misses it):",
+        "",
+        "| scenario | avoidable starvation | worker-hours x oracle | mean lag (steps) | "
+        "reversals per hour | targets missed |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for report in reports:
+        runs = [(r.deo.metrics, r.oracle.worker_hours) for r in report.every_seed]
+        ratios = [m.worker_hours / h if h > 0 else math.inf for m, h in runs]
+        lags = [m.mean_lag_steps for m, _ in runs]
+        lag = math.nan if any(math.isnan(v) for v in lags) else max(lags)
+        missed = [c.short for c in check_every_seed(report) if not c.ok]
+        title = _title(report)
+        lines.append(
+            f"| [{title}](#{_anchor(title)}) | "
+            f"{_pct(max(m.avoidable_starvation_share for m, _ in runs))} | "
+            f"{_ratio(max(ratios))} | {_steps(lag)} | "
+            f"{max(m.reversals_per_hour for m, _ in runs):.1f} | {', '.join(missed) or 'none'} |"
+        )
+    return lines
 
 
 def _single_rows(report: ScenarioReport) -> list[str]:

@@ -454,6 +454,30 @@ def test_seeded_tables_give_the_mean_and_the_worst_seed(tmp_path: Path) -> None:
     assert "deo met every target on 0 of them" in text  # 1.22 x oracle on seed 2
 
 
+def test_the_overview_gives_each_scenario_its_worst_seed_and_the_targets_it_missed(
+    tmp_path: Path,
+) -> None:
+    lagging = seeded(
+        make_report(metrics(worker_hours=9.0), metrics(worker_hours=99.0)),
+        make_report(
+            metrics(avoidable_starvation_share=0.008, worker_hours=11.0, mean_lag_steps=1.9),
+            metrics(worker_hours=99.0),
+        ),
+    )
+    fine = attrs.evolve(
+        make_report(metrics(), metrics(worker_hours=99.0), jitter_only=False), name="fine_one"
+    )
+    text = render_section([lagging, fine], command="deo bench", out_dir=tmp_path, plots={})
+    # Worst of the seeds: 0.80% avoidable, 11 / 9 = 1.22 x, lag 1.90; both its misses named.
+    assert (
+        "| [s (jitter-only)](#s-jitter-only) | 0.80% | 1.22 | 1.90 | 0.0 | worker-hours, lag |"
+    ) in text
+    assert "| [fine_one](#fine_one) | 0.50% | 1.11 | 1.00 | 0.0 | none |" in text
+    # The links point at the sections' headings.
+    assert "### s (jitter-only)" in text and "### fine_one" in text
+    assert text.index("| [s (jitter-only)]") < text.index("### s (jitter-only)")
+
+
 def test_a_seed_whose_oracle_held_no_worker_reads_n_a(tmp_path: Path) -> None:
     idle = make_report(metrics(), metrics(worker_hours=99.0))
     idle = attrs.evolve(idle, oracle=attrs.evolve(idle.oracle, worker_hours=0.0))
