@@ -30,6 +30,23 @@ def test_a_pause_holds_and_demand_is_measured_afresh_after_it() -> None:
     assert "since the trainer resumed" in resumed.reason
 
 
+def test_the_hold_after_a_pause_ends_once_its_demand_is_measured() -> None:
+    # Resumed at 50 s, demand measured for 58 of the 60 s (30 steps of 2 s) the hold waits for.
+    waiting = settled(queue_seqs=150.0, resumed_t=50.0, demand_seen_s=58.0)
+    held = probe(waiting, 10)
+    assert held.memory.demand_seen_s == 60.0
+    # Measured over the whole window: the pause is over, and the removal rule decides.
+    assert held.memory.resumed_t is None
+    assert "since the trainer resumed" not in held.reason
+    # Later the trainer slows to 3-s steps: the window grows to 90 s, past the 60 s seen. Had
+    # the pause been kept, that would hold removals again for 30 of the slower steps.
+    slower = replace(held.memory, demand_seqs_s=64 / 3, fast_demand_seqs_s=64 / 3, last_t=102.0)
+    later = probe(slower, 10)
+    assert "since the trainer resumed" not in later.reason, later.reason
+    kept = probe(replace(slower, resumed_t=50.0), 10)
+    assert "since the trainer resumed, 89s needed -> hold 10" in kept.reason, kept.reason
+
+
 def test_a_pause_longer_than_a_start_up_lets_the_pool_go_where_asked_to() -> None:
     release = BufferPolicy(pause_release_startups=1.0)
     # No step for 22 s, longer than a start-up (20 s): the pool goes to its minimum, and

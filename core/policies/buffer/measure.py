@@ -178,7 +178,14 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
                 demand = (demand + fast) / 2  # and it is still settling
             changes["demand_seqs_s"] = demand
             changes["fast_demand_seqs_s"] = fast
-            changes["demand_seen_s"] = min(memory.demand_seen_s + span, demand_window)
+            demand_seen = min(memory.demand_seen_s + span, demand_window)
+            changes["demand_seen_s"] = demand_seen
+            # Measured over the window rule 4 waits for: the pause is over. (Kept, it would hold
+            # removals again whenever the step time rose, the window growing past what was
+            # seen: minutes of a slower trainer long after the pause.)
+            measured = demand > 0 and demand_seen >= policy.demand_window_s(batch / demand)
+            if memory.resumed_t is not None and measured:
+                changes["resumed_t"] = None
     produced = max(queued - memory.last_queued_seqs + consumed, 0)
     changes.update(watch_stalls(policy, memory, context, produced, consumed, step_s))
     if probe_in(memory, context.active, t, step_s):

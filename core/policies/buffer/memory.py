@@ -36,7 +36,8 @@ class BufferMemory:
     fast_demand_seqs_s: float | None = None
     #: When the trainer step was last seen to advance (None: never).
     last_advance_t: float | None = None
-    #: When the trainer took a batch again after a pause (None: no pause seen).
+    #: When the trainer took a batch again after a pause (None: no pause seen, or its demand
+    #: measured since over the window rule 4 waits for).
     resumed_t: float | None = None
     #: The count a pause let go to the minimum, brought back at the trainer's next step (None:
     #: no pool let go).
