@@ -202,6 +202,11 @@ def test_a_queue_held_at_the_limit_for_a_cooldown_steps_down_by_up_to_a_tenth() 
     assert "stepping down to 36 (at most 10% of the pool, the queue held there for 20s" in (
         decision.reason
     )
+    # p measured below its bound D / active there (32 / 40 seq/s per worker): the need is the
+    # whole pool, and the step a worker, whatever the share allows; the reason says which.
+    bound = probe(replace(pinned, per_worker_seqs_s=32 / 45), 40)
+    assert bound.target == 39, bound.reason
+    assert "to 39 (at most a worker at a time: on p's bound D / active the need is" in bound.reason
     # The queue was away from the limit within the cooldown (the last removal may have left
     # the pool near its need): a twentieth.
     left = replace(pinned, away_t=95.0)
