@@ -48,7 +48,7 @@ from adapters.sources.nvml import NvmlSettings
 from core import Config, DeoError, PolicySpec, PoolSpec
 from deo_worker.demo_env import DemoEnvSettings
 
-__all__ = ["DemoSettings", "run_demo"]
+__all__ = ["DemoOutcome", "DemoSettings", "measure_demo", "run_demo"]
 
 _TOKEN_ENV = "DEO_DEMO_TOKEN"
 
@@ -66,10 +66,15 @@ class DemoSettings:
     groups_in_flight: int = 2
     max_workers: int = 8
     progress_every_s: float = 3.0
+    #: The pool's policy: ``buffer`` (deo's default) or ``static`` (the pool at its maximum
+    #: throughout: the comparison ``bench/atropos_loop.py`` runs on the same loop).
+    policy: str = "buffer"
 
     def __attrs_post_init__(self) -> None:
         if not self.duration_s >= 10:
             raise ValueError(f"--duration-s: at least 10 seconds, got {self.duration_s:g}")
+        if self.policy not in ("buffer", "static"):
+            raise ValueError(f"policy: 'buffer' or 'static', got {self.policy!r}")
 
     @property
     def phases(self) -> str:
@@ -108,6 +113,8 @@ def _settings(demo: DemoSettings, log: Path, api_url: str, deo_port: int) -> Run
             "down_cooldown_s": 2.0,
         },
     )
+    if demo.policy == "static":
+        policy = PolicySpec(name="static", params={"count": demo.max_workers})
     pool = PoolSpec(
         name="envs",
         argv=argv,
@@ -126,8 +133,11 @@ def _settings(demo: DemoSettings, log: Path, api_url: str, deo_port: int) -> Run
         tick_interval_s=0.5,
         worker_logs=_worker_logs(log),
         api=ApiSettings(port=deo_port, token_env=_TOKEN_ENV),
+        # (A static pool reads no queue: deo refuses a source its policy would not read.)
         sources=(
-            AtroposSource(pool="envs", url=api_url, group_size=demo.group_size, interval_s=0.5),
+            (AtroposSource(pool="envs", url=api_url, group_size=demo.group_size, interval_s=0.5),)
+            if demo.policy == "buffer"
+            else ()
         ),
         nvml=NvmlSettings(backend="off"),
     )
@@ -247,10 +257,34 @@ def _verify(log: Path) -> tuple[int, int, RunFacts]:
     return events, mismatches + len(problems), facts_of(steps)
 
 
+@attrs.frozen(slots=True, kw_only=True)
+class DemoOutcome:
+    """What one demo run measured: the trainer's own figures and those of deo's log."""
+
+    steps: int
+    #: Seconds the trainer waited for a batch after its first one, and the span they count in
+    #: (from its first batch to its last step).
+    waited_s: float
+    busy_s: float
+    #: Worker-seconds (each worker from its spawn to its exit) and scaling decisions, from the log.
+    worker_s: float
+    decisions: int
+    #: The log replays exactly.
+    replays: bool
+
+
 def run_demo(
     log: Path, settings: DemoSettings | None = None, out: Callable[[str], None] = print
 ) -> int:
     """Run the demo, writing deo's event log to ``log``; returns the exit status."""
+    return measure_demo(log, settings, out)[0]
+
+
+def measure_demo(
+    log: Path, settings: DemoSettings | None = None, out: Callable[[str], None] = print
+) -> tuple[int, DemoOutcome | None]:
+    """Run the demo as :func:`run_demo` does; returns the exit status and what the run measured
+    (None where it did not get that far)."""
     from adapters.run import IGNORED_SIGNALS, STOP_SIGNALS, run
 
     demo = settings or DemoSettings()
@@ -259,7 +293,7 @@ def run_demo(
             "deo demo: atroposlib is not installed; its API server is all the demo needs: "
             "pip install --no-deps atroposlib==0.4.0"
         )
-        return 2
+        return 2, None
     log = log.absolute()
     log.parent.mkdir(parents=True, exist_ok=True)
     # A fresh run each time: this log and everything deo keeps beside it are the demo's own.
@@ -323,20 +357,22 @@ def run_demo(
         if failed is None:
             raise
         out(f"deo demo: {failed}; see {_shown(files)}")
-        return 1
+        return 1, None
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     if status != 0:
         out(f"deo demo: deo exited with status {status}; see {log}")
-        return status
+        return status, None
     events, wrong, facts = _verify(log)
-    _summary(demo, progress, facts, _estimate(demo, facts, log, api_url, deo_port), out)
+    # A static pool is its own comparison.
+    estimate = _estimate(demo, facts, log, api_url, deo_port) if demo.policy == "buffer" else None
+    outcome = _summary(demo, progress, facts, estimate, out, replays=not wrong)
     out(f"deo demo: done in {time.monotonic() - started:.0f}s")
     verdict = "replays exactly" if not wrong else f"DOES NOT replay exactly ({wrong} problems)"
     out(f"deo demo: log {_shown(log)} ({events} events) {verdict}")
     out(f"deo demo: replay it with `deo replay {_shown(log)}`")
-    return 0 if not wrong else 1
+    return (0 if not wrong else 1), outcome
 
 
 def _demo_failure(exc: BaseException) -> DemoFailed | None:
@@ -392,19 +428,29 @@ def _summary(
     facts: RunFacts,
     estimate: StaticEstimate | None,
     out: Callable[[str], None],
-) -> None:
+    *,
+    replays: bool,
+) -> DemoOutcome:
     trainer = progress.trainer
     first = trainer.get("first_batch_s")
     counts = [n for _, n in progress.workers]
+    outcome = DemoOutcome(
+        steps=int(trainer.get("steps", trainer.get("step", 0))),
+        waited_s=float(trainer.get("waited_s", 0.0)),
+        busy_s=max(float(trainer.get("elapsed_s", facts.span_s)) - float(first or 0.0), 0.0),
+        worker_s=facts.worker_s,
+        decisions=len(facts.decisions),
+        replays=replays,
+    )
     out("")
     render(
-        steps=trainer.get("steps", trainer.get("step", 0)),
-        waited_s=float(trainer.get("waited_s", 0.0)),
-        busy_span_s=max(float(trainer.get("elapsed_s", facts.span_s)) - float(first or 0.0), 0.0),
+        steps=outcome.steps,
+        waited_s=outcome.waited_s,
+        busy_span_s=outcome.busy_s,
         first_batch_s=first,
         facts=facts,
         estimate=estimate,
-        policy="buffer",
+        policy=demo.policy,
         out=out,
     )
     if counts:
@@ -412,3 +458,4 @@ def _summary(
             f"  env workers: {min(counts)} to {max(counts)} active; over time: "
             + _sparkline(progress.workers)
         )
+    return outcome

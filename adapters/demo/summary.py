@@ -233,6 +233,8 @@ def render(
             f"here ({estimate.startup_s:.1f}s), mean of {len(SEEDS)} seeds; simulated the same "
             f"way, {policy} waits {estimate.policy_wait_s:.1f}s (measured here: {waited_s:.1f}s)"
         )
+    elif policy == "static":
+        out(f"  worker-seconds: {facts.worker_s:.0f} (a static pool: its own comparison)")
     else:
         out(f"  worker-seconds: {facts.worker_s:.0f} (no start-up measured: no static comparison)")
     out(f"  decisions: {len(facts.decisions)} scaling decisions by the {policy} policy:")
