@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/atropos_loop.py                 # 2 runs each, 180 s (about 14 minutes)
+    .venv/bin/python bench/atropos_loop.py                 # 2 runs each, 180 s (about 12 minutes)
     .venv/bin/python bench/atropos_loop.py --runs 1 --duration-s 60
 
 Each run is ``deo demo``'s loop, all real processes on loopback: atroposlib's trajectory API

@@ -5,7 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import attrs
 import pytest
 
 from adapters.demo.loop import DemoOutcome, DemoSettings, _settings
@@ -14,23 +16,11 @@ from bench import atropos_loop
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def outcome(**changes: float) -> DemoOutcome:
-    values: dict[str, float] = {
-        "steps": 100,
-        "waited_s": 10.0,
-        "busy_s": 100.0,
-        "worker_s": 900.0,
-        "decisions": 6,
-    }
-    values.update(changes)
-    return DemoOutcome(
-        steps=int(values["steps"]),
-        waited_s=values["waited_s"],
-        busy_s=values["busy_s"],
-        worker_s=values["worker_s"],
-        decisions=int(values["decisions"]),
-        replays=True,
+def outcome(**changes: Any) -> DemoOutcome:
+    base = DemoOutcome(
+        steps=100, waited_s=10.0, busy_s=100.0, worker_s=900.0, decisions=6, replays=True
     )
+    return attrs.evolve(base, **changes)
 
 
 def test_the_static_run_is_the_same_loop_with_a_pool_held_at_its_maximum(tmp_path: Path) -> None:
