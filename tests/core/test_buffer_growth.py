@@ -92,6 +92,37 @@ def test_what_the_grown_pool_makes_counts_once_its_workers_are_past_their_first_
     assert warm.memory.probe_made_seqs == 128.0
 
 
+def test_growth_goes_on_once_the_trainers_quick_rate_shows_the_workers_added() -> None:
+    # Start-ups of 2 s: 10 workers grew to 20 8 s ago, active for 4 s (their first groups still
+    # in generation by the settle time, four steps or 10 s). The starving trainer's quick rate
+    # read 40 seq/s at the growth and reads 64 now, a step a second (+60% for +100% workers):
+    # their groups are in, and the trainer still starves, so the pool grows again now.
+    memory = settled(
+        queue_seqs=8.0,
+        last_queued_seqs=8,
+        hungry_share=1.0,
+        startup_s=2.0,
+        last_active=20,
+        last_desired=20,
+        last_up_t=94.0,
+        active_changed_t=98.0,
+        up_from_workers=10,
+        up_from_seqs_s=40.0,
+        fast_demand_seqs_s=64.0,
+        demand_seqs_s=64.0,
+    )
+    grown = probe(memory, 20, queued=8, steps=2)
+    assert grown.target > 20, grown.reason
+    assert "trainer starving" in grown.reason
+    # A rise of less than half of what the added workers make: still warming up.
+    flat = replace(memory, fast_demand_seqs_s=52.0, demand_seqs_s=52.0)
+    held = probe(flat, 20, queued=8, steps=1)
+    assert held.target == 20, held.reason
+    # Not starving (a batch and more queued), the rise says nothing of warming: no growth.
+    fed = replace(memory, queue_seqs=80.0, last_queued_seqs=80)
+    assert probe(fed, 20, queued=80, steps=2).target <= 20
+
+
 def test_a_production_outage_holds_the_pool() -> None:
     # A settled pool of 8 (p = 4 seq/s, the trainer fed); then nothing enters the queue and the
     # trainer takes nothing for ten minutes. Every worker reported active at once.

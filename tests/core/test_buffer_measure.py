@@ -60,6 +60,35 @@ def test_a_speed_up_is_believed_within_ten_of_the_new_steps() -> None:
     assert memory.demand_seqs_s >= 0.7 * 128
 
 
+def test_a_speed_up_restarts_the_queue_average() -> None:
+    # Steps of 2 s, the queue averaged at 150 seq; then three steps in 2 s, the queue emptied to
+    # 8: the average over the slower steps is another trainer's (it would read 2 batches while
+    # every sample finds less than one), so it starts again from the sample.
+    policy = BufferPolicy()
+    memory = settled(queue_seqs=150.0, last_queued_seqs=150)
+    faster = policy.decide(ctx(102.0, 8, 53, current=8), memory).memory
+    assert isinstance(faster, BufferMemory)
+    assert faster.queue_seqs == 8.0
+    # The same emptier sample at the same step rate is averaged in.
+    same = policy.decide(ctx(102.0, 8, 51, current=8), memory).memory
+    assert isinstance(same, BufferMemory)
+    assert same.queue_seqs > 8.0
+    # And so is one after a slow-down (no step in 6 s).
+    slower = policy.decide(ctx(106.0, 8, 50, current=8), replace(memory, last_advance_t=100.0))
+    assert isinstance(slower.memory, BufferMemory)
+    assert slower.memory.queue_seqs > 8.0
+
+
+def test_an_addition_records_the_pool_and_the_rate_it_grew_from() -> None:
+    # Applied between two samples (the reducer's desired count rose from 8 to 12).
+    policy = BufferPolicy()
+    memory = settled(fast_demand_seqs_s=30.0)
+    grown = policy.decide(ctx(102.0, 40, 51, current=12, active=8, desired=12), memory).memory
+    assert isinstance(grown, BufferMemory)
+    assert (grown.up_from_workers, grown.up_from_seqs_s) == (8, 30.0)
+    assert grown.last_up_t == 100.0
+
+
 def test_production_per_worker_that_falls_is_read_from_the_recent_quarter_of_its_window() -> None:
     # The same 8 workers for 5 minutes made 4 seq/s each; their groups grow longer and they make
     # 3 (the trainer takes 3 batches per 8 s sample, as much as they make, so the queue stays

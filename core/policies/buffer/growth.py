@@ -17,7 +17,7 @@ from core.records import replace
 if TYPE_CHECKING:
     from core.policies.buffer.policy import BufferPolicy
 
-__all__ = ["grow"]
+__all__ = ["grow", "growth_shown"]
 
 
 def grow(
@@ -72,7 +72,7 @@ def grow(
     if memory.probe_made_s >= max(PROBE_STEPS * step_s, PROBE_MIN_S):
         made = memory.probe_made_seqs / memory.probe_made_s
         gained = max(gained, made / memory.probe_seqs_s - 1 if memory.probe_seqs_s else 0.0)
-    if probing and not settled and gained >= added / 2:
+    if probing and not settled and (gained >= added / 2 or growth_shown(memory, active)):
         # Production, averaged, lags what the pool makes: a rise that already shows half
         # of what the workers added should make passes the test early (the trainer is
         # starving meanwhile); only a shortfall needs the settle times to be told.
@@ -133,3 +133,14 @@ def grow(
         f"growing x{factor:.2f} -> {target} workers",
         memory=memory,
     )
+
+
+def growth_shown(memory: BufferMemory, active: int) -> bool:
+    """Starving, the trainer takes each batch as the envs make it, so its quick step rate is
+    what the pool makes now: once that shows half of what the workers added last make, their
+    first groups are in (however short the start-up and the groups)."""
+    fast, before, workers = memory.fast_demand_seqs_s, memory.up_from_seqs_s, memory.up_from_workers
+    if not (fast and before > 0 and 0 < workers < active):
+        return False
+    added = (active - workers) / workers
+    return fast / before - 1 >= added / 2

@@ -86,6 +86,8 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
     if desired is not None and memory.last_desired is not None:
         if desired > memory.last_desired:
             changes["last_up_t"] = memory.last_t
+            changes["up_from_workers"] = memory.last_active
+            changes["up_from_seqs_s"] = memory.fast_demand_seqs_s or 0.0
             down, up = memory.last_down_t, memory.last_up_t
             undone = down is not None and (up is None or down > up)
             need = policy.need(memory)
@@ -173,6 +175,9 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
             fast_step += (1.0 - math.exp(-steps / FAST_STEPS)) * (step_now - fast_step)
             fast = batch / fast_step
             if not 0.75 * demand <= fast <= 1.25 * demand:
+                if fast > demand:
+                    # Sped up: the queue averaged over the slower steps is another trainer's.
+                    changes.update(queue_seqs=float(queued), queue_seen_s=0.0)
                 demand = fast  # the trainer sped up or slowed down (not step-timing noise)
             elif not 0.9 * demand <= fast <= 1.1 * demand:
                 demand = (demand + fast) / 2  # and it is still settling

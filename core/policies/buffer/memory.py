@@ -60,6 +60,10 @@ class BufferMemory:
     #: The count in force at the last sample, and when the last applied change went each way.
     last_desired: int | None = None
     last_up_t: float | None = None
+    #: The workers active and the trainer's quick rate when the pool last went up (starving,
+    #: that rate is what they made).
+    up_from_workers: int = 0
+    up_from_seqs_s: float = 0.0
     last_down_t: float | None = None
     #: The need (D / p, in workers) when the pool last went down (0: unknown, or on purpose: a
     #: saturation test or a pause let go).

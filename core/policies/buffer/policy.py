@@ -23,7 +23,7 @@ from core.policies.buffer.constants import (
     STALL_WINDOW_S,
     STALLS_TO_ALERT,
 )
-from core.policies.buffer.growth import grow
+from core.policies.buffer.growth import grow, growth_shown
 from core.policies.buffer.measure import measure
 from core.policies.buffer.memory import BufferMemory, settle_s
 from core.policies.buffer.pause import hold_through_pause
@@ -352,6 +352,9 @@ class BufferPolicy:
         )
         since_up = math.inf if memory.last_up_t is None else t - memory.last_up_t
         settled_s = settle_s(step_s)
+        # Fed, the queue holds a batch or more before each step; starving, it never reaches one
+        # and averages about half of one.
+        starving = max(raw, previous_raw) < batch and queue < 0.6 * batch
         reading = Reading(
             current=current,
             batch=batch,
@@ -370,17 +373,17 @@ class BufferPolicy:
             cap=cap,
             measurable=measurable,
             # The workers of the last addition just became active: their first groups are
-            # still in generation, so a trainer still waiting is no reason to grow yet.
-            warming=since_up < startup + settled_s and t - memory.active_changed_t < settled_s,
+            # still in generation, so a trainer still waiting is no reason to grow yet
+            # (unless, starving, it already shows what they make).
+            warming=since_up < startup + settled_s
+            and t - memory.active_changed_t < settled_s
+            and not (starving and growth_shown(memory, context.active)),
             since_up_s=since_up,
             since_down_s=math.inf if memory.last_down_t is None else t - memory.last_down_t,
             interval_s=dt,
             excess_since_t=excess_since,
             figures=figures,
         )
-        # Fed, the queue holds a batch or more before each step; starving, it never reaches one
-        # and averages about half of one.
-        starving = max(raw, previous_raw) < batch and queue < 0.6 * batch
         if cap is not None and current > cap:
             return Decision(
                 target=cap,
