@@ -39,10 +39,10 @@ Rules, in order:
    since the last applied addition, grow by 1 + (``max_up_factor`` - 1) x the hungry share (a
    dip in the jitter adds a worker or two; a trainer that sped up unseen doubles the pool per
    start-up), unless the shared inference saturates (or the pool is at its maximum), and not
-   while the last addition's workers have just become active, until the trainer's quick rate
-   has risen by half of what they add (starving, that rate is what the pool makes: their
-   groups are in, however short the start-up and the groups; a removal since that growth voids
-   its test: the pool it grew is gone). A speed-up restarts Q (the queue averaged over the
+   while the last addition's workers have just become active, unless the trainer's quick rate
+   has already risen by half of what they add (starving, that rate is what the pool makes:
+   their groups are in, however short the start-up and the groups). A removal since a growth
+   voids its test: the pool it grew is gone. A speed-up restarts Q (the queue averaged over the
    slower steps is another trainer's). No batch for the time the active
    workers at the measured p make two is an outage of production (inference down), not demand:
    the pool holds. Saturation is judged on the production measured, never on p x workers.

@@ -177,6 +177,7 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
             if not 0.75 * demand <= fast <= 1.25 * demand:
                 if fast > demand:
                     # Sped up: the queue averaged over the slower steps is another trainer's.
+                    # This sample stands for it until the next starts the average afresh.
                     changes.update(queue_seqs=float(queued), queue_seen_s=0.0)
                 demand = fast  # the trainer sped up or slowed down (not step-timing noise)
             elif not 0.9 * demand <= fast <= 1.1 * demand:
