@@ -17,6 +17,7 @@ from core import events as e
 from core.config import AUTO, Config, PoolSpec
 from core.errors import ConfigError, Refused, UnknownSubject
 from core.lifecycle import ASLEEP, COUNTED, DEADLINE_ACTIONS, Trigger, WorkerState
+from core.policies import POLICY_ALERTS
 from core.records import replace
 from core.state import Gpu, PoolState, State, Worker, split_worker_id
 from core.step import Step, retry_order, unobserved_s
@@ -275,7 +276,12 @@ def _configured(step: Step, event: e.Configured) -> None:
             continue
         # The same policy with other parameters keeps what it measured (rates, start-up): those
         # do not depend on the parameters, and a policy without them acts as on a cold pool.
-        memory = pool.policy_memory if pool.spec.policy.name == spec.policy.name else None
+        same_policy = pool.spec.policy.name == spec.policy.name
+        memory = pool.policy_memory if same_policy else None
+        if not same_policy:
+            # What the old policy reported, nobody reports now: the new one raises its own.
+            for alert in POLICY_ALERTS:
+                step.resolve_alert(alert, spec.name, f"the pool's policy is now {spec.policy.name}")
         pinned = pool.pinned
         if pinned is not None:
             pinned = min(max(pinned, spec.min_workers), spec.max_workers)

@@ -692,8 +692,9 @@ class Step:
             )
         policy: Policy = built[1]
         if policy.reacts_to is not type(event):
-            # A policy that does not decide on this sample reports nothing.
-            self.follow_policy_alerts(name, {}, "the pool's policy does not decide on this")
+            # A policy that does not decide on this kind of sample says nothing on it: what it
+            # reported on the kind it decides on stands (a pool may be sent both kinds; a
+            # policy that changed resolved its predecessor's alerts when it was configured).
             self.put_pool(replace(pool, **changes))
             return
         # Kept up to date by put_worker and drop_worker: a sample, far more frequent than a worker

@@ -441,15 +441,38 @@ def test_what_a_policy_reports_is_an_alert_on_its_pool_until_it_no_longer_does()
     assert ("offpolicy_stalls", "envs") not in reducer.state.alerts
 
 
-def test_a_policy_alert_is_resolved_once_the_pool_has_a_policy_that_does_not_decide() -> None:
+def test_a_policy_alert_is_resolved_once_the_pool_has_another_policy() -> None:
     spec = pool(policy=PolicySpec(name="buffer"), min_workers=4, max_workers=4)
     reducer, raised, t, step = stalled(spec)
     assert [a.alert for a in raised] == ["offpolicy_stalls"]
+    # The same policy with other parameters still reports it (its memory is kept).
+    retuned = attrs.evolve(spec, policy=PolicySpec(name="buffer", params={"band_batches": 0.4}))
+    commands = reducer.step(Configured(t=t + 0.5, config=Config(pools=[retuned], gpus=[])))
+    assert of(ResolveAlert, commands) == []
     changed = attrs.evolve(spec, policy=static(4))
-    reducer.step(Configured(t=t + 1.0, config=Config(pools=[changed], gpus=[])))
-    [resolved] = of(ResolveAlert, reducer.step(queue(t + 2.0, queued=0, step=step)))
+    commands = reducer.step(Configured(t=t + 1.0, config=Config(pools=[changed], gpus=[])))
+    [resolved] = of(ResolveAlert, commands)
     assert resolved.alert == "offpolicy_stalls"
+    assert "static" in resolved.reason
     assert ("offpolicy_stalls", "envs") not in reducer.state.alerts
+    assert of(RaiseAlert, reducer.step(queue(t + 2.0, queued=0, step=step))) == []
+
+
+def test_a_sample_the_policy_does_not_decide_on_leaves_its_alerts_alone() -> None:
+    # A buffer pool sent in-flight counts besides its queue (the simulator sends both): the
+    # alert its queue samples report is neither resolved nor raised again on each of them.
+    spec = pool(policy=PolicySpec(name="buffer"), min_workers=4, max_workers=4)
+    reducer, raised, t, step = stalled(spec)
+    assert [a.alert for a in raised] == ["offpolicy_stalls"]
+    alerts = []
+    for _ in range(20):
+        t, step = t + 2.0, step + 1
+        load = LoadSampled(t=t, pool="envs", in_flight_requests=16)
+        alerts += of(ResolveAlert, reducer.step(load))
+        commands = reducer.step(queue(t + 1.0, queued=0, step=step))
+        alerts += of(RaiseAlert, commands) + of(ResolveAlert, commands)
+    assert alerts == []
+    assert ("offpolicy_stalls", "envs") in reducer.state.alerts
 
 
 def hpa_pool(**overrides: Any) -> PoolSpec:
