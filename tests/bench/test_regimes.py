@@ -79,3 +79,31 @@ def test_worker_hours_after_the_cold_start_are_counted_apart() -> None:
     assert "| worker-hours <= 1.15 x the oracle's | 1/2 |" in report
     assert "| worker-hours after 15 minutes <= 1.15 x the oracle's | 1/2 |" in report
     assert f"#{fed[0].index}: 0.00% avoidable, 3.00 x (1.10 x after 15 minutes)" in report
+
+
+def test_the_fixed_counts_tried_span_the_need_up_to_the_maximum() -> None:
+    regime = regimes.Regime(index=0, overrides={}, need=10.0, max_workers=16)
+    assert regimes.fixed_counts(regime) == [5, 8, 10, 12, 15, 16]
+    tiny = regimes.Regime(index=0, overrides={}, need=0.3, max_workers=8)
+    assert regimes.fixed_counts(tiny) == [1, 8]
+
+
+def test_a_miss_is_read_against_the_best_fixed_count_on_the_same_world() -> None:
+    regime = regimes.draw(90, 5)  # minute-long Pareto groups: waits after every visit to the limit
+    count, avoidable = regimes.best_fixed(regime)
+    assert count in regimes.fixed_counts(regime)
+    static = f'{{ name = "static", count = {count} }}'
+    scenario = regimes.load_scenario(
+        regimes.BASE, {**regime.overrides, "pools.envs.policy": static}
+    )
+    assert regimes.simulate(scenario).metrics.avoidable_starvation_share == avoidable
+    outcome = regimes.run(regime)
+    assert (outcome.fixed_count, outcome.fixed_avoidable) == (count, avoidable)
+    assert outcome.avoidable > regimes.AVOIDABLE_STARVATION
+    assert outcome.beyond_fixed == pytest.approx(max(outcome.avoidable - avoidable, 0.0))
+    # A regime deo feeds is not tried against fixed counts.
+    fed = regimes.Outcome(regime=regime, avoidable=0.004)
+    assert fed.beyond_fixed == 0.004
+    report = regimes.render([outcome, fed], "python bench/regimes.py")
+    assert "| avoidable starvation <= 1% beyond the best fixed count's | " in report
+    assert f"with the best fixed count, {count})" in report
