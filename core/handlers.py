@@ -21,7 +21,14 @@ from core.policies import POLICY_ALERTS
 from core.records import replace
 from core.state import Gpu, PoolState, State, Worker, split_worker_id
 from core.step import Step, retry_order, unobserved_s
-from core.vocabulary import AlertName, CordonCause, DecisionSource, StopCause, as_cordon_causes
+from core.vocabulary import (
+    COUNTED_AT_STOP,
+    AlertName,
+    CordonCause,
+    DecisionSource,
+    StopCause,
+    as_cordon_causes,
+)
 
 __all__ = ["HANDLERS", "check_seen", "heartbeat_only", "seen_only"]
 
@@ -162,34 +169,30 @@ def _judge_workers(step: Step) -> None:
             if t >= worker.deadline_t:
                 _ON_DEADLINE[action](step, worker, spec)
             continue
+        # A worker that never came up is a failed start however long it took; one that went
+        # silent is a failure only early in its life, as an exit would be.
+        longer = "raise start_timeout_s if the workers take longer to come up"
         if state is S.REQUESTED and t - worker.requested_t >= spec.start_timeout_s:
-            step.terminate(
-                worker,
-                StopCause.START_TIMEOUT,
-                f"{worker.worker_id} not started {spec.start_timeout_s:g}s after it was requested",
-            )
+            why = f"not started {spec.start_timeout_s:g}s after it was requested ({longer})"
+            step.stop_failed(worker, StopCause.START_TIMEOUT, why, failed=True)
         elif (
             state is S.STARTING
             and spec.awaits_ready
             and worker.started_t is not None
             and (t - worker.started_t >= spec.start_timeout_s)
         ):
-            step.terminate(
-                worker,
-                StopCause.START_TIMEOUT,
-                f"{worker.worker_id} not ready {spec.start_timeout_s:g}s after starting",
-            )
+            why = f"not ready {spec.start_timeout_s:g}s after starting ({longer})"
+            step.stop_failed(worker, StopCause.START_TIMEOUT, why, failed=True)
         elif (
             state in (S.STARTING, S.ACTIVE)
             and spec.heartbeat_grace_s is not None
             and t - last_seen.get(worker.worker_id, t) > spec.heartbeat_grace_s
         ):
-            step.terminate(
-                worker,
-                StopCause.HUNG,
-                f"{worker.worker_id} silent for {t - last_seen[worker.worker_id]:.0f}s > grace "
-                f"{spec.heartbeat_grace_s:g}s: hung, replacing it",
+            why = (
+                f"silent for {t - last_seen[worker.worker_id]:.0f}s > grace "
+                f"{spec.heartbeat_grace_s:g}s: hung, replacing it"
             )
+            step.stop_failed(worker, StopCause.HUNG, why, failed=step.started_lately(worker))
 
 
 def _tick_pools(step: Step, *, judge: bool) -> None:
@@ -548,7 +551,9 @@ def _spawn_failed(step: Step, event: e.SpawnFailed) -> None:
         return
     if worker.pid is not None:
         raise Refused(f"SpawnFailed: worker {worker.worker_id!r} is running as pid {worker.pid}")
-    step.exit_worker(worker, failure=True, why=f"failed to spawn: {event.error}")
+    # (Not again for one stopped as a failed start: it was counted then.)
+    failure = worker.stop_cause not in COUNTED_AT_STOP
+    step.exit_worker(worker, failure=failure, why=f"failed to spawn: {event.error}")
 
 
 def _adopted(step: Step, event: e.WorkerAdopted) -> None:

@@ -27,7 +27,7 @@ from core.lifecycle import ASLEEP, COUNTED, DEADLINE_ACTIONS
 from core.records import replace
 from core.state import State, Worker, count_workers
 from core.step import STARTING_STATES
-from core.vocabulary import PLANNED_STOPS, AlertName, DecisionSource
+from core.vocabulary import COUNTED_AT_STOP, PLANNED_STOPS, AlertName, DecisionSource, StopCause
 
 __all__ = [
     "INVARIANTS_SUBJECT",
@@ -59,6 +59,8 @@ def _on(state: State, gpu_id: str) -> list[str]:
 
 def _crashed(event: e.Event, worker: Worker, t: float, early_exit_s: float) -> bool:
     """Whether ``worker``, gone in this step, ended in what deo must count as a crash."""
+    if worker.stop_cause in COUNTED_AT_STOP:
+        return False  # counted when deo stopped it (:func:`_failed_at_stop`)
     if isinstance(event, e.SpawnFailed):
         return True
     if isinstance(event, e.WorkerLost) or worker.stop_cause in PLANNED_STOPS:
@@ -66,6 +68,16 @@ def _crashed(event: e.Event, worker: Worker, t: float, early_exit_s: float) -> b
     if isinstance(event, e.Tick) and worker.pid is not None:
         return False  # given up on after SIGKILL: it did not exit at all
     return worker.started_t is None or t - worker.started_t < early_exit_s
+
+
+def _failed_at_stop(before: Worker, after: Worker, t: float, early_exit_s: float) -> bool:
+    """Whether deo stopped ``before`` in this step for a failure it counts then: a start that
+    timed out, or a worker gone silent within ``early_exit_s`` of starting."""
+    if before.stop_cause is not None or after.stop_cause not in COUNTED_AT_STOP:
+        return False
+    if after.stop_cause is StopCause.START_TIMEOUT:
+        return True
+    return before.started_t is None or t - before.started_t < early_exit_s
 
 
 def state_violations(state: State) -> list[str]:
@@ -229,13 +241,20 @@ def step_violations(
                 f"2: pool {name} has {n} < min {pool.spec.min_workers} workers with {free} free "
                 f"healthy GPU(s) and no crash-loop backoff"
             )
-    # 5. An early exit deo did not ask for is a crash: its pool counts it and backs off.
+    # 5. An early exit deo did not ask for is a crash: its pool counts it and backs off; so is a
+    # start that timed out, or a young worker gone silent, counted when deo stops it.
     crashes: Counter[str] = Counter()
     for worker_id, worker in before.workers.items():
         pool = before.pools.get(worker.pool)
         if worker_id in after.workers or pool is None:
             continue
         if _crashed(event, worker, t, pool.spec.crash_loop.early_exit_s):
+            crashes[worker.pool] += 1
+    for worker_id, worker in after.workers.items():
+        was = before.workers.get(worker_id)
+        pool = before.pools.get(worker.pool)
+        early_exit_s = pool.spec.crash_loop.early_exit_s if pool is not None else 0.0
+        if was is not None and pool is not None and _failed_at_stop(was, worker, t, early_exit_s):
             crashes[worker.pool] += 1
     for name, count in sorted(crashes.items()):
         old, new = before.pools[name], after.pools.get(name)
@@ -244,7 +263,8 @@ def step_violations(
         # A healthy worker's exit in the same step may reset the count before a crash counts.
         if not (new.last_failure_t == t and new.failures <= old.failures + count):
             found.append(
-                f"5: pool {name} had {count} early exit(s) at t={t} but counts {new.failures} "
+                f"5: pool {name} had {count} early exit(s) or failed start(s) at t={t} but counts "
+                f"{new.failures} "
                 f"failure(s) (was {old.failures}), the last at {new.last_failure_t}"
             )
     # 3. After time passes, no drain or stop is past its deadline without escalation (but the

@@ -172,6 +172,8 @@ COUNTED = frozenset({S.REQUESTED, S.STARTING, S.ACTIVE, S.WAKING})
 ASLEEP = frozenset({S.GOING_TO_SLEEP, S.FALLING_ASLEEP, S.SLEEPING})
 #: States whose worker may still hold a process and GPUs.
 LIVE = frozenset(S) - {S.EXITED}
+#: States of a worker on its way out: its GPUs come free when it exits.
+LEAVING = frozenset({S.DRAINING, S.STOPPING, S.KILLED})
 
 
 def next_state(worker_id: str, state: WorkerState, trigger: Trigger) -> WorkerState:

@@ -19,11 +19,18 @@ from core import events as e
 from core.arbiter.engines import follow_ranks
 from core.config import AUTO, VLLM_DEV_MODE_ENV, CrashLoopRules, PoolSpec, node_of
 from core.errors import UnknownSubject
-from core.lifecycle import COUNTED, Trigger, WorkerState, next_state
+from core.lifecycle import COUNTED, LEAVING, Trigger, WorkerState, next_state
 from core.policies import BUILT_INS, POLICY_ALERTS, Policy, PolicyCatalog, PolicyContext
 from core.records import replace
 from core.state import Gpu, HeldChange, PoolState, State, Worker, split_worker_id
-from core.vocabulary import PLANNED_STOPS, STICKY_CAUSES, AlertName, DecisionSource, StopCause
+from core.vocabulary import (
+    COUNTED_AT_STOP,
+    PLANNED_STOPS,
+    STICKY_CAUSES,
+    AlertName,
+    DecisionSource,
+    StopCause,
+)
 
 __all__ = [
     "STALL_FACTOR",
@@ -344,19 +351,7 @@ class Step:
         pool = self.pools[worker.pool]
         rules = pool.spec.crash_loop
         if failure:
-            # The slot's own history: a replacement that fails again deepens its slot's backoff;
-            # an unrelated slot's failure (in a large pool, any second) delays only its own.
-            failures = worker.attempt + 1
-            backoff = rules.backoff_s(failures)
-            retries = retry_order([*pool.retries, (self.t, failures)], rules)
-            pool = self.with_retries(replace(pool, last_failure_t=self.t, incident_t=None), retries)
-            if failures >= rules.alert_after:
-                self.raise_alert(
-                    AlertName.CRASH_LOOP,
-                    pool.spec.name,
-                    f"{failures} early failures in a row of one worker slot (last: "
-                    f"{worker.worker_id} {why}); its replacement starts in {backoff:g}s",
-                )
+            pool = self.count_failure(pool, worker, why)
         elif worker.attempt and self.proves_healthy(pool, worker):
             pool = self._close_chains(pool, f"{worker.worker_id} ran {rules.early_exit_s:g}s")
         elif worker.attempt:
@@ -368,6 +363,34 @@ class Step:
             return
         self.put_pool(pool)
         self.dirty_pools.add(pool.spec.name)
+
+    def count_failure(self, pool: PoolState, worker: Worker, why: str) -> PoolState:
+        """``pool`` with ``worker``'s early end counted against its slot: the slot's own history,
+        so a replacement that fails again deepens its slot's backoff, and an unrelated slot's
+        failure (in a large pool, any second) delays only its own. A slot that fails
+        ``alert_after`` times in a row raises ``crash_loop``."""
+        rules = pool.spec.crash_loop
+        failures = worker.attempt + 1
+        backoff = rules.backoff_s(failures)
+        retries = retry_order([*pool.retries, (self.t, failures)], rules)
+        pool = self.with_retries(replace(pool, last_failure_t=self.t, incident_t=None), retries)
+        if failures >= rules.alert_after:
+            self.raise_alert(
+                AlertName.CRASH_LOOP,
+                pool.spec.name,
+                f"{failures} early failures in a row of one worker slot (last: "
+                f"{worker.worker_id} {why}); its replacement starts in {backoff:g}s",
+            )
+        return pool
+
+    def stop_failed(self, worker: Worker, cause: StopCause, why: str, *, failed: bool) -> None:
+        """Stop a worker that did not come up or went silent (SIGTERM), counting it against its
+        slot now when ``failed``: its replacement is requested at once, as its successor in the
+        slot (backed off), not as a fresh slot that would hide a crash loop."""
+        pool = self.pools[worker.pool]
+        self.terminate(worker, cause, f"{worker.worker_id} {why}")
+        if failed:
+            self.put_pool(self.count_failure(pool, worker, why))
 
     def proves_healthy(self, pool: PoolState, worker: Worker) -> bool:
         """A worker has stayed up for ``early_exit_s``: its slot's failures end with it.
@@ -419,9 +442,26 @@ class Step:
             if subject == pool:
                 self.resolve_alert(alert, subject, why)
 
+    def freeing(self, free: list[str], gpus_per_worker: int) -> bool:
+        """Whether a worker of ``gpus_per_worker`` GPUs fits once the workers on their way out
+        (draining or stopping) exit: their healthy GPUs with ``free``."""
+        leaving = [
+            gpu_id
+            for worker in self.workers.values()
+            if worker.state in LEAVING
+            for gpu_id in worker.gpus
+            if gpu_id in self.gpus and not self.gpus[gpu_id].causes
+        ]
+        return bool(leaving) and take_gpus([*free, *leaving], gpus_per_worker) is not None
+
     def is_failure(self, worker: Worker) -> bool:
-        if worker.stop_cause in PLANNED_STOPS:
-            return False
+        """Whether an exit counts against the worker's slot (see :class:`CrashLoopRules`)."""
+        if worker.stop_cause in PLANNED_STOPS or worker.stop_cause in COUNTED_AT_STOP:
+            return False  # deo's own doing, or counted when deo stopped it
+        return self.started_lately(worker)
+
+    def started_lately(self, worker: Worker) -> bool:
+        """Never started, or started within its pool's ``crash_loop.early_exit_s``."""
         rules = self.pools[worker.pool].spec.crash_loop
         return worker.started_t is None or self.t - worker.started_t < rules.early_exit_s
 
@@ -527,6 +567,8 @@ class Step:
                 )
                 break
             picked = take_gpus(free, spec.gpus_per_worker)
+            if picked is None and self.freeing(free, spec.gpus_per_worker):
+                break  # a wait for workers on their way out, not a shortage: no alert
             if picked is None:
                 on_one_node = " on one node" if len(free) >= spec.gpus_per_worker else ""
                 self.raise_alert(

@@ -109,6 +109,9 @@ PLANNED_STOPS = frozenset(
         StopCause.MAX_ASLEEP,
     }
 )
+#: Stop causes of a worker that did not come up or went silent: deo counts such a stop against
+#: the worker's slot when it makes it (a crash, if the worker was young), not again at the exit.
+COUNTED_AT_STOP = frozenset({StopCause.START_TIMEOUT, StopCause.HUNG})
 #: Cordon causes that need an operator to lift them; every other cause clears by itself after
 #: clean samples.
 STICKY_CAUSES = frozenset(

@@ -199,7 +199,45 @@ def test_worker_never_ready_is_replaced_after_start_timeout() -> None:
     commands = reducer.step(Tick(t=31.0))
     [term] = of(TerminateWorker, commands)
     assert term.worker_id == "envs-0" and "not ready 30s after starting" in term.reason
-    assert [s.worker_id for s in of(SpawnWorker, commands)] == ["envs-1"]
+    assert "raise start_timeout_s" in term.reason
+    # A failed start: its slot's replacement follows the crash-loop backoff (1 s for a first).
+    assert of(SpawnWorker, commands) == []
+    assert [s.worker_id for s in of(SpawnWorker, reducer.step(Tick(t=32.0)))] == ["envs-1"]
+
+
+def test_workers_that_never_start_within_the_timeout_raise_a_crash_loop_naming_it() -> None:
+    reducer, _ = make(pool(policy=static(1), start_timeout_s=30))
+    alerts, stopped = [], []
+    for second in range(1, 200):  # none ever starts: each is stopped at the timeout and exits
+        commands = reducer.step(Tick(t=float(second)))
+        alerts += of(RaiseAlert, commands)
+        for term in of(TerminateWorker, commands):
+            stopped.append(second)
+            exited = WorkerExited(t=second + 0.5, worker_id=term.worker_id, signal=15)
+            alerts += of(RaiseAlert, reducer.step(exited))
+    # Each replacement is the failed slot's successor: it backs off (1, 2, 4 ... s) and the
+    # third failure in a row raises the alert, naming the setting.
+    assert stopped[:4] == [30, 61, 93, 127]
+    [alert] = alerts
+    assert alert.alert == "crash_loop" and alert.reason.startswith("3 early failures in a row")
+    assert "not started 30s after it was requested (raise start_timeout_s" in alert.reason
+    assert reducer.state.pools["envs"].failures >= 3
+
+
+def test_a_replacement_waiting_for_a_leaving_workers_gpu_is_no_gpu_shortage() -> None:
+    reducer, _ = make(pool(policy=static(2), gpus_per_worker=1), gpus=2)
+    start_all(reducer, 0.5)
+    # An operator drains envs-0: its replacement needs the GPU envs-0 frees when it exits.
+    commands = reducer.step(DrainRequested(t=1.0, worker_id="envs-0"))
+    assert of(SpawnWorker, commands) == [] and of(RaiseAlert, commands) == []
+    assert ("no_free_gpus", "envs") not in reducer.state.alerts
+    commands = reducer.step(WorkerExited(t=5.0, worker_id="envs-0", exit_code=0))
+    [spawn] = of(SpawnWorker, commands)
+    assert spawn.gpus == ("0",)
+    # A GPU that will not come free (cordoned under a leaving worker) is a shortage.
+    reducer.step(DrainRequested(t=6.0, worker_id="envs-1"))
+    commands = reducer.step(GpuCordonRequested(t=7.0, gpu_id="1"))
+    assert ("no_free_gpus", "envs") in reducer.state.alerts
 
 
 def test_silent_worker_is_hung_and_replaced_after_its_grace_period() -> None:
@@ -210,7 +248,9 @@ def test_silent_worker_is_hung_and_replaced_after_its_grace_period() -> None:
     commands = reducer.step(Tick(t=18.5))
     [term] = of(TerminateWorker, commands)
     assert "silent for 10s > grace 10s" in term.reason
-    assert [s.worker_id for s in of(SpawnWorker, commands)] == ["envs-1"]
+    # Hung within early_exit_s of starting: a failure of its slot, replaced after the backoff.
+    assert of(SpawnWorker, commands) == []
+    assert [s.worker_id for s in of(SpawnWorker, reducer.step(Tick(t=19.5)))] == ["envs-1"]
 
 
 def test_drain_escalates_to_sigterm_then_sigkill_then_gives_up() -> None:

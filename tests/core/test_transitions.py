@@ -89,8 +89,9 @@ def put_in(situation: str) -> Reducer:
         reducer.step(PoolPinned(t=1.0, pool="envs", count=0))  # drained before it started
         return reducer
     if situation in ("stopping_unstarted", "killed_unstarted"):
-        reducer.step(Tick(t=10.0))  # never started: SIGTERM (deadline 15), envs-1 spawned
-        _start_replacement(reducer, 10.0)
+        reducer.step(Tick(t=10.0))  # never started: SIGTERM (deadline 15), a failed start
+        reducer.step(Tick(t=12.0))  # its slot's backoff over: envs-1 spawned
+        _start_replacement(reducer, 12.0)
         if situation == "killed_unstarted":
             reducer.step(Tick(t=15.0))  # SIGKILL (deadline 20)
         return reducer
@@ -199,8 +200,8 @@ ROWS: list[tuple[str, str, list[str], str, list[str]]] = [
         "tick",
         ["terminate"],
         "stopping",
-        ["terminate envs-0 pid None until 15", "spawn envs-1 on 1"],
-    ),  # start timeout
+        ["terminate envs-0 pid None until 15"],
+    ),  # start timeout: a failed start, its replacement after the slot's backoff
     # --- starting: process up, readiness not reported yet -----------------------------------------
     ("starting", "started", [], ALREADY_STARTED, []),
     ("starting", "ready", ["ready"], "active", []),
@@ -228,8 +229,8 @@ ROWS: list[tuple[str, str, list[str], str, list[str]]] = [
         "tick",
         ["terminate"],
         "stopping",
-        ["terminate envs-0 pid 100 until 16", "spawn envs-1 on 1"],
-    ),  # never ready
+        ["terminate envs-0 pid 100 until 16"],
+    ),  # never ready: a failed start, its replacement after the slot's backoff
     # --- active: producing ------------------------------------------------------------------------
     ("active", "started", [], ALREADY_STARTED, []),
     ("active", "ready", ["ready"], "active", []),  # late READY: a sign of life, same state
@@ -326,8 +327,9 @@ ROWS: list[tuple[str, str, list[str], str, list[str]]] = [
     ),
     ("stopping_unstarted", "ready", ["ready"], "stopping", []),
     ("stopping_unstarted", "heartbeat", [], "stopping", []),
-    ("stopping_unstarted", "exited", ["exit"], "exited crash", []),  # start timeout: a failure
-    ("stopping_unstarted", "spawn_failed", ["exit"], "exited crash", []),
+    # A start that timed out was counted as a failure when deo stopped it, not again here.
+    ("stopping_unstarted", "exited", ["exit"], "exited", []),
+    ("stopping_unstarted", "spawn_failed", ["exit"], "exited", []),
     ("stopping_unstarted", "adopted", [], NEVER_STARTED, []),
     ("stopping_unstarted", "lost", ["exit"], "exited", []),
     ("stopping_unstarted", "drain", [], "stopping", []),
@@ -355,14 +357,15 @@ ROWS: list[tuple[str, str, list[str], str, list[str]]] = [
     ("killed_unstarted", "started", ["started"], "killed", ["kill envs-0 pid 200"]),
     ("killed_unstarted", "ready", ["ready"], "killed", []),
     ("killed_unstarted", "heartbeat", [], "killed", []),
-    ("killed_unstarted", "exited", ["exit"], "exited crash", []),
-    ("killed_unstarted", "spawn_failed", ["exit"], "exited crash", []),
+    ("killed_unstarted", "exited", ["exit"], "exited", []),
+    ("killed_unstarted", "spawn_failed", ["exit"], "exited", []),
     ("killed_unstarted", "adopted", [], NEVER_STARTED, []),
     ("killed_unstarted", "lost", ["exit"], "exited", []),
     ("killed_unstarted", "drain", [], "killed", []),
     ("killed_unstarted", "gpu_lost", [], "killed", GPU_LOST),
-    # Given up on: no process was ever seen, so nothing to cordon; a failure to start.
-    ("killed_unstarted", "tick", ["give_up"], "exited crash", []),
+    # Given up on: no process was ever seen, so nothing to cordon (a failure to start, counted
+    # when it was stopped).
+    ("killed_unstarted", "tick", ["give_up"], "exited", []),
 ]
 
 

@@ -425,6 +425,41 @@ def test_a_silent_worker_is_replaced_after_its_grace_period(
     verified(d)
 
 
+def test_workers_that_never_report_ready_back_off_and_alert_naming_the_start_timeout(
+    deo: Callable[[str], Deo], tmp_path: Path
+) -> None:
+    # A model that takes longer to load than start_timeout_s: real processes that never say
+    # they are ready. Each is stopped at the timeout as a failed start of its slot.
+    silent = script(tmp_path, "silent.py", SILENT)
+    envs = pool(
+        "envs",
+        [sys.executable, silent],
+        min_workers=1,
+        max_workers=1,
+        start_timeout_s=1.0,
+        stop_timeout_s=1.0,
+    ).replace("[pools.envs]\n", "[pools.envs]\nrequire_ready = true\n", 1)
+    d = deo(
+        envs
+        + "[pools.envs.crash_loop]\nbackoff_base_s = 0.5\nbackoff_cap_s = 4.0\nalert_after = 3\n"
+    )
+    d.start()
+    wait_for(
+        "the crash_loop alert",
+        lambda: {"alert": "crash_loop", "subject": "envs"} in d.status()["alerts"],
+    )
+    d.stop()
+    [raised] = [c for _, c in d.commands("RaiseAlert") if c["alert"] == "crash_loop"]
+    assert "not ready 1s after starting (raise start_timeout_s" in raised["reason"]
+    stops = [t for t, c in d.commands("TerminateWorker") if "not ready" in c["reason"]]
+    spawns = [t for t, _ in d.commands("SpawnWorker")]
+    assert len(stops) >= 3
+    # Each replacement waits out its slot's backoff after the stop: 0.5, 1, 2 ... s.
+    for n, (stop_t, respawn_t) in enumerate(zip(stops, spawns[1:], strict=False), start=1):
+        assert respawn_t >= stop_t + min(4.0, 0.5 * 2 ** (n - 1)), (n, stops, spawns)
+    verified(d)
+
+
 def test_bad_and_unauthorized_requests_change_nothing(deo: Callable[[str], Deo]) -> None:
     d = deo(pool("envs", [sys.executable, str(WELL_BEHAVED), "0.2"], min_workers=1, max_workers=2))
     d.start()
