@@ -170,7 +170,8 @@ def _judge_workers(step: Step) -> None:
                 _ON_DEADLINE[action](step, worker, spec)
             continue
         # A worker that never came up is a failed start however long it took; one that went
-        # silent is a failure only early in its life, as an exit would be.
+        # silent is a failure early in its life (as an exit would be) or if it never showed a
+        # sign of life once started.
         longer = "raise start_timeout_s if the workers take longer to come up"
         if state is S.REQUESTED and t - worker.requested_t >= spec.start_timeout_s:
             why = f"not started {spec.start_timeout_s:g}s after it was requested ({longer})"
@@ -192,7 +193,7 @@ def _judge_workers(step: Step) -> None:
                 f"silent for {t - last_seen[worker.worker_id]:.0f}s > grace "
                 f"{spec.heartbeat_grace_s:g}s: hung, replacing it"
             )
-            step.stop_failed(worker, StopCause.HUNG, why, failed=step.started_lately(worker))
+            step.stop_failed(worker, StopCause.HUNG, why, failed=step.failed_start(worker))
 
 
 def _tick_pools(step: Step, *, judge: bool) -> None:

@@ -70,14 +70,18 @@ def _crashed(event: e.Event, worker: Worker, t: float, early_exit_s: float) -> b
     return worker.started_t is None or t - worker.started_t < early_exit_s
 
 
-def _failed_at_stop(before: Worker, after: Worker, t: float, early_exit_s: float) -> bool:
+def _failed_at_stop(
+    before: Worker, after: Worker, t: float, early_exit_s: float, seen_t: float | None
+) -> bool:
     """Whether deo stopped ``before`` in this step for a failure it counts then: a start that
-    timed out, or a worker gone silent within ``early_exit_s`` of starting."""
+    timed out, or a worker gone silent within ``early_exit_s`` of starting or never seen after
+    it started (``seen_t``: its last sign of life)."""
     if before.stop_cause is not None or after.stop_cause not in COUNTED_AT_STOP:
         return False
-    if after.stop_cause is StopCause.START_TIMEOUT:
+    started = before.started_t
+    if after.stop_cause is StopCause.START_TIMEOUT or started is None:
         return True
-    return before.started_t is None or t - before.started_t < early_exit_s
+    return t - started < early_exit_s or (seen_t if seen_t is not None else started) <= started
 
 
 def state_violations(state: State) -> list[str]:
@@ -254,7 +258,12 @@ def step_violations(
         was = before.workers.get(worker_id)
         pool = before.pools.get(worker.pool)
         early_exit_s = pool.spec.crash_loop.early_exit_s if pool is not None else 0.0
-        if was is not None and pool is not None and _failed_at_stop(was, worker, t, early_exit_s):
+        seen_t = before.last_seen.get(worker_id)
+        if (
+            was is not None
+            and pool is not None
+            and _failed_at_stop(was, worker, t, early_exit_s, seen_t)
+        ):
             crashes[worker.pool] += 1
     for name, count in sorted(crashes.items()):
         old, new = before.pools[name], after.pools.get(name)

@@ -460,6 +460,14 @@ class Step:
             return False  # deo's own doing, or counted when deo stopped it
         return self.started_lately(worker)
 
+    def failed_start(self, worker: Worker) -> bool:
+        """Whether a worker found silent failed to come up: it started within ``early_exit_s``,
+        or no sign of life came from it after it started."""
+        started = worker.started_t
+        if started is None or self.started_lately(worker):
+            return True
+        return self.last_seen.get(worker.worker_id, started) <= started
+
     def started_lately(self, worker: Worker) -> bool:
         """Never started, or started within its pool's ``crash_loop.early_exit_s``."""
         rules = self.pools[worker.pool].spec.crash_loop

@@ -253,6 +253,27 @@ def test_silent_worker_is_hung_and_replaced_after_its_grace_period() -> None:
     assert [s.worker_id for s in of(SpawnWorker, reducer.step(Tick(t=19.5)))] == ["envs-1"]
 
 
+def test_a_worker_silent_since_it_started_is_a_failed_start_one_silent_later_is_not() -> None:
+    rules = CrashLoopRules(early_exit_s=5.0)
+    reducer, _ = make(pool(policy=static(1), heartbeat_grace_s=10, crash_loop=rules))
+    start_all(reducer, 0.0)
+    # Never a sign of life after it started, found silent past early_exit_s: a failed start.
+    [term] = of(TerminateWorker, reducer.step(Tick(t=10.5)))
+    assert "silent for 10s" in term.reason
+    assert reducer.state.pools["envs"].last_failure_t == 10.5
+    assert of(SpawnWorker, reducer.step(Tick(t=11.0))) == []  # its slot's backoff (1 s)
+    [spawn] = of(SpawnWorker, reducer.step(Tick(t=11.5)))
+    reducer.step(WorkerExited(t=11.6, worker_id="envs-0", signal=15))
+    reducer.step(WorkerStarted(t=12.0, worker_id=spawn.worker_id, pid=300, start_time=300))
+    # The next one heartbeats past early_exit_s, then goes silent: a hung worker, not a failed
+    # start; replaced at once, and the slot's loop ends.
+    reducer.step(WorkerHeartbeat(t=20.0, worker_id=spawn.worker_id))
+    commands = reducer.step(Tick(t=30.5))
+    assert [t.worker_id for t in of(TerminateWorker, commands)] == [spawn.worker_id]
+    assert len(of(SpawnWorker, commands)) == 1
+    assert reducer.state.pools["envs"].last_failure_t == 10.5
+
+
 def test_drain_escalates_to_sigterm_then_sigkill_then_gives_up() -> None:
     reducer, _ = make(pool(policy=static(1), drain_timeout_s=20, stop_timeout_s=5))
     start_all(reducer, 0.0)
