@@ -273,8 +273,7 @@ def step_violations(
         if not (new.last_failure_t == t and new.failures <= old.failures + count):
             found.append(
                 f"5: pool {name} had {count} early exit(s) or failed start(s) at t={t} but counts "
-                f"{new.failures} "
-                f"failure(s) (was {old.failures}), the last at {new.last_failure_t}"
+                f"{new.failures} failure(s) (was {old.failures}), the last at {new.last_failure_t}"
             )
     # 3. After time passes, no drain or stop is past its deadline without escalation (but the
     # first tick after a stall of deo itself judges no worker: what was queued comes in first).

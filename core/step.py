@@ -385,8 +385,9 @@ class Step:
 
     def stop_failed(self, worker: Worker, cause: StopCause, why: str, *, failed: bool) -> None:
         """Stop a worker that did not come up or went silent (SIGTERM), counting it against its
-        slot now when ``failed``: its replacement is requested at once, as its successor in the
-        slot (backed off), not as a fresh slot that would hide a crash loop."""
+        slot now when ``failed``: its replacement is then the slot's next try, after the slot's
+        backoff, not a fresh slot (counted at the exit, the failure would find the slot already
+        refilled, and a crash loop would go unseen)."""
         pool = self.pools[worker.pool]
         self.terminate(worker, cause, f"{worker.worker_id} {why}")
         if failed:
