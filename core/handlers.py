@@ -427,6 +427,8 @@ def _sampled(step: Step, event: e.QueueSampled | e.LoadSampled) -> None:
 def _source_down(step: Step, event: e.SourceDown) -> None:
     pool = step.pool(event.pool, event)
     step.put_pool(replace(pool, source_error=event.error))
+    if pool.source_error is None:
+        return  # one failed read between good ones is no outage: alert on the second in a row
     step.raise_alert(
         AlertName.SOURCE_DOWN,
         pool.spec.name,

@@ -206,7 +206,10 @@ def test_a_queue_held_at_the_limit_for_a_cooldown_steps_down_by_up_to_a_tenth() 
     # whole pool, and the step a worker, whatever the share allows; the reason says which.
     bound = probe(replace(pinned, per_worker_seqs_s=32 / 45), 40)
     assert bound.target == 39, bound.reason
-    assert "to 39 (at most a worker at a time: on p's bound D / active the need is" in bound.reason
+    assert "to 39 (at most a worker at a time: production per worker is not measured" in (
+        bound.reason
+    )
+    assert "puts the need at the whole pool" in bound.reason
     # The queue was away from the limit within the cooldown (the last removal may have left
     # the pool near its need): a twentieth.
     left = replace(pinned, away_t=95.0)

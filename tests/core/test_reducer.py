@@ -636,6 +636,9 @@ def test_source_down_and_stale_samples_hold_the_count() -> None:
     start_all(reducer, 0.0)
     reducer.step(LoadSampled(t=1.0, pool="envs", in_flight_requests=8))  # 2 workers
     commands = reducer.step(SourceDown(t=100.0, pool="envs", error="connection refused"))
+    assert of(RaiseAlert, commands) == []  # one failed read: held, no alert yet
+    assert reducer.state.pools["envs"].source_error == "connection refused"
+    commands = reducer.step(SourceDown(t=102.0, pool="envs", error="connection refused"))
     assert [a.alert for a in of(RaiseAlert, commands)] == ["source_down"]
     commands = reducer.step(Tick(t=200.0))
     assert [a.alert for a in of(RaiseAlert, commands)] == ["pressure_stale"]
@@ -643,6 +646,20 @@ def test_source_down_and_stale_samples_hold_the_count() -> None:
     commands = reducer.step(LoadSampled(t=201.0, pool="envs", in_flight_requests=0))
     assert sorted(r.alert for r in of(ResolveAlert, commands)) == ["pressure_stale", "source_down"]
     assert [s.target for s in of(ScalePool, commands)] == [1]
+
+
+def test_a_source_failing_now_and_then_raises_no_alert() -> None:
+    reducer, _ = make(hpa_pool())
+    start_all(reducer, 0.0)
+    alerts = []
+    for i in range(30):  # every third read fails, never two in a row
+        t = 1.0 + 2.0 * i
+        if i % 3 == 2:
+            commands = reducer.step(SourceDown(t=t, pool="envs", error="read timed out"))
+        else:
+            commands = reducer.step(LoadSampled(t=t, pool="envs", in_flight_requests=8))
+        alerts += of(RaiseAlert, commands) + of(ResolveAlert, commands)
+    assert [a for a in alerts if a.alert == "source_down"] == []
 
 
 def test_pause_freezes_the_count_but_still_replaces_crashed_workers() -> None:

@@ -190,7 +190,10 @@ def remove(
             if step > 1 and target == current - 1 and need >= current - 1e-9:
                 # The share allowed more, but with p on its bound the need is the whole pool:
                 # say what binds, not the share that did not.
-                how = "a worker at a time: on p's bound D / active the need is the whole pool"
+                how = (
+                    "a worker at a time: production per worker is not measured at the limit, "
+                    "and its bound, demand over the workers, puts the need at the whole pool"
+                )
         # A step rounds up to a whole worker, which may leave the trainer 1 / n of D short:
         # in a small pool with long start-ups more than the full queue covers for a
         # start-up (or the refills prove), and one removed in error starves the trainer

@@ -126,7 +126,8 @@ async def start_worker(h: Harness, worker_id: str, pid: int) -> None:
 async def test_global_status_reports_pools_workers_gpus_and_alerts(tmp_path: Path) -> None:
     async with running(tmp_path) as h:
         await start_worker(h, "envs-0", 4242)
-        await h.runner.submit(SourceDown(t=2.0, pool="rollouts", error="connection refused"))
+        for t in (1.5, 2.0):  # two failed reads in a row: the source is down
+            await h.runner.submit(SourceDown(t=t, pool="rollouts", error="connection refused"))
 
         response = await h.client.get("/global-status")  # no token: reads are open
 
@@ -160,7 +161,7 @@ async def test_global_status_reports_pools_workers_gpus_and_alerts(tmp_path: Pat
         assert any(d["type"] == "RaiseAlert" for d in status["pools"]["rollouts"]["decisions"])
         assert status["now"] == 2.0
         assert status["paused_all"] is False
-        assert status["events_handled"] == h.runner.events_handled == 3
+        assert status["events_handled"] == h.runner.events_handled == 4
 
 
 @pytest.mark.anyio
@@ -194,7 +195,8 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 async def test_metrics_are_prometheus_text_computed_from_state(tmp_path: Path) -> None:
     async with running(tmp_path) as h:
         await start_worker(h, "envs-0", 4242)
-        await h.runner.submit(SourceDown(t=2.0, pool="infer", error="timeout"))
+        for t in (1.5, 2.0):
+            await h.runner.submit(SourceDown(t=t, pool="infer", error="timeout"))
         pushed = await h.client.post(
             "/v1/pools/rollouts/pressure",
             json={"queued_sequences": 96, "batch_size_seqs": 64, "trainer_step": 3},
