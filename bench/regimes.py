@@ -294,8 +294,9 @@ def render(outcomes: list[Outcome], command: str) -> str:
             "run on the same realized world, and the least avoidable starvation among them is "
             "taken off deo's. The reactive oracle is a fluid model without atroposlib's "
             "cancellations at the off-policy limit: where groups outlast what the queue holds "
-            "there, it counts as avoidable a wait no fixed count avoids either (deo raises "
-            "`offpolicy_stalls` there, naming the limit that would).",
+            "there, it counts as avoidable a wait no fixed count avoids either (where the "
+            "trainer then waits a step or more with nothing landing, deo raises "
+            "`offpolicy_stalls`, naming the limit that would avoid it).",
             "",
             "The five feasible regimes with the most avoidable starvation, the five with the "
             f"most worker-hours, and the five with the most after {late}:",
