@@ -445,14 +445,20 @@ class Step:
 
     def freeing(self, free: list[str], gpus_per_worker: int) -> bool:
         """Whether a worker of ``gpus_per_worker`` GPUs fits once the workers on their way out
-        (draining or stopping) exit: their healthy GPUs with ``free``."""
-        leaving = [
+        (draining or stopping) exit: with ``free``, the healthy GPUs they alone hold (not the
+        arbiter's, nor one a staying worker shares)."""
+        staying = {g for w in self.workers.values() if w.state not in LEAVING for g in w.gpus}
+        arbiter = set(self.base.arbiter.gpus)
+        leaving = dict.fromkeys(
             gpu_id
             for worker in self.workers.values()
             if worker.state in LEAVING
             for gpu_id in worker.gpus
-            if gpu_id in self.gpus and not self.gpus[gpu_id].causes
-        ]
+            if gpu_id not in staying
+            and gpu_id not in arbiter
+            and gpu_id in self.gpus
+            and not self.gpus[gpu_id].causes
+        )
         return bool(leaving) and take_gpus([*free, *leaving], gpus_per_worker) is not None
 
     def is_failure(self, worker: Worker) -> bool:
