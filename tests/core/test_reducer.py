@@ -266,7 +266,7 @@ def test_a_worker_silent_since_it_started_is_a_failed_start_one_silent_later_is_
     reducer.step(WorkerExited(t=11.6, worker_id="envs-0", signal=15))
     reducer.step(WorkerStarted(t=12.0, worker_id=spawn.worker_id, pid=300, start_time=300))
     # The next one heartbeats past early_exit_s, then goes silent: a hung worker, not a failed
-    # start; replaced at once, and the slot's loop ends.
+    # start; replaced at once, and no failure counted.
     reducer.step(WorkerHeartbeat(t=20.0, worker_id=spawn.worker_id))
     commands = reducer.step(Tick(t=30.5))
     assert [t.worker_id for t in of(TerminateWorker, commands)] == [spawn.worker_id]
