@@ -151,6 +151,10 @@ def _credit_liveness(step: Step, unobserved: float) -> None:
         last_seen[worker_id] = min(t, seen_t + unobserved)
 
 
+#: What a stop for a start timeout advises.
+_LONGER = "raise start_timeout_s if the workers take longer to come up"
+
+
 def _judge_workers(step: Step) -> None:
     """Deadlines, start timeouts and heartbeat expiry of every worker."""
     t = step.t
@@ -172,9 +176,8 @@ def _judge_workers(step: Step) -> None:
         # A worker that never came up is a failed start however long it took; one that went
         # silent is a failure early in its life (as an exit would be) or if it never showed a
         # sign of life once started.
-        longer = "raise start_timeout_s if the workers take longer to come up"
         if state is S.REQUESTED and t - worker.requested_t >= spec.start_timeout_s:
-            why = f"not started {spec.start_timeout_s:g}s after it was requested ({longer})"
+            why = f"not started {spec.start_timeout_s:g}s after it was requested ({_LONGER})"
             step.stop_failed(worker, StopCause.START_TIMEOUT, why, failed=True)
         elif (
             state is S.STARTING
@@ -182,7 +185,7 @@ def _judge_workers(step: Step) -> None:
             and worker.started_t is not None
             and (t - worker.started_t >= spec.start_timeout_s)
         ):
-            why = f"not ready {spec.start_timeout_s:g}s after starting ({longer})"
+            why = f"not ready {spec.start_timeout_s:g}s after starting ({_LONGER})"
             step.stop_failed(worker, StopCause.START_TIMEOUT, why, failed=True)
         elif (
             state in (S.STARTING, S.ACTIVE)

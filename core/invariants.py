@@ -250,20 +250,15 @@ def step_violations(
     crashes: Counter[str] = Counter()
     for worker_id, worker in before.workers.items():
         pool = before.pools.get(worker.pool)
-        if worker_id in after.workers or pool is None:
+        if pool is None:
             continue
-        if _crashed(event, worker, t, pool.spec.crash_loop.early_exit_s):
-            crashes[worker.pool] += 1
-    for worker_id, worker in after.workers.items():
-        was = before.workers.get(worker_id)
-        pool = before.pools.get(worker.pool)
-        early_exit_s = pool.spec.crash_loop.early_exit_s if pool is not None else 0.0
-        seen_t = before.last_seen.get(worker_id)
-        if (
-            was is not None
-            and pool is not None
-            and _failed_at_stop(was, worker, t, early_exit_s, seen_t)
-        ):
+        early_exit_s = pool.spec.crash_loop.early_exit_s
+        now = after.workers.get(worker_id)
+        if now is None:
+            crashed = _crashed(event, worker, t, early_exit_s)
+        else:
+            crashed = _failed_at_stop(worker, now, t, early_exit_s, before.last_seen.get(worker_id))
+        if crashed:
             crashes[worker.pool] += 1
     for name, count in sorted(crashes.items()):
         old, new = before.pools[name], after.pools.get(name)
