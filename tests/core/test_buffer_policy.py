@@ -31,6 +31,23 @@ def test_cold_start_starts_every_worker_without_opening_the_stabilization_window
     assert "rates not measured yet" in decision.reason
 
 
+def test_a_cold_start_remembers_its_count_until_the_pool_is_measured_off_the_limit() -> None:
+    decision = BufferPolicy().decide(ctx(0.0, 0, 0, current=1, max_workers=12), None)
+    assert decision.memory.cold_workers == 12
+    # Applied (the count goes 1 -> 12): still the cold start's.
+    at_limit = replace(settled(queue_seqs=192.0, last_desired=1), cold_workers=12)
+    kept = probe(at_limit, 12, desired=12)
+    assert kept.memory.cold_workers == 12, kept.reason
+    # Grown to a count a measurement asked for: no longer a cold start's.
+    assert probe(at_limit, 14, desired=14).memory.cold_workers == 0
+    # The queue seen off the limit after it was there (a settle time on): the pool is near its
+    # need, whatever brought it there.
+    off = replace(at_limit, last_desired=12, limit_t=90.0, queue_seqs=80.0, last_queued_seqs=80)
+    assert probe(off, 12, queued=80).memory.cold_workers == 0
+    # Off the limit before ever reaching it (the cold start's first batches): still cold.
+    assert probe(replace(off, limit_t=None), 12, queued=80).memory.cold_workers == 12
+
+
 def test_a_running_pool_without_rates_holds_rather_than_starting_every_worker() -> None:
     # 40 workers active, the trainer at step 500, no rates in memory (the policy just took the
     # pool over, or production stopped): not a cold pool.

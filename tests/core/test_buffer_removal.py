@@ -226,6 +226,28 @@ def test_a_queue_held_at_the_limit_for_a_cooldown_steps_down_by_up_to_a_tenth() 
     assert probe(pinned, 40, policy=BufferPolicy(max_down_fraction=0.05)).target == 38
 
 
+def test_a_cold_starts_pool_far_above_the_need_halves_at_the_limit() -> None:
+    # A cold start brought 40 workers (2-minute start-ups); the queue has stood at the limit
+    # since, where each worker makes D / n, but p measured below it (4 seq/s per worker, D 32
+    # seq/s) puts the need at 8, a fifth of the pool: half goes, not a twentieth.
+    cold = settled(
+        queue_seqs=192.0, last_active=40, last_desired=40, startup_s=120.0, cold_workers=40
+    )
+    decision = probe(cold, 40)
+    assert decision.target == 20, decision.reason
+    assert "(at most half the pool: a cold start's 40 workers, 5.0 x the need" in decision.reason
+    # Within 4 needs (p 1 seq/s: a need of 32): the usual share.
+    assert 36 <= probe(replace(cold, per_worker_seqs_s=1.0), 40).target < 40
+    # Not a cold start's count, or start-ups under a minute (the shares shed it soon enough;
+    # a pool halved to a few workers grows back slowly after a faster trainer): the usual share.
+    for other in (replace(cold, cold_workers=0), replace(cold, startup_s=30.0)):
+        assert 36 <= probe(other, 40).target < 40
+    # A count found short at this demand: never halved towards it.
+    assert probe(replace(cold, short_workers=30, short_demand_seqs_s=32.0), 40).target >= 31
+    # Within a cooldown (a start-up) of the last removal: nothing.
+    assert probe(replace(cold, last_down_t=50.0), 40).target == 40
+
+
 def test_workers_not_yet_up_are_not_started_once_the_queue_held_the_limit() -> None:
     # 20 of 40 workers up (a cold start goes to the maximum before any rate is known) have
     # held the queue at the off-policy limit for a cooldown: those 20 make what the trainer

@@ -88,6 +88,8 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
             changes["last_up_t"] = memory.last_t
             changes["up_from_workers"] = memory.last_active
             changes["up_from_seqs_s"] = memory.fast_demand_seqs_s or 0.0
+            if desired != memory.cold_workers:
+                changes["cold_workers"] = 0  # grown on a measurement: no cold start's count
             down, up = memory.last_down_t, memory.last_up_t
             undone = down is not None and (up is None or down > up)
             need = policy.need(memory)
@@ -211,6 +213,8 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
         changes["limit_t"] = t
     elif memory.limit_t is None or t - memory.limit_t >= settle:
         changes["away_t"] = t
+        if memory.limit_t is not None:
+            changes["cold_workers"] = 0  # off the limit: the pool is near its need
     # Full: at the limit, not above it (groups that were in flight when it was reached
     # may land on top: a backlog above the limit stays full whatever the pool makes).
     limit_seqs = policy.max_batches_offpolicy * batch

@@ -154,6 +154,9 @@ class BufferMemory:
     #: The count the last removal on refills kept (0: none since workers last came): the
     #: share rules at the limit step no lower.
     refill_kept_workers: int = 0
+    #: The count a cold start asked for before any rate was known (0: none, or the queue has
+    #: left the off-policy limit or the pool grown to a measured count since).
+    cold_workers: int = 0
     #: When the queue last stood at the off-policy limit with less than a batch landed since
     #: (None: a batch landed since, or it was not there), and when it then fell below a batch.
     unfed_limit_t: float | None = None

@@ -436,7 +436,7 @@ class BufferPolicy:
                     f"queue {queued_batches:.2f} batches < target {target_batches:g}; "
                     f"rates not measured yet -> {target} workers"
                 ),
-                memory=memory,
+                memory=replace(memory, cold_workers=target),
                 stabilize=False,
             )
         compared = ">=" if queued_batches >= target_batches else "<"

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from core.policies.base import Decision, PolicyContext
 from core.policies.buffer.constants import (
+    COLD_EXCESS,
+    COLD_HALVING_STARTUP_S,
     FULL_SAMPLES_SHARE,
     LIMIT_SAMPLES,
     LIMIT_SHARE,
@@ -169,6 +171,19 @@ def remove(
                 how = f"{what}: {found}"
             elif current * covered < 1 <= current * proven:
                 how = f"a worker at a time: {found}"
+        cold_need = demand / measured if measured else math.inf
+        cold = memory.cold_workers > 0 and startup >= COLD_HALVING_STARTUP_S
+        if cold and not floor and pinned and current >= COLD_EXCESS * cold_need:
+            # A cold start's count, held at the limit, is many times the need that p measured
+            # below it puts: each worker makes D / n there and the need may lie far below, so
+            # half the pool goes (p read high by its first, fastest groups still leaves two
+            # needs' worth).
+            full, share = True, 1 / 2
+            step = current - math.ceil(current * share)
+            how = (
+                f"half the pool: a cold start's {current} workers, {current / cold_need:.1f} x "
+                "the need p measured below the limit puts"
+            )
         if floor:
             # A count was found short, with p measured as the queue drained: down to the
             # need plus the spread, never below what was short.
