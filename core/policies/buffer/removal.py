@@ -171,7 +171,7 @@ def remove(
                 how = f"{what}: {found}"
             elif current * covered < 1 <= current * proven:
                 how = f"a worker at a time: {found}"
-        cold_need = demand / measured if measured else math.inf
+        cold_need = demand / measured if measured and demand > 0 else math.inf
         cold = memory.cold_workers > 0 and startup >= COLD_HALVING_STARTUP_S
         if cold and not floor and pinned and current >= COLD_EXCESS * cold_need:
             # A cold start's count, held at the limit, is many times the need that p measured
