@@ -178,8 +178,8 @@ def remove(
             # below it puts: each worker makes D / n there and the need may lie far below, so
             # half the pool goes (p read high by its first, fastest groups still leaves two
             # needs' worth).
-            full, share = True, 1 / 2
-            step = current - math.ceil(current * share)
+            full = True
+            step = current - math.ceil(current / 2)
             how = (
                 f"half the pool: a cold start's {current} workers, {current / cold_need:.1f} x "
                 "the need p measured below the limit puts"
