@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from core import Config, ConfigError, Configured, PolicySpec, PoolSpec, Reducer
 from core.events import QueueSampled
 from core.policies import BufferMemory, BufferPolicy, Decision
+from core.policies.buffer.stalls import floor_after_growth
 from core.records import replace
 from core.vocabulary import AlertName
 from tests.core.buffer_helpers import BATCH, ctx, probe, settled
@@ -272,8 +274,9 @@ def test_a_trainer_left_waiting_each_time_the_queue_falls_from_the_limit_is_repo
     assert all(not d.alerts for d in decisions[:-5])
     # Meanwhile the pool never grows: the wait is not a short pool.
     assert max(d.target for d in decisions) == 8
-    assert "less than a batch landed since the queue left the off-policy limit" in (
-        decisions[-1].reason
+    assert any(
+        "less than a batch landed since the queue left the off-policy limit" in d.reason
+        for d in decisions[:-5]
     )
     (alert, reason) = decisions[-1].alerts[0]
     assert alert is AlertName.OFFPOLICY_STALLS
@@ -287,6 +290,51 @@ def test_a_trainer_left_waiting_each_time_the_queue_falls_from_the_limit_is_repo
     assert stall_cycles(3, landing_seqs=8)[-1].alerts
     # The trainer taking its last batch and a group landing within a step: not a stall.
     assert not any(d.alerts for d in stall_cycles(4, wait_samples=0))
+
+
+def test_once_stalls_are_reported_each_new_one_takes_a_quarter_of_the_pool() -> None:
+    # More workers would bring the queue back to the limit sooner, for the next wait: from the
+    # third stall on, each stall takes a quarter of the pool (8 -> 6), and the starvation
+    # between them holds it (no growth on the envs' restarts).
+    decisions = stall_cycles(3)
+    stepped = [(i, d) for i, d in enumerate(decisions) if "fewer workers" in d.reason]
+    assert stepped and stepped[0][0] > len(decisions) - 6  # not before the third stall
+    first = stepped[0][1]
+    assert first.target == 6 and "3 times in" in first.reason
+    assert "fewer workers reach the limit less often -> stepping down to 6" in first.reason
+    assert first.memory.stall_shed_workers == 6
+    # The next samples, still starving a step from the limit, hold: one step per stall.
+    memory = first.memory
+    for _ in range(3):
+        decision = BufferPolicy().decide(ctx(memory.last_t + 2.0, 0, 0, current=6), memory)
+        memory = decision.memory
+        assert decision.target == 6 and "not the pool -> hold 6" in decision.reason
+
+
+def test_a_growth_after_a_step_on_stalls_is_the_floor_for_the_next_ones() -> None:
+    # The pool went below its need (rule 2 or 3 grows it): later stalls step down no lower
+    # than what that growth brought (at most the pool's maximum).
+    stepped = next(d for d in stall_cycles(3) if "fewer workers" in d.reason)
+    context = ctx(stepped.memory.last_t, 0, 0, current=6, max_workers=16)
+    growth = Decision(target=9, reason="growing", memory=stepped.memory)
+    assert floor_after_growth(context, 6, growth).memory.stall_floor_workers == 9
+    beyond = attrs.evolve(growth, target=40)
+    assert floor_after_growth(context, 6, beyond).memory.stall_floor_workers == 16
+    # Not without a step on stalls before it, nor for a removal.
+    plain = attrs.evolve(growth, memory=replace(stepped.memory, stall_shed_workers=0))
+    assert floor_after_growth(context, 6, plain) is plain
+    removal = attrs.evolve(growth, target=5)
+    assert floor_after_growth(context, 6, removal) is removal
+    floored = replace(stepped.memory, stall_floor_workers=7, stall_shed_workers=6)
+    # The next stall's step (a start-up after the last) keeps the floor: 8 less a quarter is
+    # 6, the floor 7.
+    memory = replace(floored, last_down_t=floored.stall_times[-1] - 60.0)
+    decision = BufferPolicy().decide(ctx(memory.last_t + 2.0, 0, 0, current=8), memory)
+    assert decision.target == 7 and "stepping down to 7" in decision.reason
+    # No stall in the window any more: the floor and the last step are forgotten.
+    later = replace(floored, last_t=floored.stall_times[-1] + 1800.0)
+    forgotten = probe(later, 8, queued=96, steps=1).memory
+    assert forgotten.stall_floor_workers == 0 and forgotten.stall_shed_workers == 0
 
 
 def short_stall_cycles(

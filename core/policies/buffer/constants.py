@@ -62,6 +62,11 @@ FLAPS_MAX = 3.0
 #: off-policy limit this many times within the window: reported (``offpolicy_stalls``).
 STALLS_TO_ALERT = 3
 STALL_WINDOW_S = 1800.0
+#: Once they are reported, each new one takes this share of the pool, and a queue short of the
+#: target within this many stalls' spans of the limit (a wait and the batches the limit holds)
+#: holds it (:mod:`.stalls`).
+STALL_SHARE = 1 / 4
+STALL_SPANS = 2.0
 #: A growth while starving passes its test early on what the grown pool made over this many
 #: steps (and seconds) once its workers were in.
 PROBE_STEPS = 8.0

@@ -332,6 +332,8 @@ def watch_stalls(
     step = context.queue.trainer_step
     stalls = tuple(s for s in memory.stall_times if t - s < STALL_WINDOW_S)
     changes: dict[str, object] = {"stall_times": stalls}
+    if not stalls:
+        changes.update(stall_shed_workers=0, stall_floor_workers=0)
     unfed = {"unfed_limit_t": None, "unfed_below_t": None, "unfed_made_seqs": 0}
     restarted = step < memory.last_step
     watched = memory.unfed_limit_t

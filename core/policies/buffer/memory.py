@@ -172,6 +172,11 @@ class BufferMemory:
     #: How long the trainer waited in the last such visit, from the queue falling below a batch
     #: to a batch landing (0: none ended yet).
     stall_wait_s: float = 0.0
+    #: The count the stall rule (:mod:`.stalls`) last stepped down to, and the count a growth
+    #: after such a step brought, below which it steps no more (0: none since stalls were
+    #: last reported).
+    stall_shed_workers: int = 0
+    stall_floor_workers: int = 0
 
 
 def average(value: float | None, sample: float, seen_s: float, dt: float, window_s: float) -> float:

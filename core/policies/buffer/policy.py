@@ -30,6 +30,7 @@ from core.policies.buffer.pause import hold_through_pause
 from core.policies.buffer.reading import Reading
 from core.policies.buffer.removal import remove
 from core.policies.buffer.saturation import judge_shed
+from core.policies.buffer.stalls import floor_after_growth, shed_on_stalls
 from core.records import replace
 from core.vocabulary import AlertName
 
@@ -394,6 +395,9 @@ class BufferPolicy:
             # A removal made to test for saturation: nothing else moves the pool until judged.
             settle = self.production_settle_s(memory, batch)
             return judge_shed(self, context, memory, figures, settle, startup, reading.low_seqs)
+        stalled = shed_on_stalls(self, context, memory, reading, starving)
+        if stalled is not None:
+            return stalled
         if memory.unfed_limit_t is not None and (starving or queue < target_seqs):
             # The envs stopped at the off-policy limit (atroposlib's cancel their groups in
             # generation there) and start again only as the trainer takes batches: what they
@@ -406,10 +410,10 @@ class BufferPolicy:
                 memory=memory,
             )
         if starving and since_up >= startup and not reading.warming:
-            return grow(self, context, memory, reading)
+            return floor_after_growth(context, current, grow(self, context, memory, reading))
         added = add(self, context, memory, reading)
         if added is not None:
-            return added
+            return floor_after_growth(context, current, added)
         if queue <= high_seqs or raw <= high_seqs:
             return Decision(target=current, reason=f"{figures} -> hold {current}", memory=memory)
         paused = hold_through_pause(self, context, memory, reading)
