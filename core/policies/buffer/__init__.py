@@ -15,7 +15,8 @@ The package: :mod:`.measure` (what the rules need, from the samples), :mod:`.pol
 parameters, rule 1, and the rules tried in order on a :mod:`.reading` of the sample),
 :mod:`.growth` (rule 2), :mod:`.addition` (rule 3), :mod:`.pause` (rule 4), :mod:`.removal`
 (rule 5), :mod:`.saturation` (the search for the count a shared inference saturates at),
-:mod:`.memory` (what carries from one sample to the next), :mod:`.constants` (its fixed numbers).
+:mod:`.stalls` (the steps down on ``offpolicy_stalls``), :mod:`.memory` (what carries from one
+sample to the next), :mod:`.constants` (its fixed numbers).
 
 The count the policy works from is the one the reducer applied: ``PolicyContext.desired``
 tells, on the next call, whether the last decision was applied or dropped (stabilization window,
@@ -136,7 +137,13 @@ a step fewer than it had time for: a wait shorter than the sample interval), unt
 pass without one. Groups outlast the batches the queue held there, and the envs stopped at the
 limit (atroposlib's cancel the groups in generation), so each visit costs a wait whatever the
 pool: the remedy is a larger ``max_batches_offpolicy`` or shorter groups. While such a fall has
-landed less than a batch, the pool holds (rule 3 does not read it as a short pool).
+landed less than a batch, the pool holds (rule 3 does not read it as a short pool). Once
+reported, ahead of rules 2-5 (:mod:`.stalls`): a queue short of the target within two stalls'
+spans of the limit (the last wait and the batches the limit holds) holds the pool, and each
+new stall, a start-up after the last change, takes ``STALL_SHARE`` (a quarter) of it: fewer
+workers reach the limit less often, and none shortens the wait. A growth after such a step
+(the pool went below its need) is the floor for the next ones until no stall is left in the
+window.
 """
 
 from core.policies.buffer.memory import BufferMemory
