@@ -52,15 +52,16 @@ def shed_on_stalls(
     since_limit_s = t - memory.limit_t
     if since_limit_s >= STALL_SPANS * span_s:
         return None
+    minutes = (t - memory.stall_times[0]) / 60
     waits = (
-        f"the trainer waited after the queue fell from the off-policy limit {stalls} times "
-        f"in {(t - memory.stall_times[0]) / 60:.0f} min (the "
-        f"envs cancel their groups there)"
+        f"the trainer waited after the queue fell from the off-policy limit {stalls} times in "
+        f"{minutes:.0f} min (the envs cancel their groups there)"
     )
     new_stall = memory.last_down_t is None or memory.stall_times[-1] > memory.last_down_t
     startup = reading.startup_s
     settled = reading.since_down_s >= startup and reading.since_up_s >= startup
-    target = max(current - math.ceil(current * STALL_SHARE), 1, memory.stall_floor_workers)
+    lowest = max(context.min_workers, 1, memory.stall_floor_workers)
+    target = max(current - math.ceil(current * STALL_SHARE), lowest)
     if new_stall and settled and target < current:
         return Decision(
             target=target,
@@ -70,8 +71,8 @@ def shed_on_stalls(
         )
     return Decision(
         target=current,
-        reason=f"{figures}; {waits}, {since_limit_s:.0f}s ago: the queue is short while the "
-        f"envs start again, not the pool -> hold {current}",
+        reason=f"{figures}; {waits}, and it stood there {since_limit_s:.0f}s ago: the queue "
+        f"is short while the envs start again, not the pool -> hold {current}",
         memory=memory,
     )
 
