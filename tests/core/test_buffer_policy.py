@@ -221,6 +221,15 @@ def test_properties(
             # what the pool makes, or a test of at most a quarter of the pool
             tested = decision.target >= current - max(1, current // 4) and after.shed_workers
             assert after.saturated_workers == decision.target or tested
+        elif decision.target < current and "fewer workers reach the limit" in decision.reason:
+            # on stalls at the off-policy limit (from below the band): only once reported, at
+            # most a quarter (or the fraction) at once, never below what a growth after such a
+            # step brought
+            assert len(after.stall_times) >= 3
+            share = min(0.25, fraction)
+            assert decision.target >= current - math.ceil(current * share)
+            assert decision.target >= max(after.stall_floor_workers, 1)
+            assert after.stall_shed_workers == decision.target
         elif decision.target < current:
             # removals: at most a quarter (or the fraction) at once, only from above the band
             # as smoothed and as last sampled, never without a demand estimate; at the
@@ -335,6 +344,43 @@ def test_a_growth_after_a_step_on_stalls_is_the_floor_for_the_next_ones() -> Non
     later = replace(floored, last_t=floored.stall_times[-1] + 1800.0)
     forgotten = probe(later, 8, queued=96, steps=1).memory
     assert forgotten.stall_floor_workers == 0 and forgotten.stall_shed_workers == 0
+
+
+@given(
+    cycles=st.integers(min_value=3, max_value=7),
+    workers=st.integers(min_value=1, max_value=60),
+    wait_samples=st.integers(min_value=2, max_value=12),
+    landing_seqs=st.integers(min_value=0, max_value=16),
+    fraction=st.sampled_from([0.05, 0.25, 1.0]),
+)
+def test_steps_on_stalls_come_one_per_new_stall_and_keep_their_bounds(
+    cycles: int, workers: int, wait_samples: int, landing_seqs: int, fraction: float
+) -> None:
+    # A pool of any size going through stall after stall, each decision applied: a step on
+    # stalls only once they are reported, at most a quarter (or max_down_fraction) of the pool,
+    # never to no worker, and never twice on one stall; the pool never grows on the waits.
+    policy = BufferPolicy(max_down_fraction=fraction)
+    memory, t, step, current = settled(queue_seqs=192.0), 100.0, 50, workers
+    stepped_on: list[float] = []
+    for _ in range(cycles):
+        queued = 3 * BATCH
+        samples = [(queued, 0)]
+        for _ in range(3):
+            queued = max(queued - BATCH + landing_seqs, 0)
+            samples.append((queued, 1))
+        samples += [(queued, 0)] * wait_samples
+        for queued, steps in samples:
+            t, step = t + 2.0, step + steps
+            decision = policy.decide(ctx(t, queued, step, current=current), memory)
+            after = decision.memory
+            assert decision.target <= current
+            if "fewer workers reach the limit" in decision.reason:
+                assert len(after.stall_times) >= 3
+                assert decision.target >= current - math.ceil(current * min(0.25, fraction))
+                assert decision.target >= 1
+                assert not stepped_on or after.stall_times[-1] > stepped_on[-1]
+                stepped_on.append(after.stall_times[-1])
+            current, memory = decision.target, after
 
 
 def short_stall_cycles(

@@ -41,7 +41,8 @@ def shed_on_stalls(
     """Waits after the off-policy limit are reported and the queue stood there within
     two stalls' spans (a stall's wait and the batches the limit holds): a queue below the
     target is the envs restarting, not a short pool. A stall since the last removal, a
-    start-up after the last change: down by ``STALL_SHARE``; otherwise hold."""
+    start-up after the last change: down by ``STALL_SHARE`` (``max_down_fraction`` at most);
+    otherwise hold."""
     stalls = len(memory.stall_times)
     if stalls < STALLS_TO_ALERT or memory.limit_t is None or math.isinf(reading.step_s):
         return None
@@ -61,12 +62,13 @@ def shed_on_stalls(
     startup = reading.startup_s
     settled = reading.since_down_s >= startup and reading.since_up_s >= startup
     lowest = max(context.min_workers, 1, memory.stall_floor_workers)
-    target = max(current - math.ceil(current * STALL_SHARE), lowest)
+    share = min(STALL_SHARE, policy.max_down_fraction)
+    target = max(current - math.ceil(current * share), lowest)
     if new_stall and settled and target < current:
         return Decision(
             target=target,
             reason=f"{figures}; {waits}: fewer workers reach the limit less often -> "
-            f"stepping down to {target} (a quarter of the pool at a time)",
+            f"stepping down to {target} (at most {share:.0%} of the pool at a time)",
             memory=replace(memory, stall_shed_workers=target),
         )
     return Decision(
