@@ -257,7 +257,8 @@ class BufferPolicy:
             f"queue above one batch lasts{lasts}, and the envs stop (atroposlib's cancel the "
             f"groups in generation) each time it reaches the limit. More workers do not shorten "
             f"the wait: raise max_batches_offpolicy (the envs' and this policy's){to}, or "
-            f"shorten the groups"
+            f"shorten the groups. Meanwhile each new wait takes up to a quarter of the pool (fewer "
+            f"workers reach the limit less often)"
         )
 
     def _decide(self, context: PolicyContext, memory: BufferMemory | None) -> Decision:
