@@ -73,8 +73,8 @@ def shed_on_stalls(
         )
     return Decision(
         target=current,
-        reason=f"{figures}; {waits}, and it stood there {since_limit_s:.0f}s ago: the queue "
-        f"is short while the envs start again, not the pool -> hold {current}",
+        reason=f"{figures}; {waits}, and the queue stood at the limit {since_limit_s:.0f}s "
+        f"ago: it is short while the envs start again, not the pool -> hold {current}",
         memory=memory,
     )
 
