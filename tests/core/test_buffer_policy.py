@@ -315,9 +315,13 @@ def test_once_stalls_are_reported_each_new_one_takes_a_quarter_of_the_pool() -> 
     # The next samples, still starving a step from the limit, hold: one step per stall.
     memory = first.memory
     for _ in range(3):
-        decision = BufferPolicy().decide(ctx(memory.last_t + 2.0, 0, 0, current=6), memory)
+        waiting = ctx(memory.last_t + 2.0, 0, memory.last_step, current=6)
+        decision = BufferPolicy().decide(waiting, memory)
         memory = decision.memory
         assert decision.target == 6 and "not the pool -> hold 6" in decision.reason
+    # A trainer restart (its step back to 0) empties the queue: not the envs starting again.
+    restarted = BufferPolicy().decide(ctx(memory.last_t + 2.0, 0, 0, current=6), memory)
+    assert "fewer workers" not in restarted.reason and "not the pool" not in restarted.reason
 
 
 def test_a_growth_after_a_step_on_stalls_is_the_floor_for_the_next_ones() -> None:
@@ -338,7 +342,8 @@ def test_a_growth_after_a_step_on_stalls_is_the_floor_for_the_next_ones() -> Non
     # The next stall's step (a start-up after the last) keeps the floor: 8 less a quarter is
     # 6, the floor 7.
     memory = replace(floored, last_down_t=floored.stall_times[-1] - 60.0)
-    decision = BufferPolicy().decide(ctx(memory.last_t + 2.0, 0, 0, current=8), memory)
+    waiting = ctx(memory.last_t + 2.0, 0, memory.last_step, current=8)
+    decision = BufferPolicy().decide(waiting, memory)
     assert decision.target == 7 and "stepping down to 7" in decision.reason
     # No stall in the window any more: the floor and the last step are forgotten.
     later = replace(floored, last_t=floored.stall_times[-1] + 1800.0)

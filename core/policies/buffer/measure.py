@@ -336,6 +336,8 @@ def watch_stalls(
         changes.update(stall_shed_workers=0, stall_floor_workers=0)
     unfed = {"unfed_limit_t": None, "unfed_below_t": None, "unfed_made_seqs": 0}
     restarted = step < memory.last_step
+    if restarted:
+        changes["restarted_t"] = t
     watched = memory.unfed_limit_t
     counted = watched is not None and bool(stalls) and stalls[-1] >= watched  # this visit's
     landed = memory.unfed_made_seqs + produced >= batch
@@ -361,7 +363,7 @@ def watch_stalls(
     if watched is None:
         return changes
     if restarted or queued < memory.last_queued_seqs - consumed or context.active == 0:
-        changes.update(unfed)  # a restart or a flushed queue, not the trainer taking it
+        changes.update(unfed, restarted_t=t)  # a restart or a flushed queue, not the trainer
         return changes
     if step_s is not None and idle_s >= step_s and not counted:
         changes["stall_times"] = (*stalls, t)

@@ -177,6 +177,9 @@ class BufferMemory:
     #: last reported).
     stall_shed_workers: int = 0
     stall_floor_workers: int = 0
+    #: When the trainer last restarted (its step went back) or the queue was flushed while
+    #: watched (None: never): the queue is short for that, not for the envs starting again.
+    restarted_t: float | None = None
 
 
 def average(value: float | None, sample: float, seen_s: float, dt: float, window_s: float) -> float:

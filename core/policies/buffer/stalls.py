@@ -46,6 +46,8 @@ def shed_on_stalls(
     stalls = len(memory.stall_times)
     if stalls < STALLS_TO_ALERT or memory.limit_t is None or math.isinf(reading.step_s):
         return None
+    if memory.restarted_t is not None and memory.restarted_t >= memory.limit_t:
+        return None  # a trainer restart or a flushed queue since the limit: not the envs
     if not (starving or reading.queue_seqs < reading.target_seqs):
         return None
     t, current, figures = context.t, reading.current, reading.figures
