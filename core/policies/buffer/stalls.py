@@ -10,6 +10,8 @@ follows a visit reads as a short pool and would grow it to its maximum. So once 
 reported (``offpolicy_stalls``), starvation within two stalls' spans of the limit holds the pool,
 and each new stall takes a quarter of it: fewer workers reach the limit less often. A growth
 after such a step says the pool went below its need: later steps keep what that growth brought.
+A trainer restart or a flushed queue since the last visit ends that reading: the queue is short
+for that, and the other rules decide.
 """
 
 from __future__ import annotations
