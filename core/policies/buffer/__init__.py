@@ -143,7 +143,8 @@ spans of the limit (the last wait and the batches the limit holds) holds the poo
 new stall, a start-up after the last change, takes ``STALL_SHARE`` (a quarter) of it: fewer
 workers reach the limit less often, and none shortens the wait. A growth after such a step
 (the pool went below its need) is the floor for the next ones until no stall is left in the
-window.
+window. A trainer restart, a flushed queue or a pool with no worker active since the last visit
+ends that reading: the queue is short for that, and the rules below decide.
 """
 
 from core.policies.buffer.memory import BufferMemory

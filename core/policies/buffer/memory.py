@@ -177,8 +177,9 @@ class BufferMemory:
     #: last reported).
     stall_shed_workers: int = 0
     stall_floor_workers: int = 0
-    #: When the trainer last restarted (its step went back) or the queue was flushed while
-    #: watched (None: never): the queue is short for that, not for the envs starting again.
+    #: When the trainer last restarted (its step went back), or the queue was flushed or no
+    #: worker was active while watched (None: never): the queue is short for that, not for
+    #: the envs starting again.
     restarted_t: float | None = None
 
 
