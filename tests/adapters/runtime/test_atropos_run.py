@@ -149,6 +149,14 @@ def test_unregistered_trainer_holds_with_a_clear_status(
     verified(d)
 
 
+def reregistered(api: AtroposApi) -> bool:
+    """Reset the API server's data and register the trainer; true once /info shows the batch."""
+    httpx.get(api.url + "/reset_data", timeout=30)  # a 500 when nothing was posted yet: fine
+    api.register_trainer(BATCH)
+    info = httpx.get(api.url + "/info", timeout=30).json()
+    return bool(info["batch_size"] == BATCH)
+
+
 def test_api_server_down_holds_the_count_and_recovers(
     deo: Callable[[str], Deo],
     atropos_api: AtroposApi,
@@ -174,9 +182,9 @@ def test_api_server_down_holds_the_count_and_recovers(
     atropos_api.start()  # the same port; its state starts empty
     # Envs still posting groups from before the outage can reach the new server before the
     # trainer does; atroposlib then ignores the trainer's /register (the queue exists already)
-    # and reports batch_size -1 until /reset_data. deo holds meanwhile; the trainer resets.
-    httpx.get(atropos_api.url + "/reset_data")  # a 500 when nothing was posted yet: fine
-    atropos_api.register_trainer(BATCH)
+    # and reports batch_size -1 until /reset_data. deo holds meanwhile; the trainer resets and
+    # registers again, as often as an env's group lands between the two.
+    wait_for("the trainer's registration to take", lambda: reregistered(atropos_api))
     wait_for(
         "samples again",
         lambda: {"alert": "source_down", "subject": "envs"} not in d.status()["alerts"],
