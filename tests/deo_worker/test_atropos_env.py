@@ -176,11 +176,11 @@ def test_sigusr1_mid_generation_posts_what_is_in_flight_disconnects_and_exits_0(
 ) -> None:
     atropos_api.register_trainer(batch_size_seqs=BATCH)
     other = register_env(atropos_api)
-    env = demo_env(atropos_api.url, *flags(latency_s=3.0, in_flight=2, sigma=0.0))
+    env = demo_env(atropos_api.url, *flags(latency_s=6.0, in_flight=2, sigma=0.0))
     env.wait_for_line(r"registered as env 1$")
     assert weight_of(atropos_api, other) == pytest.approx(0.5)  # two connected envs
-    # Every group takes 3 s: two land at ~3 s, two more are generating from the env's next poll
-    # until ~6 s; the drain must come in between, which leaves a busy machine seconds to spare.
+    # Every group takes 6 s: two land at ~6 s, two more are generating from the env's next poll
+    # until ~12 s; the drain must come in between, which leaves a busy machine seconds to spare.
     wait_for("the first two groups", lambda: queue_groups(atropos_api) == 2)
     time.sleep(1.0)  # past the env's next poll (every 0.1 s), when the next two start
     env.proc.send_signal(signal.SIGUSR1)
