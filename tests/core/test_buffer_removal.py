@@ -445,6 +445,21 @@ def test_the_share_rules_keep_what_the_refills_kept() -> None:
     assert came.memory.refill_kept_workers == 0
 
 
+def test_a_queue_full_at_every_sample_steps_below_what_the_refills_kept() -> None:
+    # The refills kept 40; the queue then full (3 batches) at every 2 s sample for a cooldown
+    # while the trainer takes a batch each proves, without the bound D / active, that the pool
+    # makes twice what the trainer takes: a quarter goes, past the refills' count.
+    memory = replace(settled(per_worker_seqs_s=0.5, last_active=40), refill_kept_workers=40)
+    count, decisions = 40, []
+    for _ in range(12):
+        decision = probe(memory, count, queued=192, desired=count)
+        decisions.append(decision)
+        memory, count = decision.memory, decision.target
+    assert [d.target for d in decisions] == [40] * 10 + [30] * 2, decisions[-1].reason
+    assert decisions[0].reason.endswith("40 kept on the refills -> hold 40")
+    assert "the queue full at every sample for 20s at a time" in decisions[10].reason
+
+
 def test_p_measured_where_nothing_could_land_is_not_trusted_over_its_bound() -> None:
     # 40 workers at the off-policy limit feed a trainer taking 32 seq/s: each makes at least
     # 0.8 seq/s. p "measured" over two start-ups at 0.01 seq/s comes from intervals in which

@@ -106,8 +106,9 @@ Rules, in order:
    most half the pool at a time, once the pool the last removal left has refilled (the cooldown
    does not apply: each take tests the pool); the shares above never take the pool under the
    count such a removal kept until workers come (they step on the bound D / active, which says
-   nothing of a pool the refills sized). A cold start's count (rule 1) held at the limit at
-   four times the need p measured below it or more halves, a cooldown at a time, where
+   nothing of a pool the refills sized), except a queue full at every sample for a cooldown,
+   whose share rests on the sample interval instead. A cold start's count (rule 1) held at the
+   limit at four times the need p measured below it or more halves, a cooldown at a time, where
    start-ups take a minute or more, until the queue leaves the limit or the pool grows (a
    twentieth per start-up would hold that excess for most of an hour; p read from a cold
    pool's first, fastest groups may read high, but a halving leaves two needs' worth). With

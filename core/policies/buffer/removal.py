@@ -154,7 +154,9 @@ def remove(
                 f"{share:.0%} of the pool, the queue full at every sample for {full_s:.0f}s at "
                 "a time"
             )
-        elif not floor and pinned and memory.limit_samples >= LIMIT_SAMPLES:
+        # (A proof of its own: the refills' count below does not hold it.)
+        every_sample = full
+        if not full and not floor and pinned and memory.limit_samples >= LIMIT_SAMPLES:
             # Full at most samples: each take is made again within the share of a step the
             # samples found it short, so that share of the sample-interval bound holds.
             full_share = memory.full_samples / memory.limit_samples
@@ -199,9 +201,9 @@ def remove(
             # Never below what the last removal on refills kept: the share rules step on the
             # bound D / active, which says nothing of a pool the refills sized (brought near
             # twice its need from scratch, it would descend a worker a cooldown below it).
-            target = max(
-                min(balanced, current - 1), current - step, lowest, memory.refill_kept_workers
-            )
+            # A queue full at every sample proves its share without that bound.
+            refill_kept = 0 if every_sample else memory.refill_kept_workers
+            target = max(min(balanced, current - 1), current - step, lowest, refill_kept)
             if step > 1 and target == current - 1 and need >= current - 1e-9:
                 # The share allowed more, but with p on its bound the need is the whole pool:
                 # say what binds, not the share that did not.
