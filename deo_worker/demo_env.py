@@ -13,7 +13,9 @@ groups in flight than the queue has room for below ``max_batches_offpolicy`` bat
 generations cancelled when the room shrinks, and all of them cancelled while the queue is full.
 
 It heartbeats as deo asks (:class:`deo_worker.Heartbeat`). On the drain signal (SIGUSR1) it
-starts no new group, posts the ones in flight, ``POST /disconnect-env``, prints
+starts no new group, posts the ones in flight (unless the queue reaches the off-policy limit
+first: BaseEnv's loop runs on through a drain, :mod:`deo_worker.atropos`, and cancels them
+there), ``POST /disconnect-env``, prints
 ``<worker id>: drained, N groups posted`` and exits 0. SIGTERM ends it at once (the default
 action). An unreachable API is retried with backoff, with one line per outage and no traceback;
 an API that answers with errors (5xx three times, or any 4xx) ends it with one line and exit 1,
@@ -43,6 +45,8 @@ __all__ = ["DemoEnvSettings", "main", "parse_args", "run"]
 
 #: BaseEnv's main loop sleeps 0.1 s between looks at ``/status-env``.
 POLL_S = 0.1
+#: How long one look at the queue may take while draining (an outage must not hold the drain).
+DRAIN_LOOK_S = 1.0
 #: BaseEnv waits 1 s between registration attempts; shorter here so demos start quickly.
 REGISTER_RETRY_S = 0.5
 HEARTBEAT_INTERVAL_S = 1.0
@@ -249,13 +253,19 @@ class _DemoEnv:
         except (TypeError, KeyError, ValueError):
             raise _Refused(f"GET /status-env: no queue_size in {answer!r}") from None
 
+    def full(self, queue_groups: int) -> bool:
+        """Whether BaseEnv would cancel every group in generation: the queue at the off-policy
+        limit (or no trainer registered)."""
+        limit_seqs = self.settings.max_batches_offpolicy * self.batch_size_seqs
+        return self.batch_size_seqs == -1 or queue_groups * self.settings.group_size >= limit_seqs
+
     def adjust(self, queue_groups: int, start: Callable[[], None]) -> None:
         """BaseEnv 0.4.0's rule (``env_manager``, ``add_train_workers``): cancel all when the
         queue is full; below the worker limit, trim to the room left and fill up to it."""
-        limit_seqs = self.settings.max_batches_offpolicy * self.batch_size_seqs
-        if self.batch_size_seqs == -1 or queue_groups * self.settings.group_size >= limit_seqs:
+        if self.full(queue_groups):
             self.cancel(len(self.generating))
             return
+        limit_seqs = self.settings.max_batches_offpolicy * self.batch_size_seqs
         if self.in_flight >= self.settings.groups_in_flight:
             return
         room_groups = limit_seqs // self.settings.group_size - queue_groups
@@ -326,6 +336,21 @@ class _DemoEnv:
                 with anyio.move_on_after(POLL_S):
                     await self.drain.wait()
             self.api.say(f"draining, {self.in_flight} groups in flight")
+            await self.cancel_at_the_limit()
+
+    async def cancel_at_the_limit(self) -> None:
+        """While generations are left, cancel them all should the queue reach the off-policy
+        limit: BaseEnv's loop runs on through a drain (it only starts nothing new)."""
+        while self.generating:
+            with anyio.move_on_after(DRAIN_LOOK_S):
+                try:
+                    full = self.full(await self.queue_groups())
+                except _Refused:
+                    return  # the API forgot the env: the groups finish and are posted or dropped
+                if full:
+                    self.cancel(len(self.generating))
+                    return
+            await anyio.sleep(POLL_S)
 
     async def disconnect(self) -> None:
         assert self.env_id is not None

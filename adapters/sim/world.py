@@ -22,9 +22,10 @@ completion, whichever comes first.
   ``max_batches_offpolicy`` batches are queued.
 * Off-policy stop and discard, as ``BaseEnv.env_manager`` does it: once the queue holds
   ``max_batches_offpolicy`` batches, every worker cancels all its groups in generation (their
-  prompts go back to its backlog; the generation done is wasted). A worker below its full
-  concurrency (one of its groups just completed) also cancels its oldest groups beyond the room
-  left (``add_train_workers``). Discarded groups and their wasted generation seconds are counted.
+  prompts go back to its backlog; the generation done is wasted), a draining worker too (its
+  loop runs on through a drain, :mod:`deo_worker.atropos`), which then exits. A worker below its
+  full concurrency (one of its groups just completed) also cancels its oldest groups beyond the
+  room left (``add_train_workers``). Discarded groups and their wasted generation seconds are counted.
 * Groups: latency = the pool's mean at the group's start times the group's drawn factor
   (:mod:`adapters.sim.draws`: the k-th group started gets the k-th factor under any controller),
   rounded to the millisecond so that a last-bit difference in a platform's ``math`` library cannot
@@ -421,6 +422,8 @@ class World:
         self.queued_seqs += group.seqs
         self._try_step()
         self._stop_at_offpolicy_limit()
+        if worker.exited_t is not None:
+            return  # a draining worker whose last groups the limit cancelled
         if worker.draining and not worker.groups and worker.started:
             self._exit(worker, exit_code=0)
         elif worker.producing:
@@ -428,17 +431,21 @@ class World:
             self._fill(worker)
 
     def _stop_at_offpolicy_limit(self) -> None:
-        """At the off-policy limit every producing worker cancels its groups in generation."""
+        """At the off-policy limit every worker cancels its groups in generation, a draining one
+        too (BaseEnv's loop runs on through a drain; it only starts nothing new); a draining
+        worker left with none exits."""
         if self.queued_seqs < self._lowest_limit_seqs:
             return
-        for worker in self.workers.values():
+        for worker in list(self.workers.values()):
             pool = worker.pool
             if (
-                worker.producing
+                worker.exited_t is None
                 and worker.groups
                 and self.queued_seqs >= pool.max_batches_offpolicy * self.batch_seqs
             ):
                 self._discard(worker, len(worker.groups))
+                if worker.draining:
+                    self._exit(worker, exit_code=0)
 
     def _trim(self, worker: _Worker) -> None:
         """A worker below full concurrency cancels its oldest groups beyond the room left."""

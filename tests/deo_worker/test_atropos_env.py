@@ -192,6 +192,28 @@ def test_sigusr1_mid_generation_posts_what_is_in_flight_disconnects_and_exits_0(
     assert weight_of(atropos_api, other) == pytest.approx(1.0)  # the demo env disconnected
 
 
+def test_a_drain_cancels_the_groups_in_flight_once_the_queue_reaches_the_limit(
+    atropos_api: AtroposApi, demo_env: Callable[..., DemoEnvProcess]
+) -> None:
+    # BaseEnv's loop runs on through a drain: groups still generating when the queue reaches
+    # the off-policy limit (2 batches of 16 = 8 groups of 4) are cancelled there, not posted on
+    # top of it, and the drain ends then, not when their 30 s are up.
+    atropos_api.register_trainer(batch_size_seqs=BATCH)
+    other = register_env(atropos_api)
+    env = demo_env(atropos_api.url, *flags(latency_s=30.0, in_flight=2, max_batches=2, sigma=0.0))
+    env.wait_for_line(r"registered as env 1$")
+    env.proc.send_signal(signal.SIGUSR1)
+    draining = env.wait_for_line(r"^envs-0: draining, (\d+) groups in flight$")
+    assert int(draining[1]) == 2
+    group = {"tokens": [[1, 2, 3]] * GROUP, "masks": [[-100, 2, 3]] * GROUP,
+             "scores": [0.5] * GROUP, "env_id": other}  # fmt: skip
+    for _ in range(2 * BATCH // GROUP):
+        httpx.post(atropos_api.url + "/scored_data", json=group).raise_for_status()
+    assert env.exit_code(timeout_s=20) == 0, env.output  # well before the 30 s generations
+    assert env.lines[-1] == "envs-0: drained, 0 groups posted", env.output
+    assert queue_groups(atropos_api) == 2 * BATCH // GROUP
+
+
 def test_sigterm_ends_it_at_once(
     atropos_api: AtroposApi, demo_env: Callable[..., DemoEnvProcess]
 ) -> None:

@@ -134,6 +134,26 @@ def test_groups_started_just_before_the_limit_are_discarded_with_the_rest() -> N
     assert record.discarded_generation_s == 0.0
 
 
+def test_a_draining_workers_groups_are_discarded_at_the_offpolicy_limit_too() -> None:
+    # Limit 1 batch = 2 groups. Workers 0 and 1 start 2 groups each, all done at t = 10;
+    # worker 1 is drained at t = 5. BaseEnv's loop runs on through a drain (it only starts
+    # nothing new), so when worker 0's two groups fill the queue to the limit, worker 1's two
+    # are cancelled like any others, not posted on top of it, and its drain ends there.
+    world = World(make_scenario(trainer=PAUSED, groups_in_flight=4, max_batches_offpolicy=1))
+    spawn(world, 0, 1)
+    world.run_until(5.0)
+    world.carry_out(
+        DrainWorker(worker_id="envs-1", pid=1002, signal="SIGUSR1", deadline_t=65.0, reason="")
+    )
+    events = world.run_until(500.0)
+    assert world.queued_seqs == 16
+    exits = of(events, WorkerExited)
+    assert [(e.worker_id, e.t, e.exit_code) for e in exits] == [("envs-1", 10.0, 0)]
+    record = world.finish()
+    assert (record.groups_completed, record.groups_discarded) == (2, 2)
+    assert record.groups_lost == 0
+
+
 def test_the_same_seed_draws_the_same_start_ups_and_step_times() -> None:
     def run(seed: int) -> tuple[list[float], int]:
         scenario = attrs.evolve(
