@@ -25,7 +25,8 @@ completion, whichever comes first.
   prompts go back to its backlog; the generation done is wasted), a draining worker too (its
   loop runs on through a drain, :mod:`deo_worker.atropos`), which then exits. A worker below its
   full concurrency (one of its groups just completed) also cancels its oldest groups beyond the
-  room left (``add_train_workers``). Discarded groups and their wasted generation seconds are counted.
+  room left (``add_train_workers``). Discarded groups and their wasted generation seconds are
+  counted.
 * Groups: latency = the pool's mean at the group's start times the group's drawn factor
   (:mod:`adapters.sim.draws`: the k-th group started gets the k-th factor under any controller),
   rounded to the millisecond so that a last-bit difference in a platform's ``math`` library cannot
