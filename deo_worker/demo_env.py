@@ -45,8 +45,9 @@ __all__ = ["DemoEnvSettings", "main", "parse_args", "run"]
 
 #: BaseEnv's main loop sleeps 0.1 s between looks at ``/status-env``.
 POLL_S = 0.1
-#: How long one look at the queue may take while draining (an outage must not hold the drain).
-DRAIN_LOOK_S = 1.0
+#: How long one look at the queue may take while draining: an outage (retried without end)
+#: must not hold a drain whose groups are in.
+DRAIN_LOOK_S = 5.0
 #: BaseEnv waits 1 s between registration attempts; shorter here so demos start quickly.
 REGISTER_RETRY_S = 0.5
 HEARTBEAT_INTERVAL_S = 1.0
