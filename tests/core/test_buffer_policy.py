@@ -301,6 +301,25 @@ def test_a_trainer_left_waiting_each_time_the_queue_falls_from_the_limit_is_repo
     assert not any(d.alerts for d in stall_cycles(4, wait_samples=0))
 
 
+def test_a_short_pool_landing_what_it_makes_is_not_a_stall() -> None:
+    # 8 workers measured at 0.5 seq/s each land 8 sequences a sample, through the trainer's
+    # takes from the limit and its waits after: the trainer waits on a short pool, not on
+    # groups the limit cancelled, so no wait counts as a stall however often it comes.
+    samples: list[tuple[int, int]] = []
+    for _ in range(4):
+        queued = 3 * BATCH
+        samples.append((queued, 0))
+        for _ in range(3):
+            queued = queued - BATCH + 8
+            samples.append((queued, 1))
+        for _ in range(4):
+            queued += 8
+            samples.append((queued, 0))
+    decisions = decide_each(settled(queue_seqs=192.0, per_worker_seqs_s=0.5), samples)
+    assert not any(d.memory.stall_times for d in decisions), decisions[-1].reason
+    assert not any(d.alerts for d in decisions)
+
+
 def test_once_stalls_are_reported_each_new_one_takes_a_quarter_of_the_pool() -> None:
     # More workers would bring the queue back to the limit sooner, for the next wait: from the
     # third stall on, each stall takes a quarter of the pool (8 -> 6), and the starvation

@@ -133,20 +133,20 @@ Rules, in order:
 
 What no count fixes is reported (``Decision.alerts``): ``offpolicy_stalls`` from the third time
 within 30 minutes the queue fell from the off-policy limit to under a batch with less than a batch
-landing and the trainer then waited a step or more (or, within a settle time of the limit, took
-a step fewer than it had time for: a wait shorter than the sample interval), until 30 minutes
-pass without one. Groups outlast the batches the queue held there, and the envs stopped at the
-limit (atroposlib's cancel the groups in generation), so each visit costs a wait whatever the
-pool: the remedy is a larger ``max_batches_offpolicy`` or shorter groups. While such a fall has
-landed less than a batch, the pool holds (rule 3 does not read it as a short pool). Once
-reported, ahead of rules 2-5 (:mod:`.stalls`): a queue short of the target within two stalls'
-spans of the limit (the last wait and the batches the limit holds) holds the pool, and each
-new stall, a start-up after the last change, takes ``STALL_SHARE`` (a quarter) of it: fewer
-workers reach the limit less often, and none shortens the wait. A growth after such a step
-(the pool went below its need) is the floor for the next ones until no stall is left in the
-window. A trainer restart, a flushed queue or a pool with no worker active since the last visit
-ends that reading: the queue is short for that, and the rules below decide.
-"""
+landing, and less than half of what the workers active make at their measured production (a short
+pool landing what it makes waits on itself), and the trainer then waited a step or more (or, within
+a settle time of the limit, took a step fewer than it had time for: a wait shorter than the sample
+interval), until 30 minutes pass without one. Groups outlast the batches the queue held there, and
+the envs stopped at the limit (atroposlib's cancel the groups in generation), so each visit costs a
+wait whatever the pool: the remedy is a larger ``max_batches_offpolicy`` or shorter groups. While
+such a fall has landed less than a batch, the pool holds (rule 3 does not read it as a short pool).
+Once reported, ahead of rules 2-5 (:mod:`.stalls`): a queue short of the target within two stalls'
+spans of the limit (the last wait and the batches the limit holds) holds the pool, and each new
+stall, a start-up after the last change, takes ``STALL_SHARE`` (a quarter) of it: fewer workers
+reach the limit less often, and none shortens the wait. A growth after such a step (the pool went
+below its need) is the floor for the next ones until no stall is left in the window. A trainer
+restart, a flushed queue or a pool with no worker active since the last visit ends that reading:
+the queue is short for that, and the rules below decide."""
 
 from core.policies.buffer.memory import BufferMemory
 from core.policies.buffer.policy import BufferPolicy

@@ -365,7 +365,12 @@ def watch_stalls(
     if restarted or queued < memory.last_queued_seqs - consumed or context.active == 0:
         changes.update(unfed, restarted_t=t)  # a restart or a flushed queue, not the trainer
         return changes
-    if step_s is not None and idle_s >= step_s and not counted:
+    # A pool that landed about what it makes since the visit (at its measured production) was
+    # making: the trainer waits on a short pool, not on groups the limit cancelled.
+    made = memory.unfed_made_seqs + produced
+    making = context.active * (memory.per_worker_seqs_s or 0.0) * (t - watched)
+    short = made >= making / 2 > 0
+    if step_s is not None and idle_s >= step_s and not counted and not short:
         changes["stall_times"] = (*stalls, t)
         changes["stall_wait_s"] = idle_s
         counted = True
@@ -376,7 +381,7 @@ def watch_stalls(
     if queued < batch:
         below = t if memory.unfed_below_t is None else memory.unfed_below_t
         changes["unfed_below_t"] = below
-        if step_s is not None and t - below >= step_s and not counted:
+        if step_s is not None and t - below >= step_s and not counted and not short:
             changes["stall_times"] = (*stalls, t)
     return changes
 
