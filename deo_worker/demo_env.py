@@ -326,6 +326,7 @@ class _DemoEnv:
                 scope = self.generating[self.started] = anyio.CancelScope()
                 generations.start_soon(self.generate, self.started, scope, self.latency_s())
 
+            announced = False
             while not self.drain.requested:
                 posted_before = self.posted
                 queue_groups = await _unless_drained(self.drain, self.queue_groups)
@@ -334,6 +335,9 @@ class _DemoEnv:
                 # A group posted while the answer was on its way may be missing from it and is no
                 # longer in flight: count it as queued (at worst twice), never overshoot the limit.
                 self.adjust(queue_groups + self.posted - posted_before, start)
+                if self.started and not announced:  # once: the env is making groups
+                    self.api.say(f"generating, {self.in_flight} groups in flight")
+                    announced = True
                 with anyio.move_on_after(POLL_S):
                     await self.drain.wait()
             self.api.say(f"draining, {self.in_flight} groups in flight")

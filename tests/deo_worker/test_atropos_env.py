@@ -201,7 +201,7 @@ def test_a_drain_cancels_the_groups_in_flight_once_the_queue_reaches_the_limit(
     atropos_api.register_trainer(batch_size_seqs=BATCH)
     other = register_env(atropos_api)
     env = demo_env(atropos_api.url, *flags(latency_s=30.0, in_flight=2, max_batches=2, sigma=0.0))
-    env.wait_for_line(r"registered as env 1$")
+    env.wait_for_line(r"^envs-0: generating, 2 groups in flight$")
     env.proc.send_signal(signal.SIGUSR1)
     draining = env.wait_for_line(r"^envs-0: draining, (\d+) groups in flight$")
     assert int(draining[1]) == 2
