@@ -4,9 +4,10 @@
 --max-batches-offpolicy 3 --groups-in-flight 2 [--seed N]`` registers with an atroposlib API
 server (``POST /register-env``, again every 0.5 s while it answers "wait for trainer to start"),
 reads the trainer's ``batch_size`` (``GET /info``), then every 0.1 s reads its view of the queue
-(``GET /status-env``) and keeps ``--groups-in-flight`` simulated generations running, each
-sleeping a lognormal latency of mean ``--latency-s`` and then posting one group of
-``--group-size`` short random sequences to ``POST /scored_data``.
+(``GET /status-env``) and keeps ``--groups-in-flight`` simulated generations running (it prints
+``<worker id>: generating, N groups in flight`` when the first start), each sleeping a lognormal
+latency of mean ``--latency-s`` and then posting one group of ``--group-size`` short random
+sequences to ``POST /scored_data``.
 
 Backpressure is atroposlib 0.4.0's own (``BaseEnv.env_manager`` / ``add_train_workers``): no more
 groups in flight than the queue has room for below ``max_batches_offpolicy`` batches, surplus
