@@ -423,10 +423,8 @@ class World:
         self.queued_seqs += group.seqs
         self._try_step()
         self._stop_at_offpolicy_limit()
-        if worker.exited_t is not None:
-            return  # a draining worker whose last groups the limit cancelled
-        if worker.draining and not worker.groups and worker.started:
-            self._exit(worker, exit_code=0)
+        if worker.draining:
+            self._end_drain_if_done(worker)
         elif worker.producing:
             self._trim(worker)
             self._fill(worker)
@@ -445,8 +443,7 @@ class World:
                 and self.queued_seqs >= pool.max_batches_offpolicy * self.batch_seqs
             ):
                 self._discard(worker, len(worker.groups))
-                if worker.draining:
-                    self._exit(worker, exit_code=0)
+                self._end_drain_if_done(worker)
 
     def _trim(self, worker: _Worker) -> None:
         """A worker below full concurrency cancels its oldest groups beyond the room left."""
@@ -557,7 +554,11 @@ class World:
             return
         worker.draining = True
         worker.producing = False
-        if worker.started and not worker.groups:
+        self._end_drain_if_done(worker)
+
+    def _end_drain_if_done(self, worker: _Worker) -> None:
+        """A draining worker exits (code 0) once it has started and no group is left."""
+        if worker.draining and worker.started and not worker.groups and worker.exited_t is None:
             self._exit(worker, exit_code=0)
 
     def _exit(

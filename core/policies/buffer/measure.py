@@ -340,7 +340,8 @@ def watch_stalls(
         changes["restarted_t"] = t
     watched = memory.unfed_limit_t
     counted = watched is not None and bool(stalls) and stalls[-1] >= watched  # this visit's
-    landed = memory.unfed_made_seqs + produced >= batch
+    made = memory.unfed_made_seqs + produced  # landed since the visit to the limit
+    landed = made >= batch
     # At the limit: within the slack of a full queue, where the envs stop.
     at_limit = queued >= policy.limit_reached_seqs(batch)
     # From the limit on the trainer could have stepped back to back: the time it did not
@@ -367,7 +368,6 @@ def watch_stalls(
         return changes
     # A pool that landed about what it makes since the visit (at its measured production) was
     # making: the trainer waits on a short pool, not on groups the limit cancelled.
-    made = memory.unfed_made_seqs + produced
     making = context.active * (memory.per_worker_seqs_s or 0.0) * (t - watched)
     short = made >= making / 2 > 0
     if step_s is not None and idle_s >= step_s and not counted and not short:
@@ -377,7 +377,7 @@ def watch_stalls(
     if landed:
         changes.update(unfed)  # a batch landed: the envs are making again
         return changes
-    changes["unfed_made_seqs"] = memory.unfed_made_seqs + produced
+    changes["unfed_made_seqs"] = made
     if queued < batch:
         below = t if memory.unfed_below_t is None else memory.unfed_below_t
         changes["unfed_below_t"] = below

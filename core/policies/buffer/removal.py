@@ -144,6 +144,7 @@ def remove(
         full_s = 0.0 if memory.full_since_t is None else t - memory.full_since_t
         taken = context.queue.trainer_step - memory.full_since_step
         full = not floor and full_s >= cooldown and taken >= 2
+        every_sample = full  # a proof of its own: the refills' count below does not hold it
         interval_s = interval_s if interval_s > 0 else step_s
         refill_share = min(policy.max_down_fraction, step_s / (interval_s + step_s))
         proven = 0.0
@@ -154,9 +155,7 @@ def remove(
                 f"{share:.0%} of the pool, the queue full at every sample for {full_s:.0f}s at "
                 "a time"
             )
-        # (A proof of its own: the refills' count below does not hold it.)
-        every_sample = full
-        if not full and not floor and pinned and memory.limit_samples >= LIMIT_SAMPLES:
+        elif not floor and pinned and memory.limit_samples >= LIMIT_SAMPLES:
             # Full at most samples: each take is made again within the share of a step the
             # samples found it short, so that share of the sample-interval bound holds.
             full_share = memory.full_samples / memory.limit_samples
