@@ -460,6 +460,35 @@ def test_a_queue_full_at_every_sample_steps_below_what_the_refills_kept() -> Non
     assert "the queue full at every sample for 20s at a time" in decisions[10].reason
 
 
+def test_the_descent_at_the_limit_stops_at_the_need_p_measured_above_its_bound_puts() -> None:
+    # 8 workers hold the queue at the off-policy limit (full at every other sample) for a
+    # trainer taking 32 seq/s; p was measured below the limit at 4.25 seq/s per worker, above
+    # its bound there (32 / 8): the need, 7.5, keeps all 8. (A real Atropos loop went from 2
+    # workers to 1 where 1.6 were needed, and its trainer waited.) With p on its bound the
+    # need says nothing, and the descent goes on a worker at a time.
+    def run(per_worker: float, queued: list[int]) -> list[Decision]:
+        memory = settled(queue_seqs=192.0, per_worker_seqs_s=per_worker, last_active=8)
+        count, decisions = 8, []
+        for sample in queued:
+            decision = probe(memory, count, queued=sample, desired=count)
+            decisions.append(decision)
+            memory, count = decision.memory, decision.target
+        return decisions
+
+    measured = run(4.25, [192, 160] * 7)
+    assert [d.target for d in measured] == [8] * 14, [d.reason for d in measured]
+    assert measured[-1].reason.endswith(
+        "queue at the off-policy limit, the need at 4.25 seq/s per worker keeps 8 -> hold 8"
+    )
+    on_bound = run(4.0, [192, 160] * 7)
+    assert [d.target for d in on_bound] == [7] * 10 + [6] * 4, [d.reason for d in on_bound]
+    # A queue full at every sample for a cooldown proves a quarter of the pool spare on its
+    # own: it goes below that need.
+    full = run(4.25, [192] * 12)
+    assert full[-1].target == 6, full[-1].reason
+    assert "the queue full at every sample" in full[-2].reason
+
+
 def test_p_measured_where_nothing_could_land_is_not_trusted_over_its_bound() -> None:
     # 40 workers at the off-policy limit feed a trainer taking 32 seq/s: each makes at least
     # 0.8 seq/s. p "measured" over two start-ups at 0.01 seq/s comes from intervals in which

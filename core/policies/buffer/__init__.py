@@ -83,7 +83,10 @@ Rules, in order:
    where nothing could land (the envs restarting after the limit cancelled their groups, with
    groups longer than the steps the queue held): p rests on that instead, and at the limit
    the pool steps down as one whose p was never measured. At the off-policy limit (where p
-   is then not measured and rests on its bound) a twentieth of the pool at a time; with
+   is not measured and may rest on its bound D / active, the need then reading as the whole
+   pool) a twentieth of the pool at a time, but never below the need a p measured above that
+   bound puts (each worker left makes at least what it made), unless the queue was full at
+   every sample (below); with
    the queue held there for a whole cooldown, up to a tenth: the share whose shortfall (at most
    that share of D, since every worker makes at least D / n) the two batches above the band cover
    for a start-up, 2 steps / start-up. With the queue full (within an eighth of a batch of the

@@ -50,6 +50,9 @@ REFILL_MARGIN = 2.0
 REFILL_MAX_SHARE = 1 / 2
 #: A sample this close to the off-policy limit (in batches, either side) finds the queue full.
 FULL_SLACK_BATCHES = 1 / 8
+#: At the off-policy limit p above D / active by more than this share is measured, not its
+#: bound (the rates' noise is a few percent): its need floors the descent there.
+BOUND_SLACK = 1.05
 #: A removal keeps workers still starting only up to this many times the need.
 STARTING_NEEDS = 2.0
 #: A removal undone by an addition while the measured need (D / p) is no more than this share of

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from core.policies.base import Decision, PolicyContext
 from core.policies.buffer.constants import (
+    BOUND_SLACK,
     COLD_EXCESS,
     COLD_HALVING_STARTUP_S,
     FULL_SAMPLES_SHARE,
@@ -135,12 +136,15 @@ def remove(
             share = min(covered, PINNED_SHARE, policy.max_down_fraction)
             how = f"{share:.0%} of the pool, the queue held there for {cooldown:.0f}s at a time"
         step = max(1, math.floor(current * share))
-        # Full at every sample for a cooldown while the trainer took batches: each batch
-        # taken was made again within a sample interval, so the pool makes at least
-        # D x (1 + step / interval), and removing step / (interval + step) of it still
-        # makes D. (Not sooner than a cooldown: with heavy tails a pool held at the limit
-        # refills from its shortest groups, and what it makes once the queue leaves the
-        # limit shows only later.)
+        # Full at every sample for a cooldown while the trainer took batches: what each
+        # take removed was made again within a sample interval i. A take from the full
+        # queue removes every full batch (atroposlib's /batch), two or more at the limit,
+        # so the pool makes at least 2 D s / i, and removing s / (i + s) of it still makes
+        # D where s >= i. (With steps shorter than the samples that share rests on what
+        # the regimes measured, not on the bound: the share the measured refills prove
+        # cost 1.7% more worker-hours there and starved no less.) (Not sooner than a
+        # cooldown: with heavy tails a pool held at the limit refills from its shortest
+        # groups, and what it makes once the queue leaves the limit shows only later.)
         full_s = 0.0 if memory.full_since_t is None else t - memory.full_since_t
         taken = context.queue.trainer_step - memory.full_since_step
         full = not floor and full_s >= cooldown and taken >= 2
@@ -185,6 +189,7 @@ def remove(
                 f"half the pool: a cold start's {current} workers, {current / cold_need:.1f} x "
                 "the need p measured below the limit puts"
             )
+        keep_need = 0
         if floor:
             # A count was found short, with p measured as the queue drained: down to the
             # need plus the spread, never below what was short.
@@ -202,7 +207,14 @@ def remove(
             # twice its need from scratch, it would descend a worker a cooldown below it).
             # A queue full at every sample proves its share without that bound.
             refill_kept = 0 if every_sample else memory.refill_kept_workers
-            target = max(min(balanced, current - 1), current - step, lowest, refill_kept)
+            # Nor below the need that p measured above its bound D / active puts (each worker
+            # left makes at least what it made), but with a queue full at every sample. On
+            # its bound p says nothing: the need reads as the whole pool, and the descent
+            # goes a worker (or the share the samples prove) below it.
+            measured_above = per_worker > BOUND_SLACK * demand / max(context.active, 1)
+            if measured_above and not every_sample:
+                keep_need = math.ceil(keep - 1e-9)
+            target = max(min(balanced, current - 1), keep_need, current - step, lowest, refill_kept)
             if step > 1 and target == current - 1 and need >= current - 1e-9:
                 # The share allowed more, but with p on its bound the need is the whole pool:
                 # say what binds, not the share that did not.
@@ -225,6 +237,8 @@ def remove(
         why = f", {short} were short" if floor >= current else ""
         if not floor and memory.refill_kept_workers >= current:
             why = f", {memory.refill_kept_workers} kept on the refills"
+        elif not floor and keep_need >= current:
+            why = f", the need at {per_worker:.2f} seq/s per worker keeps {keep_need}"
         if target < current and not covers:
             why = (
                 f", a worker fewer could leave the trainer {1 / current:.0%} short, more than "
