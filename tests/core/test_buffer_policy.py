@@ -320,6 +320,21 @@ def test_a_short_pool_landing_what_it_makes_is_not_a_stall() -> None:
     assert not any(d.alerts for d in decisions)
 
 
+def test_a_take_of_every_full_batch_is_not_a_wait_while_the_trainer_steps_through_it() -> None:
+    # atroposlib's /batch hands the trainer every full batch at once: from the off-policy limit
+    # the queue falls to nothing in one take of 3 batches (the step counter jumps by 3), and
+    # the trainer spends 3 steps (6 s) on them while the envs make the next batch. A queue
+    # under a batch for a step meanwhile is no wait, however often it comes.
+    cycle = [(192, 0), (0, 3), (0, 0), (64, 0), (128, 0), (192, 0)]
+    decisions = decide_each(settled(queue_seqs=192.0), cycle * 5)
+    assert not any(d.memory.stall_times for d in decisions), decisions[-1].reason
+    assert not any(d.alerts for d in decisions)
+    # Nothing landing for longer than the steps it took: the trainer waits, a stall.
+    stalled = [(192, 0), (0, 3), (0, 0), (0, 0), (0, 0), (64, 0), (128, 0), (192, 0)]
+    decisions = decide_each(settled(queue_seqs=192.0), stalled * 3)
+    assert decisions[-1].memory.stall_times, decisions[-1].reason
+
+
 def test_once_stalls_are_reported_each_new_one_takes_a_quarter_of_the_pool() -> None:
     # More workers would bring the queue back to the limit sooner, for the next wait: from the
     # third stall on, each stall takes a quarter of the pool (8 -> 6), and the starvation

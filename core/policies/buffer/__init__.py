@@ -139,7 +139,9 @@ within 30 minutes the queue fell from the off-policy limit to under a batch with
 landing, and less than half of what the workers active make at their measured production (a short
 pool landing what it makes waits on itself), and the trainer then waited a step or more (or, within
 a settle time of the limit, took a step fewer than it had time for: a wait shorter than the sample
-interval), until 30 minutes pass without one. Groups outlast the batches the queue held there, and
+interval; not while it steps through what it took since the visit: atroposlib's ``/batch`` hands
+it every full batch at once, so a take at the limit leaves the queue under a batch at once),
+until 30 minutes pass without one. Groups outlast the batches the queue held there, and
 the envs stopped at the limit (atroposlib's cancel the groups in generation), so each visit costs a
 wait whatever the pool: the remedy is a larger ``max_batches_offpolicy`` or shorter groups. While
 such a fall has landed less than a batch, the pool holds (rule 3 does not read it as a short pool).
