@@ -381,10 +381,10 @@ def watch_stalls(
     if queued < batch:
         below = t if memory.unfed_below_t is None else memory.unfed_below_t
         changes["unfed_below_t"] = below
-        # (Not before the trainer could have stepped through what it took since the visit:
-        # atroposlib's /batch hands it every full batch at once, the queue falls to under
-        # one, and it trains on them meanwhile.)
         if step_s is not None and t - below >= step_s and not counted and not short:
+            # Not before the trainer could have stepped through what it took since the visit:
+            # atroposlib's /batch hands it every full batch at once, the queue falls under
+            # one, and it trains on them meanwhile.
             held = t - watched < (step - memory.unfed_limit_step) * step_s
             if not held:
                 changes["stall_times"] = (*stalls, t)

@@ -140,11 +140,12 @@ def remove(
         # take removed was made again within a sample interval i. A take from the full
         # queue removes every full batch (atroposlib's /batch), two or more at the limit,
         # so the pool makes at least 2 D s / i, and removing s / (i + s) of it still makes
-        # D where s >= i. (With steps shorter than the samples that share rests on what
-        # the regimes measured, not on the bound: the share the measured refills prove
-        # cost 1.7% more worker-hours there and starved no less.) (Not sooner than a
-        # cooldown: with heavy tails a pool held at the limit refills from its shortest
-        # groups, and what it makes once the queue leaves the limit shows only later.)
+        # D where s >= i. (With steps shorter than the samples that share rests on
+        # measurement, not on the bound: over the regimes of bench/regimes.py, the share
+        # the slowest refill the samples saw proves cost 1.7% more worker-hours and starved
+        # no less.) (Not sooner than a cooldown: with heavy tails a pool held at the limit
+        # refills from its shortest groups, and what it makes once the queue leaves the
+        # limit shows only later.)
         full_s = 0.0 if memory.full_since_t is None else t - memory.full_since_t
         taken = context.queue.trainer_step - memory.full_since_step
         full = not floor and full_s >= cooldown and taken >= 2
