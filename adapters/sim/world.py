@@ -534,7 +534,7 @@ class World:
                 self._at(self.now + fault.exit_after_s, "crash", worker)
                 break
         if worker.draining:
-            self._exit(worker, exit_code=0)
+            self._end_drain_if_done(worker)  # drained before it started: nothing in flight
         elif not worker.pool.require_ready:
             self._start_producing(worker)
 

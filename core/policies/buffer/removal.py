@@ -202,7 +202,8 @@ def remove(
             # (Flaps keep more: the count this descent would stop at was undone before.)
             spread = policy.removal_margin_workers(memory, per_worker, startup, step_s)
             keep = need + policy.flaps(memory, t, need) * (1.0 + spread)
-            balanced = math.ceil(keep - 1e-9) if not full else 0
+            kept_by_need = math.ceil(keep - 1e-9)
+            balanced = kept_by_need if not full else 0
             # Never below what the last removal on refills kept: the share rules step on the
             # bound D / active, which says nothing of a pool the refills sized (brought near
             # twice its need from scratch, it would descend a worker a cooldown below it).
@@ -214,7 +215,7 @@ def remove(
             # goes a worker (or the share the samples prove) below it.
             measured_above = per_worker > BOUND_SLACK * demand / max(context.active, 1)
             if measured_above and not every_sample:
-                keep_need = math.ceil(keep - 1e-9)
+                keep_need = kept_by_need
             target = max(min(balanced, current - 1), keep_need, current - step, lowest, refill_kept)
             if step > 1 and target == current - 1 and need >= current - 1e-9:
                 # The share allowed more, but with p on its bound the need is the whole pool:
