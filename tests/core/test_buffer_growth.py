@@ -30,6 +30,30 @@ def test_a_starving_trainer_grows_the_pool_in_proportion_to_how_long_it_waited()
     assert probe(recent, 10, queued=8).target < 20
 
 
+def test_a_trainer_seen_to_speed_up_grows_the_pool_by_its_rise_at_once() -> None:
+    # Hungry at none of the samples of the last start-up but this one (x1.1), but the trainer
+    # was seen to speed up 10 s ago, from 16 to 32 seq/s, while a batch waited: it needs up to
+    # twice the pool that fed it, and the hungry share would take a start-up (20 s) to show it.
+    memory = settled(
+        queue_seqs=20.0,
+        hungry_share=0.0,
+        last_desired=10,
+        sped_up_t=90.0,
+        sped_up_from_seqs_s=16.0,
+    )
+    decision = probe(memory, 10, queued=20)
+    assert decision.target == 20, decision.reason
+    assert "the trainer sped up x2.0" in decision.reason
+    # By its rise only: from 24 to 32 seq/s, x1.33.
+    assert probe(replace(memory, sped_up_from_seqs_s=24.0), 10, queued=20).target == 14
+    # And never past max_up_factor: from 8 to 32 seq/s still doubles.
+    assert probe(replace(memory, sped_up_from_seqs_s=8.0), 10, queued=20).target == 20
+    # Three start-ups on (60 s), the hungry share sizes the growth again.
+    stale = replace(memory, sped_up_t=30.0)
+    assert probe(stale, 10, queued=20).target == 11
+    assert probe(replace(memory, sped_up_t=None), 10, queued=20).target == 11
+
+
 def grown_while_starving(**changes: Any) -> BufferMemory:
     """A trainer still starving after the last growth took 10 workers making 40 seq/s to 20."""
     fields: dict[str, Any] = {

@@ -69,6 +69,16 @@ def test_a_speed_up_restarts_the_queue_average() -> None:
     faster = policy.decide(ctx(102.0, 8, 53, current=8), memory).memory
     assert isinstance(faster, BufferMemory)
     assert faster.queue_seqs == 8.0
+    # Read while batches waited, the speed-up is the trainer's: recorded with the demand
+    # before it (a starving trainer's growths follow it, rule 2).
+    assert faster.sped_up_t == 102.0
+    assert faster.sped_up_from_seqs_s == 32.0
+    # Starving (less than a batch before the interval), the quick rate is what the pool
+    # makes: a rise there is workers added or jitter, not the trainer.
+    starving = replace(memory, queue_seqs=8.0, last_queued_seqs=8)
+    pool_made = policy.decide(ctx(102.0, 8, 53, current=8), starving).memory
+    assert isinstance(pool_made, BufferMemory)
+    assert pool_made.sped_up_t is None
     # The same emptier sample at the same step rate is averaged in.
     same = policy.decide(ctx(102.0, 8, 51, current=8), memory).memory
     assert isinstance(same, BufferMemory)

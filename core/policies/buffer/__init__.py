@@ -39,7 +39,9 @@ Rules, in order:
    and takes only what the envs make, so demand is at least that. Once a start-up has passed
    since the last applied addition, grow by 1 + (``max_up_factor`` - 1) x the hungry share (a
    dip in the jitter adds a worker or two; a trainer that sped up unseen doubles the pool per
-   start-up), unless the shared inference saturates (or the pool is at its maximum), and not
+   start-up; for three start-ups after the trainer was seen to speed up by r while a batch
+   waited, by up to r at once, where the hungry share would take a start-up to rise), unless
+   the shared inference saturates (or the pool is at its maximum), and not
    while the last addition's workers have just become active, unless the trainer's quick rate
    has already risen by half of what they add (starving, that rate is what the pool makes:
    their groups are in, however short the start-up and the groups). A removal since a growth

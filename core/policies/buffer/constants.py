@@ -3,6 +3,9 @@
 #: Steps the demand estimate spans, and the quick estimate that catches a speed-up.
 DEMAND_STEPS = 30.0
 FAST_STEPS = 3.0
+#: For this many start-ups after the trainer was seen to speed up, a starving trainer's growth
+#: takes the factor its quick rate rose by (up to ``max_up_factor``).
+SPEEDUP_STARTUPS = 3.0
 #: Steps without an advance, with a batch waiting, that make a pause.
 PAUSE_STEPS = 4.0
 #: A removal within twice its margin waits this many start-ups plus trainer steps of excess.

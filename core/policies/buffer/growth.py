@@ -8,7 +8,12 @@ import math
 from typing import TYPE_CHECKING
 
 from core.policies.base import Decision, PolicyContext
-from core.policies.buffer.constants import OUTAGE_BATCHES, PROBE_MIN_S, PROBE_STEPS
+from core.policies.buffer.constants import (
+    OUTAGE_BATCHES,
+    PROBE_MIN_S,
+    PROBE_STEPS,
+    SPEEDUP_STARTUPS,
+)
 from core.policies.buffer.memory import BufferMemory
 from core.policies.buffer.reading import Reading
 from core.policies.buffer.saturation import at_maximum, probe_grown
@@ -17,7 +22,7 @@ from core.records import replace
 if TYPE_CHECKING:
     from core.policies.buffer.policy import BufferPolicy
 
-__all__ = ["grow", "growth_shown"]
+__all__ = ["grow", "growth_shown", "sped_up_by"]
 
 
 def grow(
@@ -112,6 +117,13 @@ def grow(
     # In proportion to how much of the last start-up the trainer went hungry: a dip in the
     # jitter adds a little, a trainer that sped up unseen doubles the pool per start-up.
     factor = 1 + (policy.max_up_factor - 1) * memory.hungry_share
+    # The hungry share takes a start-up to rise. A trainer seen to speed up by r while a batch
+    # waited needs up to r times the pool that fed it: each growth takes that at once.
+    rose = sped_up_by(memory, t, startup)
+    why = ""
+    if min(rose, policy.max_up_factor) > factor:
+        factor = min(rose, policy.max_up_factor)
+        why = f", the trainer sped up x{rose:.1f}"
     grown = max(current + 1, math.ceil(current * factor - 1e-9))
     target = max(workers, grown)
     memory = replace(
@@ -130,9 +142,18 @@ def grow(
     return Decision(
         target=target,
         reason=f"{figures}; trainer starving, what it takes is only what the envs make: "
-        f"growing x{factor:.2f} -> {target} workers",
+        f"growing x{factor:.2f}{why} -> {target} workers",
         memory=memory,
     )
+
+
+def sped_up_by(memory: BufferMemory, t: float, startup: float) -> float:
+    """How many times faster the trainer's quick rate reads than the demand before it was
+    seen to speed up, within ``SPEEDUP_STARTUPS`` start-ups of that (1.0: not sped up)."""
+    seen, before, fast = memory.sped_up_t, memory.sped_up_from_seqs_s, memory.fast_demand_seqs_s
+    if seen is None or t - seen > SPEEDUP_STARTUPS * startup or before <= 0 or not fast:
+        return 1.0
+    return max(fast / before, 1.0)
 
 
 def growth_shown(memory: BufferMemory, active: int) -> bool:

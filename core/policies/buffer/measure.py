@@ -57,6 +57,7 @@ from core.policies.buffer.constants import (
     RECENT_WINDOW_SHARE,
     REFILL_TAKES,
     SAME_LOAD,
+    SPEEDUP_STARTUPS,
     STALL_WINDOW_S,
 )
 from core.policies.buffer.memory import BufferMemory, average, settle_s
@@ -181,6 +182,13 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
                     # Sped up: the queue averaged over the slower steps is another trainer's.
                     # This sample stands for it until the next starts the average afresh.
                     changes.update(queue_seqs=float(queued), queue_seen_s=0.0)
+                    if memory.last_queued_seqs >= batch:
+                        # Read while a batch waited, the rise is the trainer's own (starving,
+                        # its rate is what the pool makes, and rises with each worker added).
+                        last = memory.sped_up_t
+                        if last is None or t - last > SPEEDUP_STARTUPS * policy.startup(memory):
+                            changes["sped_up_from_seqs_s"] = memory.demand_seqs_s or 0.0
+                        changes["sped_up_t"] = t
                 demand = fast  # the trainer sped up or slowed down (not step-timing noise)
             elif not 0.9 * demand <= fast <= 1.1 * demand:
                 demand = (demand + fast) / 2  # and it is still settling

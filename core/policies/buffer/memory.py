@@ -116,6 +116,11 @@ class BufferMemory:
     unsaturated_per_worker_seqs_s: float = 0.0
     #: The fewest workers active throughout an interval in which p was measured (0: none).
     fewest_measured_workers: int = 0
+    #: When the trainer's quick rate last read a speed-up while a batch waited, and the demand
+    #: before the first such reading of that speed-up (None: none seen). A starving trainer's
+    #: growths follow it for ``SPEEDUP_STARTUPS`` start-ups.
+    sped_up_t: float | None = None
+    sped_up_from_seqs_s: float = 0.0
     #: The count the shared inference saturates at, and until when that holds.
     saturated_workers: int | None = None
     saturated_until_t: float = 0.0
