@@ -117,8 +117,10 @@ def grow(
     # In proportion to how much of the last start-up the trainer went hungry: a dip in the
     # jitter adds a little, a trainer that sped up unseen doubles the pool per start-up.
     factor = 1 + (policy.max_up_factor - 1) * memory.hungry_share
-    # The hungry share takes a start-up to rise. A trainer seen to speed up by r while a batch
-    # waited needs up to r times the pool that fed it: each growth takes that at once.
+    # The hungry share takes a start-up to rise. Within a few start-ups of the trainer being
+    # seen to speed up (while a batch waited, so not the pool's own rise), its quick rate over
+    # the demand before, r, is how many times what it took it takes now (starving, at least
+    # that): the growth takes up to r at once.
     rose = sped_up_by(memory, t, startup)
     why = ""
     if min(rose, policy.max_up_factor) > factor:
