@@ -8,13 +8,8 @@ import math
 from typing import TYPE_CHECKING
 
 from core.policies.base import Decision, PolicyContext
-from core.policies.buffer.constants import (
-    OUTAGE_BATCHES,
-    PROBE_MIN_S,
-    PROBE_STEPS,
-    SPEEDUP_STARTUPS,
-)
-from core.policies.buffer.memory import BufferMemory
+from core.policies.buffer.constants import OUTAGE_BATCHES, PROBE_MIN_S, PROBE_STEPS
+from core.policies.buffer.memory import BufferMemory, sped_up_lately
 from core.policies.buffer.reading import Reading
 from core.policies.buffer.saturation import at_maximum, probe_grown
 from core.records import replace
@@ -22,7 +17,7 @@ from core.records import replace
 if TYPE_CHECKING:
     from core.policies.buffer.policy import BufferPolicy
 
-__all__ = ["grow", "growth_shown", "sped_up_by"]
+__all__ = ["grow", "growth_shown"]
 
 
 def grow(
@@ -121,7 +116,7 @@ def grow(
     # seen to speed up (while a batch waited, so not the pool's own rise), its quick rate over
     # the demand before, r, is how many times what it took it takes now (starving, at least
     # that): the growth takes up to r at once.
-    rose = sped_up_by(memory, t, startup)
+    rose = _sped_up_by(memory, t, startup)
     why = ""
     if min(rose, policy.max_up_factor) > factor:
         factor = min(rose, policy.max_up_factor)
@@ -149,11 +144,11 @@ def grow(
     )
 
 
-def sped_up_by(memory: BufferMemory, t: float, startup: float) -> float:
+def _sped_up_by(memory: BufferMemory, t: float, startup: float) -> float:
     """How many times faster the trainer's quick rate reads than the demand before it was
-    seen to speed up, within ``SPEEDUP_STARTUPS`` start-ups of that (1.0: not sped up)."""
-    seen, before, fast = memory.sped_up_t, memory.sped_up_from_seqs_s, memory.fast_demand_seqs_s
-    if seen is None or t - seen > SPEEDUP_STARTUPS * startup or before <= 0 or not fast:
+    seen to speed up, where that was lately (1.0: not sped up)."""
+    before, fast = memory.sped_up_from_seqs_s, memory.fast_demand_seqs_s
+    if not sped_up_lately(memory, t, startup) or before <= 0 or not fast:
         return 1.0
     return max(fast / before, 1.0)
 

@@ -57,10 +57,9 @@ from core.policies.buffer.constants import (
     RECENT_WINDOW_SHARE,
     REFILL_TAKES,
     SAME_LOAD,
-    SPEEDUP_STARTUPS,
     STALL_WINDOW_S,
 )
-from core.policies.buffer.memory import BufferMemory, average, settle_s
+from core.policies.buffer.memory import BufferMemory, average, settle_s, sped_up_lately
 from core.policies.buffer.saturation import probe_in
 from core.records import replace
 
@@ -185,8 +184,7 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
                     if memory.last_queued_seqs >= batch:
                         # Read while a batch waited, the rise is the trainer's own (starving,
                         # its rate is what the pool makes, and rises with each worker added).
-                        last = memory.sped_up_t
-                        if last is None or t - last > SPEEDUP_STARTUPS * policy.startup(memory):
+                        if not sped_up_lately(memory, t, policy.startup(memory)):
                             changes["sped_up_from_seqs_s"] = memory.demand_seqs_s or 0.0
                         changes["sped_up_t"] = t
                 demand = fast  # the trainer sped up or slowed down (not step-timing noise)

@@ -7,9 +7,10 @@ from collections.abc import Iterable
 
 import attrs
 
+from core.policies.buffer.constants import SPEEDUP_STARTUPS
 from core.records import replaceable
 
-__all__ = ["BufferMemory", "average", "floats", "settle_s"]
+__all__ = ["BufferMemory", "average", "floats", "settle_s", "sped_up_lately"]
 
 
 def floats(value: Iterable[float]) -> tuple[float, ...]:
@@ -194,3 +195,8 @@ def average(value: float | None, sample: float, seen_s: float, dt: float, window
         return sample
     weight = dt / (seen_s + dt) if seen_s < window_s else 1.0 - math.exp(-dt / window_s)
     return value + weight * (sample - value)
+
+
+def sped_up_lately(memory: BufferMemory, t: float, startup_s: float) -> bool:
+    """Whether the trainer was seen to speed up within ``SPEEDUP_STARTUPS`` start-ups of ``t``."""
+    return memory.sped_up_t is not None and t - memory.sped_up_t <= SPEEDUP_STARTUPS * startup_s
