@@ -217,8 +217,9 @@ def measure(scenario: Scenario, record: WorldRecord, oracle: OracleResult) -> Me
     worker_s = _worker_s(record, 0.0)
     mean_lag, p95_lag = _lag(record.lag_seqs)
     return Metrics(
-        starvation_share=starved_s / running_s if running_s > 0 else 0.0,
-        avoidable_starvation_share=avoidable_s / outside_s if outside_s > 0 else 0.0,
+        # (Shares at most 1: a trainer that waited throughout reads 1 + rounding otherwise.)
+        starvation_share=min(starved_s / running_s, 1.0) if running_s > 0 else 0.0,
+        avoidable_starvation_share=min(avoidable_s / outside_s, 1.0) if outside_s > 0 else 0.0,
         unavoidable_starvation_share=oracle.unavoidable_starvation_share,
         worker_hours=worker_s / 3600.0,
         oracle_worker_hours=oracle.worker_hours,
