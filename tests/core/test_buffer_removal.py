@@ -502,6 +502,13 @@ def test_p_measured_where_nothing_could_land_is_not_trusted_over_its_bound() -> 
     decision = probe(censored, 40)
     assert decision.target == 39, decision.reason
     assert "queue at the off-policy limit -> stepping down to 39" in decision.reason
+    # The same where nothing landed in any interval p counted (p reads 0): read as measured,
+    # the rules fell back on the bound, its need the whole pool, and held 40 for good.
+    nothing = replace(censored, per_worker_seqs_s=0.0)
+    assert BufferPolicy().per_worker(nothing) == pytest.approx(32.0 / 40)
+    decision = probe(nothing, 40)
+    assert decision.target == 39, decision.reason
+    assert "queue at the off-policy limit -> stepping down to 39" in decision.reason
     # p measured at 4 seq/s over two start-ups is trusted: down by the need (8 workers), a
     # quarter of the pool at a time.
     measured = replace(censored, per_worker_seqs_s=4.0)

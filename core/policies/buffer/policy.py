@@ -161,7 +161,8 @@ class BufferPolicy:
         could land (the envs had cancelled their groups at the off-policy limit and restarted,
         groups longer than the steps the queue held), and would ask for the pool many times
         over."""
-        if not (per_worker and memory.last_active and memory.production_seqs_s):
+        # (A p of 0 is the extreme case: nothing landed in any interval it counted.)
+        if per_worker is None or not (memory.last_active and memory.production_seqs_s):
             return None
         delivered = memory.production_seqs_s / memory.last_active
         return delivered if per_worker < delivered / CENSORED_RATIO else None
