@@ -155,6 +155,22 @@ def test_production_is_not_measured_near_the_limit_nor_just_after_workers_came()
     assert memory.active_changed_t == 130.0
 
 
+def test_a_censored_production_is_measured_afresh_once_groups_can_land() -> None:
+    # 8 workers fed a trainer taking 32 seq/s, but p read 0 (its intervals all fell where
+    # nothing could land: the envs restarting after the off-policy limit). The first interval
+    # in which groups land (64 seq in 2 s, 4 seq/s per worker) replaces it: averaged in over
+    # the window, p would read a few percent of that for minutes, and the pool stay at need / p.
+    policy = BufferPolicy()
+    memory = settled(per_worker_seqs_s=0.0, recent_per_worker_seqs_s=0.0)
+    after = policy.decide(ctx(102.0, 80, 51, current=8), memory).memory
+    assert after.per_worker_seqs_s == pytest.approx(4.0)
+    assert after.recent_per_worker_seqs_s == pytest.approx(4.0)
+    # A p that is not censored (3 seq/s against 4 delivered) is averaged as before.
+    memory = settled(per_worker_seqs_s=3.0, recent_per_worker_seqs_s=3.0)
+    after = policy.decide(ctx(102.0, 80, 51, current=8), memory).memory
+    assert 3.0 < after.per_worker_seqs_s < 3.1
+
+
 @pytest.mark.parametrize("landed", [40, 0])
 def test_a_cold_pool_is_measured_over_a_settle_time_not_on_the_interval_its_workers_came(
     landed: int,

@@ -26,7 +26,10 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
   queue held above the band's top that was near the limit within a settle time (there p is
   left to the intervals after each visit, when the groups the limit cancelled are still in
   generation, and reads low: a large pool read 0.73-0.79 seq/s per worker for half an hour
-  while its 117-127 workers held the queue up there, which proves 1.0-1.1);
+  while its 117-127 workers held the queue up there, which proves 1.0-1.1). A p far under
+  what entered the queue per worker (0 where nothing landed in any interval it counted) is
+  censored: the rules use what entered instead, and the first interval measured after it
+  starts p afresh;
 * the refills (:func:`time_refills`): how long the full queue takes to be full again after each
   take, in worker-seconds per batch; at the limit the envs start afresh at each take, so this
   is the pool making a batch from scratch, where p cannot be measured;
@@ -249,17 +252,23 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
         provisional or memory.limit_t is None or t - memory.limit_t >= settle
     )
     if throughout > 0 and settled and not near_limit:
+        # A p far under what entered the queue per worker was measured where nothing could
+        # land (:meth:`BufferPolicy.censored`): averaged in, it would hold p down for a
+        # window after the queue leaves the limit, and the pool at need / p far above it.
+        seen_s = memory.production_seen_s
+        if policy.censored(memory, memory.per_worker_seqs_s) is not None:
+            seen_s = 0.0
         changes["per_worker_seqs_s"] = average(
             memory.per_worker_seqs_s,
             produced / dt / throughout,
-            memory.production_seen_s,
+            seen_s,
             dt,
             policy.production_window_s,
         )
         changes["recent_per_worker_seqs_s"] = average(
             memory.recent_per_worker_seqs_s or memory.per_worker_seqs_s,
             produced / dt / throughout,
-            memory.production_seen_s,
+            seen_s,
             dt,
             policy.production_window_s * RECENT_WINDOW_SHARE,
         )
