@@ -490,3 +490,21 @@ def test_stalls_older_than_the_window_are_forgotten() -> None:
     # Half an hour after the last, fed throughout: no longer reported.
     later = replace(memory, last_t=memory.stall_times[-1] + 1800.0)
     assert not probe(later, 8, queued=96, steps=1).alerts
+
+
+def test_a_queue_held_above_the_target_winds_no_integral_that_holds_back_a_refill() -> None:
+    # An hour with the queue above the target (the removals hold the pool at 8, the need): a
+    # negative integral would only lower the count rule 3 asks when the queue next falls, to
+    # the balance ceil(D / p), leaving nothing to refill it with.
+    memory = settled(queue_seqs=120.0)
+    for _ in range(1800):
+        decision = probe(memory, 8)
+        assert decision.target == 8, decision.reason
+        memory = replace(
+            decision.memory,
+            queue_seqs=120.0,
+            last_queued_seqs=120,
+            demand_seqs_s=32.0,
+            per_worker_seqs_s=4.0,
+        )
+    assert memory.integral_seqs_s == 0.0

@@ -533,3 +533,25 @@ def test_a_queue_full_at_most_samples_steps_down_by_what_they_prove() -> None:
             assert "full at 90% of the samples" in decision.reason or targets == [39]
         memory, count = decision.memory, decision.target
     assert targets == [39, 36, 33], targets
+
+
+def test_a_count_found_short_floors_the_descent_at_the_need_its_demand_put() -> None:
+    # 6 workers were short at 32 seq/s; the demand estimate now reads 26 (a fifth low: the
+    # jitter of the estimate, not a slower trainer). At the limit, the descent stops at the need
+    # that the demand which found 6 short puts at p as measured (32 / 4 = 8), not at a worker
+    # above the count found short, where the low reading alone would take it (26 / 4 -> 7).
+    low = settled(
+        queue_seqs=180.0,
+        demand_seqs_s=26.0,
+        fast_demand_seqs_s=26.0,
+        short_workers=6,
+        short_demand_seqs_s=32.0,
+        last_active=8,
+        last_desired=8,
+    )
+    decision = probe(low, 8)
+    assert decision.target == 8, decision.reason
+    assert probe(low, 9).target == 8
+    # A trainer that slowed by more than a worker makes and by 40%: the floor goes.
+    slower = replace(low, demand_seqs_s=16.0, fast_demand_seqs_s=16.0, last_advance_t=98.0)
+    assert probe(slower, 8).target < 8

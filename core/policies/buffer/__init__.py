@@ -23,7 +23,8 @@ tells, on the next call, whether the last decision was applied or dropped (stabi
 bounds), and only an applied change restarts the policy's timers.
 
 The model is feed-forward plus PI on the error e = target - Q (anti-windup: the integral is
-frozen while the count is pinned at a bound, and clamped); the proportional time R is
+frozen while the count is pinned at a bound, and clamped to [0, 2 x target x integral_s]:
+only additions read it); the proportional time R is
 ``refill_s`` or, by default (0), 2 x (T + 4 s); balance is ceil(D / p):
 
     n = ceil((D + (e + I / integral_s) / R) / p)
@@ -124,8 +125,9 @@ Rules, in order:
    has been found short, a twentieth, and only down to the need plus the spread at the p last
    measured. No removal goes back to the last count found short (rule 3 added to it with the pool
    in place, its workers' groups in, and p measured over its window or the queue about to empty;
-   or rule 3 or 2 added to it after this pool had held the queue at the limit) unless demand fell
-   by more than a worker makes and by 40%: that count emptied the queue once. At most once per
+   or rule 3 or 2 added to it after this pool had held the queue at the limit), nor below the
+   need that the demand then puts at the p measured now, unless demand fell by more than a
+   worker makes and by 40%: that count emptied the queue once. At most once per
    max(``down_cooldown_s``, T, min(4 steps, 2 T)): each removal shows in the queue before the
    next. Flap damping: each removal that an addition undid while the need D / p had not risen
    by more than 10% (the removal was wrong: neither a faster trainer nor slower groups made the

@@ -333,7 +333,10 @@ class BufferPolicy:
         integral = memory.integral_seqs_s
         candidate = integral + error * dt
         limit = 2 * target_seqs * self.integral_s
-        candidate = min(max(candidate, -limit), limit)
+        # Never below 0: only rules 2 and 3 read the PI's count, and a negative integral wound
+        # while the queue stood above the target (for hours at the limit) would hold their
+        # additions to the balance ceil(D / p), with nothing left to refill the queue.
+        candidate = min(max(candidate, 0.0), limit)
         raw_n = (demand + (error + candidate / self.integral_s) / refill) / per_worker
         saturated_high = raw_n > context.max_workers and error > 0
         saturated_low = raw_n < context.min_workers and error < 0

@@ -62,7 +62,13 @@ def remove(
     # (a slower trainer) is more than that and more than a worker makes.
     fell = min(memory.short_demand_seqs_s - per_worker, 0.6 * memory.short_demand_seqs_s)
     if short is not None and demand > fell:
+        # A worker above the count found short, and the need the demand that found it short
+        # puts at p as measured: a demand estimate reading low by its jitter alone would
+        # otherwise take the descent back below the need, and round again.
         floor = short + 1
+        measured_p = policy.per_worker(memory)
+        if measured_p:
+            floor = max(floor, math.ceil(memory.short_demand_seqs_s / measured_p - 1e-9))
     settle = settle_s(step_s)
     at_limit = queue >= policy.offpolicy_seqs(batch) or (
         memory.limit_t is not None and t - memory.limit_t < settle
