@@ -58,6 +58,8 @@ def remove(
     cooldown = max(policy.down_cooldown_s, startup, min(4 * step_s, 2 * startup))
     floor = 0
     short = memory.short_workers
+    # p measured over two start-ups of the present pool is trusted over its bound.
+    measured = policy.per_worker(memory)
     # Demand estimates wander by a quarter when steps are short and uneven; a real fall
     # (a slower trainer) is more than that and more than a worker makes.
     fell = min(memory.short_demand_seqs_s - per_worker, 0.6 * memory.short_demand_seqs_s)
@@ -66,15 +68,12 @@ def remove(
         # puts at p as measured: a demand estimate reading low by its jitter alone would
         # otherwise take the descent back below the need, and round again.
         floor = short + 1
-        measured_p = policy.per_worker(memory)
-        if measured_p:
-            floor = max(floor, math.ceil(memory.short_demand_seqs_s / measured_p - 1e-9))
+        if measured:
+            floor = max(floor, math.ceil(memory.short_demand_seqs_s / measured - 1e-9))
     settle = settle_s(step_s)
     at_limit = queue >= policy.offpolicy_seqs(batch) or (
         memory.limit_t is not None and t - memory.limit_t < settle
     )
-    # p measured over two start-ups of the present pool is trusted over its bound.
-    measured = policy.per_worker(memory)
     # (Not a measurement of intervals in which nothing could land: p then rests on its bound.)
     censored = policy.censored(memory, memory.per_worker_seqs_s) is not None
     fresh = memory.fresh_s >= 2 * startup and measured is not None and not censored
