@@ -54,6 +54,29 @@ def test_a_trainer_seen_to_speed_up_grows_the_pool_by_its_rise_at_once() -> None
     assert probe(replace(memory, sped_up_t=None), 10, queued=20).target == 11
 
 
+def test_a_queue_under_a_batch_after_a_speed_up_is_starving_whatever_its_average() -> None:
+    # Samples at 44 and 48 of a 64-sequence batch, Q 46 (0.72 batch): above the 0.6 batch a
+    # starving queue averages, so alone they read as a queue low in the band. But the trainer
+    # was seen to speed up 10 s ago from 16 to 32 seq/s: it takes each batch as the envs make
+    # it (samples fall mid-way through a batch), and the demand it shows is what they make.
+    memory = settled(
+        queue_seqs=46.0,
+        last_queued_seqs=44,
+        hungry_share=0.0,
+        last_desired=10,
+        sped_up_t=90.0,
+        sped_up_from_seqs_s=16.0,
+    )
+    decision = probe(memory, 10, queued=48)
+    assert decision.target == 20, decision.reason
+    assert "trainer starving" in decision.reason
+    # No speed-up seen lately: a queue at 0.72 batch is not read as starving.
+    for quiet in (replace(memory, sped_up_t=None), replace(memory, sped_up_t=30.0)):
+        assert "trainer starving" not in probe(quiet, 10, queued=48).reason
+    # A sample of a batch or more: the trainer found one waiting.
+    assert "trainer starving" not in probe(memory, 10, queued=64).reason
+
+
 def grown_while_starving(**changes: Any) -> BufferMemory:
     """A trainer still starving after the last growth took 10 workers making 40 seq/s to 20."""
     fields: dict[str, Any] = {

@@ -36,7 +36,9 @@ Rules, in order:
    way to a first batch; not a scale-up for the stabilization window, so the excess is shed as
    soon as both are known); otherwise the pool holds. A reconfigured pool keeps what the policy
    measured when only the parameters change.
-2. Starving: Q under 0.6 batch and no sample of the last two reaching a batch: the trainer waits
+2. Starving: no sample of the last two reaching a batch, and Q under 0.6 batch or the trainer
+   seen to speed up within three start-ups (it then takes each batch as the envs complete it,
+   and samples that fall mid-way through one average more than 0.6): the trainer waits
    and takes only what the envs make, so demand is at least that. Once a start-up has passed
    since the last applied addition, grow by 1 + (``max_up_factor`` - 1) x the hungry share (a
    dip in the jitter adds a worker or two; a trainer that sped up unseen doubles the pool per

@@ -25,7 +25,7 @@ from core.policies.buffer.constants import (
 )
 from core.policies.buffer.growth import grow, growth_shown
 from core.policies.buffer.measure import measure
-from core.policies.buffer.memory import BufferMemory, settle_s
+from core.policies.buffer.memory import BufferMemory, settle_s, sped_up_lately
 from core.policies.buffer.pause import hold_through_pause
 from core.policies.buffer.reading import Reading
 from core.policies.buffer.removal import remove
@@ -359,8 +359,12 @@ class BufferPolicy:
         since_up = math.inf if memory.last_up_t is None else t - memory.last_up_t
         settled_s = settle_s(step_s)
         # Fed, the queue holds a batch or more before each step; starving, it never reaches one
-        # and averages about half of one.
-        starving = max(raw, previous_raw) < batch and queue < 0.6 * batch
+        # and averages about half of one. Just after a speed-up, whatever it averages: groups
+        # landing as fast as the trainer takes them put most samples mid-way through a batch
+        # (1-s groups, 0.3-s steps: 0.6-0.75 batch for six seconds while it waited).
+        starving = max(raw, previous_raw) < batch and (
+            queue < 0.6 * batch or sped_up_lately(memory, t, self.startup(memory))
+        )
         reading = Reading(
             current=current,
             batch=batch,
