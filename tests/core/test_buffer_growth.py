@@ -75,6 +75,11 @@ def test_a_queue_under_a_batch_after_a_speed_up_is_starving_whatever_its_average
         assert "trainer starving" not in probe(quiet, 10, queued=48).reason
     # A sample of a batch or more: the trainer found one waiting.
     assert "trainer starving" not in probe(memory, 10, queued=64).reason
+    # Start-ups of a second: three of them end before the first growth's groups land, so the
+    # speed-up counts for 10 s at least (here 7 s after it was seen).
+    quick = replace(memory, startup_s=1.0, sped_up_t=95.0)
+    assert probe(quick, 10, queued=48).target == 20
+    assert "trainer starving" not in probe(replace(quick, sped_up_t=91.0), 10, queued=48).reason
 
 
 def grown_while_starving(**changes: Any) -> BufferMemory:

@@ -37,21 +37,21 @@ Rules, in order:
    soon as both are known); otherwise the pool holds. A reconfigured pool keeps what the policy
    measured when only the parameters change.
 2. Starving: no sample of the last two reaching a batch, and Q under 0.6 batch or the trainer
-   seen to speed up within three start-ups (it then takes each batch as the envs complete it,
-   and samples that fall mid-way through one average more than 0.6): the trainer waits
-   and takes only what the envs make, so demand is at least that. Once a start-up has passed
-   since the last applied addition, grow by 1 + (``max_up_factor`` - 1) x the hungry share (a
-   dip in the jitter adds a worker or two; a trainer that sped up unseen doubles the pool per
-   start-up; for three start-ups after the trainer was seen to speed up by r while a batch
-   waited, by up to r at once, where the hungry share would take a start-up to rise), unless
-   the shared inference saturates (or the pool is at its maximum), and not
-   while the last addition's workers have just become active, unless the trainer's quick rate
-   has already risen by half of what they add (starving, that rate is what the pool makes:
-   their groups are in, however short the start-up and the groups). A removal since a growth
-   voids its test: the pool it grew is gone. A speed-up restarts Q (the queue averaged over the
-   slower steps is another trainer's). No batch for the time the active
-   workers at the measured p make two is an outage of production (inference down), not demand:
-   the pool holds. Saturation is judged on the production measured, never on p x workers.
+   seen to speed up within three start-ups (10 s at least; it then takes each batch as the
+   envs complete it, and samples that fall mid-way through one average more than 0.6): the
+   trainer waits and takes only what the envs make, so demand is at least that. Once a
+   start-up has passed since the last applied addition, grow by 1 + (``max_up_factor`` - 1) x
+   the hungry share (a dip in the jitter adds a worker or two; a trainer that sped up unseen
+   doubles the pool per start-up; for three start-ups (10 s at least) after the trainer was
+   seen to speed up by r while a batch waited, by up to r at once, where the hungry share
+   would take a start-up to rise), unless the shared inference saturates (or the pool is at
+   its maximum), and not while the last addition's workers have just become active, unless
+   the trainer's quick rate has already risen by half of what they add (starving, that rate is
+   what the pool makes: their groups are in, however short the start-up and the groups). A
+   removal since a growth voids its test: the pool it grew is gone. A speed-up restarts Q (the
+   queue averaged over the slower steps is another trainer's). No batch for the time the
+   active workers at the measured p make two is an outage of production (inference down), not
+   demand: the pool holds. Saturation is judged on the production measured, never on p x workers.
 3. Add: a queue below the target that, projected a start-up ahead (or a step, where a step is
    longer; workers still starting count from half-way through a start-up), would fall below the
    band's bottom x min(step / start-up, 1)^2, or stays below the band: up to max(n, balance,

@@ -6,6 +6,9 @@ FAST_STEPS = 3.0
 #: For this many start-ups after the trainer was seen to speed up, a starving trainer's growth
 #: takes the factor its quick rate rose by (up to ``max_up_factor``).
 SPEEDUP_STARTUPS = 3.0
+#: ... and for this long at least: with start-ups of a second, three of them end before the
+#: groups that the first growth brings have landed.
+SPEEDUP_MIN_S = 10.0
 #: Steps without an advance, with a batch waiting, that make a pause.
 PAUSE_STEPS = 4.0
 #: A removal within twice its margin waits this many start-ups plus trainer steps of excess.

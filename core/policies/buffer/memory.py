@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from core.policies.buffer.constants import SPEEDUP_STARTUPS
+from core.policies.buffer.constants import SPEEDUP_MIN_S, SPEEDUP_STARTUPS
 from core.records import replaceable
 
 __all__ = ["BufferMemory", "average", "floats", "settle_s", "sped_up_lately"]
@@ -119,7 +119,7 @@ class BufferMemory:
     fewest_measured_workers: int = 0
     #: When the trainer's quick rate last read a speed-up while a batch waited, and the demand
     #: before the first such reading of that speed-up (None: none seen). A starving trainer's
-    #: growths follow it for ``SPEEDUP_STARTUPS`` start-ups.
+    #: growths follow it for ``SPEEDUP_STARTUPS`` start-ups (``SPEEDUP_MIN_S`` at least).
     sped_up_t: float | None = None
     sped_up_from_seqs_s: float = 0.0
     #: The count the shared inference saturates at, and until when that holds.
@@ -198,5 +198,7 @@ def average(value: float | None, sample: float, seen_s: float, dt: float, window
 
 
 def sped_up_lately(memory: BufferMemory, t: float, startup_s: float) -> bool:
-    """Whether the trainer was seen to speed up within ``SPEEDUP_STARTUPS`` start-ups of ``t``."""
-    return memory.sped_up_t is not None and t - memory.sped_up_t <= SPEEDUP_STARTUPS * startup_s
+    """Whether the trainer was seen to speed up within ``SPEEDUP_STARTUPS`` start-ups of ``t``
+    (``SPEEDUP_MIN_S`` at least)."""
+    window_s = max(SPEEDUP_STARTUPS * startup_s, SPEEDUP_MIN_S)
+    return memory.sped_up_t is not None and t - memory.sped_up_t <= window_s
