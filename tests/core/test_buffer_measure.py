@@ -171,6 +171,64 @@ def test_a_censored_production_is_measured_afresh_once_groups_can_land() -> None
     assert 3.0 < after.per_worker_seqs_s < 3.1
 
 
+def test_p_read_soon_after_the_limit_gives_way_to_the_first_interval_away_from_it() -> None:
+    # A cold start hovering near the limit measured p at 1.3 seq/s per worker, only in
+    # intervals soon after it (the groups it cancelled were still in generation). The first
+    # interval away from the limit (64 seq in 2 s by 8 workers: 4 seq/s each) starts p afresh:
+    # averaged with those, p would read 2.1 after a hundred seconds away, and a pool back
+    # near the limit would hold that for the rest of the run.
+    policy = BufferPolicy()
+    memory = settled(
+        per_worker_seqs_s=1.3,
+        recent_per_worker_seqs_s=1.3,
+        production_seen_s=24.0,
+        near_limit_p=True,
+        limit_t=60.0,
+    )
+    after = policy.decide(ctx(102.0, 80, 51, current=8), memory).memory
+    assert after.per_worker_seqs_s == pytest.approx(4.0)
+    assert after.recent_per_worker_seqs_s == pytest.approx(4.0)
+    assert (after.near_limit_p, after.restarted_away_p) == (False, True)
+    # The next interval is averaged with it, over the seconds measured since.
+    later = policy.decide(ctx(104.0, 48, 52, current=8), after).memory
+    assert later.per_worker_seqs_s == pytest.approx((4.0 + 2.0) / 2)
+    # From then on an interval soon after the limit stands in no longer, even for a p
+    # measured for less than a settle time.
+    near = replace(later, limit_t=103.0, production_seen_s=2.0)
+    held = policy.decide(ctx(106.0, 80, 53, current=8), near).memory
+    assert held.per_worker_seqs_s == later.per_worker_seqs_s
+    # Without intervals from near the limit behind it, p is averaged as before.
+    plain = policy.decide(ctx(102.0, 80, 51, current=8), replace(memory, near_limit_p=False))
+    assert 1.3 < plain.memory.per_worker_seqs_s < 2.0
+
+
+def test_a_speed_up_seen_through_the_quick_average_is_seen_against_the_demand_before_it() -> None:
+    # 7-s steps (36.6 seq/s), then 3.5 s, one advance per sample. The quick estimate averages
+    # step times over three steps, and the demand follows it half-way while it reads 10-25%
+    # off: compared with that demand, it never reads 25% above it. Compared with the demand
+    # before the rise began, the speed-up is seen on the second of the new steps.
+    policy = BufferPolicy()
+    memory = settled(
+        demand_seqs_s=256 / 7,
+        fast_demand_seqs_s=256 / 7,
+        demand_seen_s=210.0,
+        last_t=100.0,
+        last_advance_t=100.0,
+        queue_seqs=400.0,
+        last_queued_seqs=400,
+    )
+    seen = []
+    t, step = 100.0, 50
+    for _ in range(6):
+        t, step = t + 3.5, step + 1
+        memory = policy.decide(ctx(t, 400, step, current=12, batch=256), memory).memory
+        seen.append(memory.sped_up_t)
+    assert seen[0] is None
+    assert seen[1] == pytest.approx(107.0)
+    assert memory.sped_up_from_seqs_s == pytest.approx(256 / 7, rel=0.02)
+    assert memory.demand_seqs_s == pytest.approx(256 / 3.5, rel=0.2)
+
+
 @pytest.mark.parametrize("landed", [40, 0])
 def test_a_cold_pool_is_measured_over_a_settle_time_not_on_the_interval_its_workers_came(
     landed: int,

@@ -6,9 +6,12 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
 * the step time s = B / D and the demand D (seq/s): batches taken x B between trainer advances,
   averaged over 30 steps (at most ``rate_window_s``); a quick estimate, the step time averaged
   over the last 3 steps (after a speed-up, 3 of the new ones), replaces it when 25% higher or
-  lower (a trainer that changed speed). A span without an advance while a batch waited for
-  more than four steps is a pause (evaluation, checkpoint, restart): demand is measured afresh
-  after it, and nothing is removed until it has been;
+  lower (a trainer that changed speed). Between 10% and 25% off, the demand goes half-way to
+  it, so a rise is judged against the demand before it began (a trainer going from 7-s to
+  3.5-s steps, seen through the quick average, never read 25% above the demand chasing it).
+  A span without an advance while a batch waited for more than four steps is a pause
+  (evaluation, checkpoint, restart): demand is measured afresh after it, and nothing is
+  removed until it has been;
 * the queue Q, smoothed over two steps (the saw-tooth of batches taken is noise);
 * per-worker production p (seq/s/worker): what entered the queue (its change plus what the
   trainer took) over the workers active throughout the interval, over ``production_window_s``,
@@ -21,7 +24,10 @@ stepping every 0.3 s and one stepping every minute, workers that start in 5 s an
   worker that falls as responses grow longer reads high over the whole window, and the pool
   falls short (a fall that came with more workers may be a saturating inference service).
   For its first settle time of measurement p counts intervals soon after the queue was near
-  the limit too (a queue that nears it every few steps would leave p unmeasured). At the
+  the limit too (a queue that nears it every few steps would leave p unmeasured); they stand
+  in until the first interval away from the limit, which starts p afresh, and count no more
+  (averaged in, those of a cold start read p 11% low for the rest of an hour: the pool, back
+  near the limit, never measured it again). At the
   limit a queue that stays full proves p >= D / active, which is used when higher; so does a
   queue held above the band's top that was near the limit within a settle time (there p is
   left to the intervals after each visit, when the groups the limit cancelled are still in
@@ -179,7 +185,13 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
             )
             fast_step += (1.0 - math.exp(-steps / FAST_STEPS)) * (step_now - fast_step)
             fast = batch / fast_step
-            if not 0.75 * demand <= fast <= 1.25 * demand:
+            # (Against the demand before a rise began: the demand follows the quick rate.)
+            rising_from = memory.rising_from_seqs_s
+            base, before = demand, memory.demand_seqs_s or 0.0
+            if rising_from is not None:
+                base, before = min(base, rising_from), min(before, rising_from)
+            rising_from = None
+            if fast > 1.25 * base or fast < 0.75 * demand:
                 if fast > demand:
                     # Sped up: the queue averaged over the slower steps is another trainer's.
                     # This sample stands for it until the next starts the average afresh.
@@ -188,11 +200,14 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
                         # Read while a batch waited, the rise is the trainer's own (starving,
                         # its rate is what the pool makes, and rises with each worker added).
                         if not sped_up_lately(memory, t, policy.startup(memory)):
-                            changes["sped_up_from_seqs_s"] = memory.demand_seqs_s or 0.0
+                            changes["sped_up_from_seqs_s"] = before
                         changes["sped_up_t"] = t
                 demand = fast  # the trainer sped up or slowed down (not step-timing noise)
             elif not 0.9 * demand <= fast <= 1.1 * demand:
+                if fast > demand and memory.demand_seen_s >= demand_window:
+                    rising_from = base  # (a demand still being learned rises as it is)
                 demand = (demand + fast) / 2  # and it is still settling
+            changes["rising_from_seqs_s"] = rising_from
             changes["demand_seqs_s"] = demand
             changes["fast_demand_seqs_s"] = fast
             demand_seen = min(memory.demand_seen_s + span, demand_window)
@@ -247,7 +262,10 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
     # p would otherwise never be measured, or rest on the first interval (the one in which a
     # cold pool's workers came reads them as one while all of them post their first groups,
     # 40-90x high; the next may hold no group yet).
-    provisional = memory.production_seen_s < min(settle, policy.production_window_s)
+    provisional = (
+        memory.production_seen_s < min(settle, policy.production_window_s)
+        and not memory.restarted_away_p
+    )
     settled = t - memory.active_changed_t >= settle and (
         provisional or memory.limit_t is None or t - memory.limit_t >= settle
     )
@@ -258,6 +276,18 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
         seen_s = memory.production_seen_s
         if policy.censored(memory, memory.per_worker_seqs_s) is not None:
             seen_s = 0.0
+        # Soon after the limit the groups it cancelled are still in generation, and p reads
+        # low (a cold start hovering near it: 1.3 seq/s per worker where the envs make 2.7);
+        # it stands in only until an interval away from the limit is measured. Averaged with
+        # those, it would stay low for the whole window, and a pool back near the limit
+        # would never measure it again.
+        soon = memory.limit_t is not None and t - memory.limit_t < settle
+        afresh = memory.near_limit_p and not soon
+        if afresh:
+            seen_s = 0.0
+            changes.update(near_limit_p=False, restarted_away_p=True, production_seen_s=0.0)
+        elif soon:
+            changes["near_limit_p"] = True
         changes["per_worker_seqs_s"] = average(
             memory.per_worker_seqs_s,
             produced / dt / throughout,
@@ -273,7 +303,7 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
             policy.production_window_s * RECENT_WINDOW_SHARE,
         )
         changes["production_seen_s"] = min(
-            memory.production_seen_s + dt, policy.production_window_s
+            (0.0 if afresh else memory.production_seen_s) + dt, policy.production_window_s
         )
         if context.active == memory.last_active:
             changes["fresh_s"] = memory.fresh_s + dt

@@ -122,6 +122,10 @@ class BufferMemory:
     #: growths follow it for ``SPEEDUP_STARTUPS`` start-ups (``SPEEDUP_MIN_S`` at least).
     sped_up_t: float | None = None
     sped_up_from_seqs_s: float = 0.0
+    #: The demand when the quick rate began to read 10-25% above it (None: not rising). The
+    #: demand follows the quick rate half-way there, so a trainer that speeds up step by step
+    #: (a 2x speed-up seen through three steps' average) would never read 25% above it.
+    rising_from_seqs_s: float | None = None
     #: The count the shared inference saturates at, and until when that holds.
     saturated_workers: int | None = None
     saturated_until_t: float = 0.0
@@ -136,6 +140,11 @@ class BufferMemory:
     #: Seconds of production measured since the active count last rose (p is then the present
     #: pool's, not a stale one).
     fresh_s: float = 0.0
+    #: p holds intervals soon after the queue was near the off-policy limit (the stand-in its
+    #: first settle time of measurement allows), and whether an interval measured away from
+    #: the limit has since started it afresh (from then on only such intervals count).
+    near_limit_p: bool = False
+    restarted_away_p: bool = False
     #: When a sample last found the queue away from the off-policy limit for a settle time
     #: (None: never).
     away_t: float | None = None
