@@ -50,6 +50,37 @@ def test_starving_at_the_maximum_tries_fewer_workers_when_production_per_worker_
     assert fell.memory.saturated_workers is None
 
 
+def test_the_fall_is_read_where_production_per_worker_falls_not_over_the_whole_window() -> None:
+    # At the maximum (20) for longer than the window, starving: p over the window still reads
+    # 3.0 (the pool before the last workers came weighs in it), 75% of its best of 4.0, but
+    # over the window's recent quarter it reads 2.4 with the same 20 workers. The shared
+    # inference saturated: the test comes now, not once the whole window has caught up (20
+    # minutes of 32 workers where 24 made as much, on the scenario inference_saturation).
+    memory = settled(
+        last_t=1000.0,
+        last_advance_t=1000.0,
+        queue_seqs=8.0,
+        last_queued_seqs=8,
+        hungry_share=1.0,
+        per_worker_seqs_s=3.0,
+        recent_per_worker_seqs_s=2.4,
+        best_per_worker_seqs_s=4.0,
+        production_seqs_s=48.0,
+        production_seen_s=300.0,
+        last_active=20,
+        last_desired=20,
+        active_changed_t=600.0,
+    )
+    decision = probe(memory, 20, queued=8, max_workers=20)
+    assert decision.target == 15, decision.reason
+    assert "fell from 4.00 to 2.3" in decision.reason  # (this sample folded in)
+    # With workers come within the window, the recent quarter may be theirs: not read as a
+    # fall (at most the smaller test of a pool that shows no sign of saturation).
+    recent = probe(replace(memory, active_changed_t=900.0), 20, queued=8, max_workers=20)
+    assert "fell from" not in recent.reason
+    assert recent.target >= 20 - 20 // 8
+
+
 def saturated_series(**changes: Any) -> BufferMemory:
     """Starving at 24 workers, after removals from 40 that the shared inference absorbed (80
     seq/s made throughout): the count of 24 was removed to 21 at t = 100 and is being judged."""

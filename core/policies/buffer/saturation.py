@@ -12,7 +12,9 @@ s at least) from a settle time after its workers came (their first groups are in
 then; too few steps to call saturation on with heavy tails). Short at the pool's maximum with a
 trainer that waits (less than a batch queued, the queue not near the off-policy limit, where envs
 hold back), a removal tests for saturation: a quarter of the pool when production per worker fell
-below 70% of its best; without such a sign (a pool saturated from its first measurement), an
+below 70% of its best (p as the rules read it: over the window's recent quarter where that reads
+lower with the same workers throughout, so the test does not wait for the whole window to catch
+up with a saturated pool); without such a sign (a pool saturated from its first measurement), an
 eighth, no more than a step past the knee may cost (below) but a sixteenth at least (a smaller fall
 is lost in the noise of production), and only if the pool was never measured at the count the test
 would try. Production that held up (fell by less than a quarter of the share removed) means
@@ -65,7 +67,7 @@ def at_maximum(
     quarter, or less without a sign of saturation: see the module docstring) and see
     whether production falls with them (judged by :func:`judge_shed`)."""
     t, current, active = context.t, policy.in_force(context), context.active
-    p, best = memory.per_worker_seqs_s or 0.0, memory.best_per_worker_seqs_s
+    p, best = policy.per_worker(memory) or 0.0, memory.best_per_worker_seqs_s
     # The queue is short of the band, never near the limit: all the pool makes is in this
     # estimate.
     production = memory.production_seqs_s or 0.0
