@@ -30,17 +30,23 @@ def test_a_starving_trainer_grows_the_pool_in_proportion_to_how_long_it_waited()
     assert probe(recent, 10, queued=8).target < 20
 
 
+def seen_to_speed_up(**changes: Any) -> BufferMemory:
+    """10 workers, none of the last start-up's samples hungry, and the trainer seen to speed up
+    10 s ago from 16 to 32 seq/s while a batch waited."""
+    fields: dict[str, Any] = {
+        "hungry_share": 0.0,
+        "last_desired": 10,
+        "sped_up_t": 90.0,
+        "sped_up_from_seqs_s": 16.0,
+    }
+    return settled(**(fields | changes))
+
+
 def test_a_trainer_seen_to_speed_up_grows_the_pool_by_its_rise_at_once() -> None:
     # Hungry at none of the samples of the last start-up but this one (x1.1), but the trainer
     # was seen to speed up 10 s ago, from 16 to 32 seq/s, while a batch waited: it needs up to
     # twice the pool that fed it, and the hungry share would take a start-up (20 s) to show it.
-    memory = settled(
-        queue_seqs=20.0,
-        hungry_share=0.0,
-        last_desired=10,
-        sped_up_t=90.0,
-        sped_up_from_seqs_s=16.0,
-    )
+    memory = seen_to_speed_up(queue_seqs=20.0)
     decision = probe(memory, 10, queued=20)
     assert decision.target == 20, decision.reason
     assert "the trainer sped up x2.0" in decision.reason
@@ -59,14 +65,7 @@ def test_a_queue_under_a_batch_after_a_speed_up_is_starving_whatever_its_average
     # starving queue averages, so alone they read as a queue low in the band. But the trainer
     # was seen to speed up 10 s ago from 16 to 32 seq/s: it takes each batch as the envs make
     # it (samples fall mid-way through a batch), and the demand it shows is what they make.
-    memory = settled(
-        queue_seqs=46.0,
-        last_queued_seqs=44,
-        hungry_share=0.0,
-        last_desired=10,
-        sped_up_t=90.0,
-        sped_up_from_seqs_s=16.0,
-    )
+    memory = seen_to_speed_up(queue_seqs=46.0, last_queued_seqs=44)
     decision = probe(memory, 10, queued=48)
     assert decision.target == 20, decision.reason
     assert "trainer starving" in decision.reason

@@ -186,11 +186,11 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
             fast_step += (1.0 - math.exp(-steps / FAST_STEPS)) * (step_now - fast_step)
             fast = batch / fast_step
             # (Against the demand before a rise began: the demand follows the quick rate.)
-            rising_from = memory.rising_from_seqs_s
+            rose_from = memory.rising_from_seqs_s
             base, before = demand, memory.demand_seqs_s or 0.0
-            if rising_from is not None:
-                base, before = min(base, rising_from), min(before, rising_from)
-            rising_from = None
+            if rose_from is not None:
+                base, before = min(base, rose_from), min(before, rose_from)
+            rising_from = None  # (set again below while the rise goes on)
             if fast > 1.25 * base or fast < 0.75 * demand:
                 if fast > demand:
                     # Sped up: the queue averaged over the slower steps is another trainer's.

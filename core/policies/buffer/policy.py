@@ -363,7 +363,7 @@ class BufferPolicy:
         # landing as fast as the trainer takes them put most samples mid-way through a batch
         # (1-s groups, 0.3-s steps: 0.6-0.75 batch for six seconds while it waited).
         starving = max(raw, previous_raw) < batch and (
-            queue < 0.6 * batch or sped_up_lately(memory, t, self.startup(memory))
+            queue < 0.6 * batch or sped_up_lately(memory, t, startup)
         )
         reading = Reading(
             current=current,
