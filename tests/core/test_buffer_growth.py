@@ -60,6 +60,18 @@ def test_a_trainer_seen_to_speed_up_grows_the_pool_by_its_rise_at_once() -> None
     assert probe(replace(memory, sped_up_t=None), 10, queued=20).target == 11
 
 
+def test_a_starving_trainer_grows_by_the_quick_rate_read_when_the_speed_up_was_seen() -> None:
+    # Seen to speed up from 16 to 32 seq/s (after a pause, say); starving since, its quick
+    # rate reads only what the pool makes (20 seq/s, x1.4 on this sample). It takes twice
+    # what it did: the growth doubles the pool.
+    memory = seen_to_speed_up(queue_seqs=20.0, fast_demand_seqs_s=20.0, sped_up_to_seqs_s=32.0)
+    decision = probe(memory, 10, queued=20)
+    assert decision.target == 20, decision.reason
+    assert "the trainer sped up x2.0" in decision.reason
+    # Without that reading, the quick rate alone: x1.4.
+    assert probe(replace(memory, sped_up_to_seqs_s=0.0), 10, queued=20).target == 14
+
+
 def test_a_queue_under_a_batch_after_a_speed_up_is_starving_whatever_its_average() -> None:
     # Samples at 44 and 48 of a 64-sequence batch, Q 46 (0.72 batch): above the 0.6 batch a
     # starving queue averages, so alone they read as a queue low in the band. But the trainer

@@ -229,6 +229,30 @@ def test_a_speed_up_seen_through_the_quick_average_is_seen_against_the_demand_be
     assert memory.demand_seqs_s == pytest.approx(256 / 3.5, rel=0.2)
 
 
+def test_a_trainer_back_from_a_pause_faster_than_it_went_is_seen_to_speed_up() -> None:
+    # 16 seq/s before a pause; the trainer resumed and, a batch waiting, stepped every 2 s
+    # (32 seq/s). The demand is measured afresh after a pause, so against the fresh average
+    # the quick rate never reads high; against the demand before the pause it reads twice
+    # that: a speed-up, with the quick rate then kept (a starving trainer's soon reads only
+    # what the pool makes).
+    paused = settled(
+        demand_seqs_s=16.0,
+        fast_demand_seqs_s=None,
+        demand_seen_s=0.0,
+        resumed_t=98.0,
+        queue_seqs=192.0,
+        last_queued_seqs=192,
+    )
+    memory = BufferPolicy().decide(ctx(102.0, 128, 51, current=8), paused).memory
+    assert memory.demand_seqs_s == pytest.approx(32.0)
+    assert memory.sped_up_t == 102.0
+    assert memory.sped_up_from_seqs_s == 16.0
+    assert memory.sped_up_to_seqs_s == pytest.approx(32.0)
+    # Back at the pace it went: no speed-up.
+    same = replace(paused, last_advance_t=98.0)
+    assert BufferPolicy().decide(ctx(102.0, 128, 51, current=8), same).memory.sped_up_t is None
+
+
 @pytest.mark.parametrize("landed", [40, 0])
 def test_a_cold_pool_is_measured_over_a_settle_time_not_on_the_interval_its_workers_came(
     landed: int,

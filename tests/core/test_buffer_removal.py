@@ -226,6 +226,39 @@ def test_a_queue_held_at_the_limit_for_a_cooldown_steps_down_by_up_to_a_tenth() 
     assert probe(pinned, 40, policy=BufferPolicy(max_down_fraction=0.05)).target == 38
 
 
+def test_a_removal_that_left_the_queue_at_the_limit_lets_long_start_ups_step_off_the_bound() -> (
+    None
+):
+    # 40 workers at the off-policy limit, production on its bound (the need reads as the
+    # whole pool), a step per 2 s and 60-s start-ups: the pinned share is a fifteenth, but
+    # the need on the bound holds each step to a worker. The last removal, a cooldown ago,
+    # left the queue at the limit, full at half the samples since: twice that share goes
+    # (a worker a start-up would hold the excess for most of an hour).
+    held = settled(
+        queue_seqs=192.0,
+        last_active=40,
+        last_desired=40,
+        per_worker_seqs_s=32 / 45,
+        startup_s=60.0,
+        last_down_t=30.0,
+        limit_samples=20,
+        full_samples=10,
+    )
+    decision = probe(held, 40)
+    assert decision.target == 36, decision.reason
+    assert (
+        "to 36 (at most 10% of the pool: the queue was full at 52% of the samples, at the "
+        "limit since the last removal)" in decision.reason
+    )
+    # Full at fewer than half the samples: a worker.
+    assert probe(replace(held, full_samples=9), 40).target == 39
+    # The queue was away from the limit after the last removal (it may have left the pool
+    # near its need): a worker.
+    assert probe(replace(held, away_t=35.0), 40).target == 39
+    # Start-ups of 30 s shed the excess within minutes a worker at a time: a worker.
+    assert probe(replace(held, startup_s=30.0), 40).target == 39
+
+
 def test_a_cold_starts_pool_far_above_the_need_halves_at_the_limit() -> None:
     # A cold start brought 40 workers (2-minute start-ups); the queue has stood at the limit
     # since, where each worker makes D / n, but p measured below it (4 seq/s per worker, D 32

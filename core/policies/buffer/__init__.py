@@ -43,7 +43,9 @@ Rules, in order:
    start-up has passed since the last applied addition, grow by 1 + (``max_up_factor`` - 1) x
    the hungry share (a dip in the jitter adds a worker or two; a trainer that sped up unseen
    doubles the pool per start-up; for three start-ups (10 s at least) after the trainer was
-   seen to speed up by r while a batch waited, by up to r at once, where the hungry share
+   seen to speed up by r while a batch waited (r: its quick rate, at that first reading or
+   now, over the demand before; a trainer back from a pause faster than it went counts, the
+   demand measured afresh), by up to r at once, where the hungry share
    would take a start-up to rise), unless the shared inference saturates (or the pool is at
    its maximum), and not while the last addition's workers have just become active, unless
    the trainer's quick rate has already risen by half of what they add (starving, that rate is
@@ -105,7 +107,10 @@ Rules, in order:
    three samples in four or more, where the share of that bound the samples found it full at
    covers a worker and the share of the pool, the pool steps down by its share (up to what is
    proven, a tenth at most), not a worker off the need on the bound D / active (the whole
-   pool). At the limit the envs cancel their
+   pool). Full at half the samples or more and at the limit ever since the last removal, with
+   start-ups of a minute or more, twice the pinned share (a tenth at most), not a worker: that
+   removal did not take the queue off the limit, and a worker per start-up would hold the
+   excess for most of an hour. At the limit the envs cancel their
    groups and start afresh at each take, so a refill is the pool making a batch from scratch:
    full again within w worker-seconds of each of the last four takes (from the sample before
    the take to the first full one, times the workers then; a smaller pool refills in fewer, so

@@ -46,6 +46,10 @@ LIMIT_SAMPLES = 8
 #: removal at the limit takes the pool's share, up to what is proven, not a worker (below it,
 #: a worker at most).
 FULL_SAMPLES_SHARE = 3 / 4
+#: Found full at this share of them or more, and at the limit ever since the last removal,
+#: where start-ups take at least ``COLD_HALVING_STARTUP_S``: twice the pinned share, not a
+#: worker (the excess would take most of an hour to shed a worker per start-up).
+HELD_FULL_SHARE = 1 / 2
 #: Refills of the full queue that bound what a pool makes (the slowest of the last this many),
 #: and the share of a trainer step the slowest may take for a removal to rest on them: a pool
 #: that makes a batch from scratch in half a step makes twice what the trainer takes (the

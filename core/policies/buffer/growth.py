@@ -147,7 +147,8 @@ def grow(
 def _sped_up_by(memory: BufferMemory, t: float, startup: float) -> float:
     """How many times faster the trainer's quick rate reads than the demand before it was
     seen to speed up, where that was lately (1.0: not sped up)."""
-    before, fast = memory.sped_up_from_seqs_s, memory.fast_demand_seqs_s
+    before = memory.sped_up_from_seqs_s
+    fast = max(memory.fast_demand_seqs_s or 0.0, memory.sped_up_to_seqs_s)
     if not sped_up_lately(memory, t, startup) or before <= 0 or not fast:
         return 1.0
     return max(fast / before, 1.0)

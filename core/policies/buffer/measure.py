@@ -190,9 +190,15 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
             base, before = demand, memory.demand_seqs_s or 0.0
             if rose_from is not None:
                 base, before = min(base, rose_from), min(before, rose_from)
+            # Measured afresh after a pause: a trainer back faster than it went is a
+            # speed-up as any other (starving, the fresh average would soon read only what
+            # the pool makes).
+            after_pause = memory.demand_seen_s <= 0 and before > 0
+            if after_pause:
+                base = min(base, before)
             rising_from = None  # (set again below while the rise goes on)
             if fast > 1.25 * base or fast < 0.75 * demand:
-                if fast > demand:
+                if fast > demand or (after_pause and fast > base):
                     # Sped up: the queue averaged over the slower steps is another trainer's.
                     # This sample stands for it until the next starts the average afresh.
                     changes.update(queue_seqs=float(queued), queue_seen_s=0.0)
@@ -200,7 +206,9 @@ def measure(policy: BufferPolicy, context: PolicyContext, memory: BufferMemory) 
                         # Read while a batch waited, the rise is the trainer's own (starving,
                         # its rate is what the pool makes, and rises with each worker added).
                         if not sped_up_lately(memory, t, policy.startup(memory)):
-                            changes["sped_up_from_seqs_s"] = before
+                            # (Its quick rate then: after a pause that is the trainer's
+                            # own pace, which a starving trainer's quick rate soon forgets.)
+                            changes.update(sped_up_from_seqs_s=before, sped_up_to_seqs_s=fast)
                         changes["sped_up_t"] = t
                 demand = fast  # the trainer sped up or slowed down (not step-timing noise)
             elif not 0.9 * demand <= fast <= 1.1 * demand:

@@ -122,6 +122,8 @@ class BufferMemory:
     #: growths follow it for ``SPEEDUP_STARTUPS`` start-ups (``SPEEDUP_MIN_S`` at least).
     sped_up_t: float | None = None
     sped_up_from_seqs_s: float = 0.0
+    #: The quick rate at that first reading.
+    sped_up_to_seqs_s: float = 0.0
     #: The demand when the quick rate began to read 10-25% above it (None: not rising). The
     #: demand follows the quick rate half-way there, so a trainer that speeds up step by step
     #: (a 2x speed-up seen through three steps' average) would never read 25% above it.

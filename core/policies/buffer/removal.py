@@ -12,6 +12,7 @@ from core.policies.buffer.constants import (
     COLD_EXCESS,
     COLD_HALVING_STARTUP_S,
     FULL_SAMPLES_SHARE,
+    HELD_FULL_SHARE,
     LIMIT_SAMPLES,
     LIMIT_SHARE,
     PINNED_SHARE,
@@ -158,6 +159,7 @@ def remove(
         interval_s = interval_s if interval_s > 0 else step_s
         refill_share = min(policy.max_down_fraction, step_s / (interval_s + step_s))
         proven = 0.0
+        off_bound = False  # (the share below, not the need on the bound, binds the step)
         if full:
             share = proven = refill_share
             step = max(1, math.floor(current * share))
@@ -180,6 +182,22 @@ def remove(
                 step = max(1, math.floor(current * share))
                 what = "a worker at a time" if step == 1 else f"{share:.0%} of the pool"
                 how = f"{what}: {found}"
+            elif (
+                full_share >= HELD_FULL_SHARE
+                and covered > LIMIT_SHARE
+                and startup >= COLD_HALVING_STARTUP_S
+                and memory.last_down_t is not None
+                and (memory.away_t is None or memory.away_t < memory.last_down_t)
+            ):
+                # Full at half the samples or more and at the limit ever since the last
+                # removal: that removal did not take the queue off it, and the need on the
+                # bound D / active (the whole pool) says nothing. With start-ups of a minute
+                # or more a worker a cooldown would hold the excess for most of an hour:
+                # twice the pinned share (a tenth at most).
+                off_bound = True
+                share = min(2 * covered, PINNED_SHARE, policy.max_down_fraction)
+                step = max(1, math.floor(current * share))
+                how = f"{share:.0%} of the pool: {found}, at the limit since the last removal"
             elif current * covered < 1 <= current * proven:
                 how = f"a worker at a time: {found}"
         cold_need = demand / measured if measured and demand > 0 else math.inf
@@ -208,7 +226,7 @@ def remove(
             spread = policy.removal_margin_workers(memory, per_worker, startup, step_s)
             keep = need + policy.flaps(memory, t, need) * (1.0 + spread)
             kept_by_need = math.ceil(keep - 1e-9)
-            balanced = kept_by_need if not full else 0
+            balanced = kept_by_need if not (full or off_bound) else 0
             # Never below what the last removal on refills kept: the share rules step on the
             # bound D / active, which says nothing of a pool the refills sized (brought near
             # twice its need from scratch, it would descend a worker a cooldown below it).
