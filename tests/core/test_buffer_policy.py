@@ -238,6 +238,8 @@ def test_properties(
                 assert decision.target >= context.active
             if "not yet up" in decision.reason:
                 assert queued >= 0.8 * policy.max_batches_offpolicy * batch
+            elif "half the pool, to twice the need" in decision.reason:
+                assert decision.target >= math.ceil(current / 2)
             elif "still starting" not in decision.reason:
                 assert decision.target >= current - max(1, math.floor(current * fraction))
             band_top = (policy.target(after, batch) + policy.band_batches) * batch

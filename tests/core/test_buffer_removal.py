@@ -259,7 +259,7 @@ def test_a_removal_that_left_the_queue_at_the_limit_lets_long_start_ups_step_off
     assert probe(replace(held, startup_s=30.0), 40).target == 39
 
 
-def test_a_cold_starts_pool_far_above_the_need_halves_at_the_limit() -> None:
+def test_a_pool_far_above_the_need_measured_below_the_limit_halves_there() -> None:
     # A cold start brought 40 workers (2-minute start-ups); the queue has stood at the limit
     # since, where each worker makes D / n, but p measured below it (4 seq/s per worker, D 32
     # seq/s) puts the need at 8, a fifth of the pool: half goes, not a twentieth.
@@ -268,12 +268,26 @@ def test_a_cold_starts_pool_far_above_the_need_halves_at_the_limit() -> None:
     )
     decision = probe(cold, 40)
     assert decision.target == 20, decision.reason
-    assert "(at most half the pool: a cold start's 40 workers, 5.0 x the need" in decision.reason
-    # Within 4 needs (p 1 seq/s: a need of 32): the usual share.
+    assert (
+        "(at most half the pool, to twice the need: a cold start's 40 workers, 5.0 x the need"
+        in decision.reason
+    )
+    # Not a cold start's count: p measured above its bound D / active (0.8 seq/s) puts the
+    # same need, so the same half goes.
+    decision = probe(replace(cold, cold_workers=0), 40)
+    assert decision.target == 20, decision.reason
+    assert "(at most half the pool, to twice the need: 40 workers, 5.0 x" in decision.reason
+    # At 3.3 needs (p 3.3 seq/s): down to twice the need, 20, not half the pool.
+    assert probe(replace(cold, per_worker_seqs_s=3.3), 40).target == 20
+    nearer = probe(replace(cold, per_worker_seqs_s=3.0), 40)  # 3.75 needs: twice is 22
+    assert nearer.target == 22, nearer.reason
+    # Within 3 needs (p 1 seq/s: a need of 32): the usual share.
     assert 36 <= probe(replace(cold, per_worker_seqs_s=1.0), 40).target < 40
-    # Not a cold start's count, or start-ups under a minute (the shares shed it soon enough;
-    # a pool halved to a few workers grows back slowly after a faster trainer): the usual share.
-    for other in (replace(cold, cold_workers=0), replace(cold, startup_s=30.0)):
+    # A pool not from a cold start with p on its bound (it says nothing of the need), or
+    # start-ups under a minute (the shares shed it soon enough; a pool halved to a few
+    # workers grows back slowly after a faster trainer): the usual share.
+    on_bound = replace(cold, cold_workers=0, per_worker_seqs_s=0.8)
+    for other in (on_bound, replace(cold, startup_s=30.0)):
         assert 36 <= probe(other, 40).target < 40
     # A count found short at this demand: never halved towards it.
     assert probe(replace(cold, short_workers=30, short_demand_seqs_s=32.0), 40).target >= 31

@@ -120,11 +120,12 @@ Rules, in order:
    does not apply: each take tests the pool); the shares above never take the pool under the
    count such a removal kept until workers come (they step on the bound D / active, which says
    nothing of a pool the refills sized), except a queue full at every sample for a cooldown,
-   whose share rests on the sample interval instead. A cold start's count (rule 1) held at the
-   limit at four times the need p measured below it or more halves, a cooldown at a time, where
-   start-ups take a minute or more, until the queue leaves the limit or the pool grows (a
-   twentieth per start-up would hold that excess for most of an hour; p read from a cold
-   pool's first, fastest groups may read high, but a halving leaves two needs' worth). With
+   whose share rests on the sample interval instead. A pool held at the limit at three times
+   the need p measured below it or more (p above its bound D / active, or a cold start's count
+   of rule 1) halves, down to twice that need, a cooldown at a time, where start-ups take a
+   minute or more (a twentieth per start-up would hold that excess for most of an hour; p read
+   from a cold pool's first, fastest groups, or before groups grew longer, may read high, but
+   twice the need leaves a need's worth). With
    the queue held at the limit for a whole cooldown by the workers up, every worker still starting
    goes at once (it would make nothing the trainer takes: a cold start that went to the maximum
    keeps only its first waves; not within a cooldown of a worker exiting early: the retries tell

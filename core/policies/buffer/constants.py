@@ -33,12 +33,13 @@ SHED_MAX_SHARE = 1 / 4
 LIMIT_SHARE = 1 / 20
 PINNED_SHARE = 1 / 10
 PINNED_STEPS = 2.0
-#: A cold start's pool (every worker it may have, before any rate was known) held at the limit
-#: at this many times the need p measured below it or more halves, a cooldown at a time, where
-#: start-ups take at least ``COLD_HALVING_STARTUP_S``: there a twentieth per start-up would
-#: hold the excess for most of an hour. (With shorter start-ups the shares above shed it within
-#: minutes, and a pool halved to a few workers grows back too slowly after a faster trainer.)
-COLD_EXCESS = 4.0
+#: A pool held at the limit at this many times the need p measured below it or more (p above
+#: its bound D / active, or a cold start's count: every worker it may have, before any rate
+#: was known) halves, down to twice that need, a cooldown at a time, where start-ups take at
+#: least ``COLD_HALVING_STARTUP_S``: there a twentieth per start-up would hold the excess for
+#: most of an hour. (With shorter start-ups the shares above shed it within minutes, and a
+#: pool halved to a few workers grows back too slowly after a faster trainer.)
+FAR_NEEDS = 3.0
 COLD_HALVING_STARTUP_S = 60.0
 #: Samples at the off-policy limit before the share of them that found the queue full counts.
 LIMIT_SAMPLES = 8

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 from core.policies.base import Decision, PolicyContext
 from core.policies.buffer.constants import (
     BOUND_SLACK,
-    COLD_EXCESS,
     COLD_HALVING_STARTUP_S,
+    FAR_NEEDS,
     FULL_SAMPLES_SHARE,
     HELD_FULL_SHARE,
     LIMIT_SAMPLES,
@@ -200,18 +200,25 @@ def remove(
                 how = f"{share:.0%} of the pool: {found}, at the limit since the last removal"
             elif current * covered < 1 <= current * proven:
                 how = f"a worker at a time: {found}"
-        cold_need = demand / measured if measured and demand > 0 else math.inf
-        cold = memory.cold_workers > 0 and startup >= COLD_HALVING_STARTUP_S
-        if cold and not floor and pinned and current >= COLD_EXCESS * cold_need:
-            # A cold start's count, held at the limit, is many times the need that p measured
-            # below it puts: each worker makes D / n there and the need may lie far below, so
-            # half the pool goes (p read high by its first, fastest groups still leaves two
-            # needs' worth).
+        need_below = demand / measured if measured and demand > 0 else math.inf
+        # p measured above its bound D / active was measured below the limit: a need, not the
+        # whole pool. (A cold start's count may rest on a p read from its first groups.)
+        active = context.active
+        above_bound = (
+            measured is not None and active > 0 and measured > BOUND_SLACK * demand / active
+        )
+        far = (memory.cold_workers > 0 or above_bound) and startup >= COLD_HALVING_STARTUP_S
+        if far and not floor and pinned and current >= FAR_NEEDS * need_below:
+            # Held at the limit, the pool is many times the need that p measured below it
+            # puts: each worker makes D / n there and the need may lie far below, so half the
+            # pool goes, down to twice that need (p read high, by a cold pool's first and
+            # fastest groups, or before groups grew longer, still leaves a need's worth).
             full = True
-            step = current - math.ceil(current / 2)
+            step = current - max(math.ceil(current / 2), math.ceil(2 * need_below - 1e-9))
+            whose = "a cold start's " if memory.cold_workers > 0 else ""
             how = (
-                f"half the pool: a cold start's {current} workers, {current / cold_need:.1f} x "
-                "the need p measured below the limit puts"
+                f"half the pool, to twice the need: {whose}{current} workers, "
+                f"{current / need_below:.1f} x the need p measured below the limit puts"
             )
         keep_need = 0
         if floor:
