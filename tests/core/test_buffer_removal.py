@@ -277,10 +277,11 @@ def test_a_pool_far_above_the_need_measured_below_the_limit_halves_there() -> No
     decision = probe(replace(cold, cold_workers=0), 40)
     assert decision.target == 20, decision.reason
     assert "(at most half the pool, to twice the need: 40 workers, 5.0 x" in decision.reason
-    # At 3.3 needs (p 3.3 seq/s): down to twice the need, 20, not half the pool.
-    assert probe(replace(cold, per_worker_seqs_s=3.3), 40).target == 20
-    nearer = probe(replace(cold, per_worker_seqs_s=3.0), 40)  # 3.75 needs: twice is 22
+    # Nearer the need, down to twice it, not to half the pool: at 3.75 needs (p 3 seq/s, a
+    # need of 10.7) to 22, at 3.1 needs (p 2.5 seq/s, a need of 12.8) to 26.
+    nearer = probe(replace(cold, per_worker_seqs_s=3.0), 40)
     assert nearer.target == 22, nearer.reason
+    assert probe(replace(cold, per_worker_seqs_s=2.5), 40).target == 26
     # Within 3 needs (p 1 seq/s: a need of 32): the usual share.
     assert 36 <= probe(replace(cold, per_worker_seqs_s=1.0), 40).target < 40
     # A pool not from a cold start with p on its bound (it says nothing of the need), or
