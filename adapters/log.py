@@ -70,6 +70,7 @@ __all__ = [
     "NotALog",
     "Unreadable",
     "fsync_directory",
+    "log_header",
     "not_reduced",
     "parse_record",
     "segment_start",
@@ -78,6 +79,8 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+#: The header's ``world`` in the log of a simulated run (absent in a real run's).
+SIMULATED = "simulated"
 VERSION = "0.1.0"
 #: Sequence numbers are positive and fit the log's JSON integers (64-bit signed).
 MAX_SEQ = 2**63 - 1
@@ -428,6 +431,7 @@ class EventLog:
         segment_bytes: int = 0,
         keep_segments: int | None = None,
         policies: PolicyCatalog = BUILT_INS,
+        simulated: bool = False,
     ) -> tuple[EventLog, Recovery]:
         """Open ``path`` for appending, creating it (mode 0600) with a header if needed, and
         rebuild the state it records (from the snapshot, then the records after it) with the
@@ -438,7 +442,12 @@ class EventLog:
         header and the state it continues from; ``keep_segments`` earlier segments are kept
         (all when None). See :func:`segments`.
 
-        Raises :class:`NotALog` for a file that is not a deo log, :class:`LogDamaged` for a log
+        ``simulated`` marks a new log's header as a simulated run's (``deo simulate``); a log
+        so marked is refused by any other opener, since its workers, GPUs and clock are the
+        simulator's.
+
+        Raises :class:`NotALog` for a file that is not a deo log (or a simulated run's log
+        opened without ``simulated``), :class:`LogDamaged` for a log
         whose unreadable lines may have held its configuration or a later segment whose state
         record cannot be used (both leave the file as it was), :class:`LogInUse` and
         :class:`LogWriteFailed`.
@@ -458,7 +467,7 @@ class EventLog:
             os.close(fd)
             raise LogInUse(f"{path} is in use by another deo (one writer per log)") from None
         try:
-            log, recovery = cls._recover(path, fd, fsync, snapshot_every, policies)
+            log, recovery = cls._recover(path, fd, fsync, snapshot_every, policies, simulated)
         except OSError as exc:
             os.close(fd)
             raise LogWriteFailed(f"{path}: cannot recover the log: {_cause(exc)}") from None
@@ -470,9 +479,15 @@ class EventLog:
 
     @classmethod
     def _recover(
-        cls, path: Path, fd: int, fsync: bool, snapshot_every: int, policies: PolicyCatalog
+        cls,
+        path: Path,
+        fd: int,
+        fsync: bool,
+        snapshot_every: int,
+        policies: PolicyCatalog,
+        simulated: bool,
     ) -> tuple[EventLog, Recovery]:
-        _check_is_log(path)
+        _check_is_log(path, simulated)
         _finish_rotation(path)
         recovery = Recovery(state=State(), replayed=0, problems=())
         seq = lines = 0
@@ -488,6 +503,8 @@ class EventLog:
                 "deo": VERSION,
                 "created": dt.datetime.now(dt.UTC).isoformat(timespec="microseconds"),
             }
+            if simulated:
+                header["world"] = SIMULATED
             _write_all(fd, orjson.dumps(header) + b"\n")
             os.fsync(fd)
             seq, lines = 0, 1
@@ -745,9 +762,24 @@ def _state_digest(log_sha256: str, state_json: bytes) -> str:
     return hashlib.sha256(log_sha256.encode() + b"\n" + state_json).hexdigest()
 
 
-def _check_is_log(path: Path) -> None:
-    """Raise :class:`NotALog` unless ``path`` is empty, starts with a deo header, or holds only
-    the start of one (torn by a crash while it was written)."""
+def log_header(path: Path) -> dict[str, Any] | None:
+    """The header ``path`` starts with, as written (None: its first line is not a deo log
+    header; OSError where it cannot be read)."""
+    with path.open("rb") as f:
+        first = f.readline(_MAX_HEADER_BYTES)
+    if not first.endswith(b"\n"):
+        return None
+    try:
+        record = orjson.loads(first)
+    except orjson.JSONDecodeError:
+        return None
+    return record if type(record) is dict and record.get("kind") == "header" else None
+
+
+def _check_is_log(path: Path, simulated: bool) -> None:
+    """Raise :class:`NotALog` unless ``path`` is empty, starts with a deo header of a run of
+    the opener's kind (simulated or not), or holds only the start of one (torn by a crash while
+    it was written)."""
     with path.open("rb") as f:
         first = f.readline(_MAX_HEADER_BYTES)
     if not first:
@@ -758,14 +790,18 @@ def _check_is_log(path: Path) -> None:
         ):
             return  # a torn header: recovery sets it aside
     else:
-        try:
-            record = orjson.loads(first)
-        except orjson.JSONDecodeError:
-            record = None
-        if type(record) is dict and record.get("kind") == "header":
+        record = log_header(path)
+        if record is not None:
             header = _header(record, 1)
             if isinstance(header, LogProblem):
                 raise DeoError(f"{path}: {header}; the log is left as it is")
+            if (record.get("world") == SIMULATED) != simulated:
+                whose = "a simulated run (deo simulate)" if not simulated else "a real run"
+                raise NotALog(
+                    f"{path} is the log of {whose}, whose workers, GPUs and clock are not "
+                    f"this run's; it is left as it is: point deo.log in the configuration at a "
+                    f"new file"
+                )
             return
     raise NotALog(
         f"{path} is not a deo log (its first line is not a deo log header); it is left as it "

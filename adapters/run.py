@@ -300,6 +300,13 @@ async def run(
         out(f"deo: {exc}")
         return 2
     try:
+        # Made before anything is written: a worker's output has nowhere else to go.
+        settings.worker_logs.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = "a file, not a folder" if settings.worker_logs.is_file() else exc.strerror
+        out(f"deo: deo.worker_logs {settings.worker_logs}: cannot make the folder: {why}")
+        return 2
+    try:
         sock = listen(settings.api.host, settings.api.port)
     except OSError as exc:
         out(f"deo: cannot listen on {settings.api.host}:{settings.api.port}: {exc.strerror}")
@@ -363,7 +370,6 @@ async def run(
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     port = sock.getsockname()[1]
     url = f"http://{settings.api.host}:{port}"
-    settings.worker_logs.mkdir(parents=True, exist_ok=True)
     runtime_env = {API_URL_ENV: url, RUN_ID_ENV: run_id}
 
     def emit(event: Event) -> None:

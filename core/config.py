@@ -256,6 +256,15 @@ class PoolSpec:
                         f"{where}.argv: unknown placeholder {{{field}}} in {arg!r}; "
                         f"known: {', '.join(sorted(ARGV_PLACEHOLDERS))} (write {{{{ for a brace)"
                     )
+        try:
+            # A format spec or conversion ({index:q}, {gpus!z}) fails only when filled in:
+            # fill them in now, with values of the types a spawn gives, not at the first spawn.
+            port = 8000 if self.kind == "engine" else None
+            self.render_argv(worker_id=f"{self.name}-1", index=1, gpus=("0",), port=port)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{where}.argv: a placeholder cannot be filled in: {exc} (write {{{{ for a brace)"
+            ) from None
         if self.min_workers < 0:
             raise ConfigError(f"{where}.min_workers must be >= 0, got {self.min_workers}")
         if self.max_workers < self.min_workers:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from hypothesis import settings
 from last_use import (  # the hooks end the Ray cluster after its last test
@@ -22,6 +23,7 @@ from last_use import (  # the hooks end the Ray cluster after its last test
 from spawned import stop_process
 from waiting import wait_for
 
+from adapters.log import SIMULATED
 from adapters.sim.driver import simulate
 from adapters.sim.scenario import EnvPool, Fault, Scenario
 
@@ -32,7 +34,9 @@ settings.register_profile("ci-long", max_examples=150)
 
 
 def write_simulated_log(path: Path) -> None:
-    """A realistic event log: 15 simulated minutes of an Atropos-style loop, a worker crash."""
+    """A realistic event log: 15 simulated minutes of an Atropos-style loop, a worker crash.
+    Its header is a real run's (without the simulator's mark), so that ``deo run``'s recovery
+    and restart, which refuse a simulated run's log, can be tested on it."""
     scenario = Scenario(
         name="log-fixture",
         duration_s=900.0,
@@ -41,6 +45,10 @@ def write_simulated_log(path: Path) -> None:
         faults=(Fault(kind="worker_crash", at_s=200),),
     )
     simulate(scenario, log_path=path)
+    header, rest = path.read_bytes().split(b"\n", 1)
+    fields = orjson.loads(header)
+    assert fields.pop("world") == SIMULATED
+    path.write_bytes(orjson.dumps(fields) + b"\n" + rest)
 
 
 def deo_command() -> tuple[list[str], dict[str, str]]:

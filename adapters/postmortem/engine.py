@@ -7,6 +7,8 @@ the timeline, ``--at``, ``--explain``, the SQLite export and ``--set`` are consu
 
 from __future__ import annotations
 
+import types
+import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,12 +24,16 @@ from adapters.log import (
     segment_start,
     segments,
 )
+from adapters.runtime.config_file import typed
 from core import Command, Configured, DeoError, Event, State, decode, encode, reduce
 from core.arbiter import PLANNER_SETTINGS_UNRECORDED, ArbiterGpusDeclared, PlannerSettings
 from core.codec import TYPE_KEY, types_with
+from core.config import CordonRules, PoolSpec
+from core.errors import ConfigError
 from core.policies import BUILT_INS, PolicyCatalog
 
 __all__ = [
+    "ConfigChange",
     "Replayed",
     "apply_settings",
     "parse_setting",
@@ -56,9 +62,15 @@ class Replayed:
     #: Commands the reducer produces now, and its refusal now, if any.
     produced: list[Command]
     produced_error: str | None
+    #: The log's last event, whose commands it does not record although the reducer produces
+    #: some: deo stopped (a crash, a kill) before writing them, and a restart writes them
+    #: (:meth:`~adapters.log.EventLog.open`). Not a divergence.
+    cut: bool = False
 
     @property
     def matches(self) -> bool:
+        if self.cut:
+            return True
         if (self.recorded_error is None) != (self.produced_error is None):
             return False
         if not self.produced:
@@ -87,8 +99,26 @@ def replay(
     time, as ``deo run`` would on a reload; the commands that would follow are not listed, and
     a change the reducer refuses there raises :class:`~core.DeoError`);
     each later segment's state must be the one replayed up to it (unless ``transform`` changed
-    what was replayed).
+    what was replayed). The last event is marked :attr:`Replayed.cut` where the log ends
+    before its commands.
     """
+    last: Replayed | None = None
+    for step in _replayed(path, problems, transform, policies):
+        if last is not None:
+            yield last
+        last = step
+    if last is not None:
+        produced = bool(last.produced) and last.produced_error is None
+        last.cut = produced and not last.recorded and last.recorded_error is None
+        yield last
+
+
+def _replayed(
+    path: Path,
+    problems: list[LogProblem],
+    transform: Callable[[Event], Event] | None,
+    policies: PolicyCatalog,
+) -> Iterator[Replayed]:
     earlier = _earlier_segments(path)
     state = State()
     seq = 0
@@ -271,33 +301,50 @@ def parse_setting(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def apply_settings(settings: list[tuple[list[str], Any]]) -> Callable[[Event], Event]:
+def apply_settings(settings: list[tuple[list[str], Any]]) -> ConfigChange:
     """A transform that changes every ``Configured`` event's configuration by ``settings``, and
     every ``ArbiterGpusDeclared`` event's planner settings.
 
     Keys: ``pools.NAME.FIELD`` (e.g. ``max_workers``, ``stabilization_s``), ``pools.NAME.policy``
-    (a policy name), ``pools.NAME.policy.PARAM``, ``gpus``, ``cordon.FIELD``,
+    or ``pools.NAME.policy.name`` (a policy name), ``pools.NAME.policy.PARAM``, ``gpus``,
+    ``cordon.FIELD``,
     ``arbiter.planner.FIELD`` (a field of :class:`~core.arbiter.PlannerSettings`: ``name``,
     ``hysteresis``, ``reserve_s``, ...; a log that recorded no planner settings gets the ones it
     replays with, changed). A pool named in a key but absent from a configuration is left alone
-    there. Raises :class:`ValueError` for an unknown planner setting or a value it refuses.
+    there (:meth:`ConfigChange.unmatched_pools` names those no configuration had). Raises
+    :class:`ValueError` for an unknown planner setting or a value it refuses.
     """
     config_settings = [(path, value) for path, value in settings if path[0] != "arbiter"]
     planner = _planner_changes([(path, value) for path, value in settings if path[0] == "arbiter"])
+    return ConfigChange(config_settings, planner)
 
-    def transform(event: Event) -> Event:
-        if isinstance(event, ArbiterGpusDeclared) and planner:
+
+@attrs.define(slots=True)
+class ConfigChange:
+    """:func:`apply_settings`' transform: call it on each event replayed."""
+
+    config_settings: list[tuple[list[str], Any]]
+    planner: dict[str, Any]
+    #: The pools named by a setting that some configuration replayed had.
+    matched_pools: set[str] = attrs.field(factory=set)
+
+    def __call__(self, event: Event) -> Event:
+        if isinstance(event, ArbiterGpusDeclared) and self.planner:
             recorded = event.planner or PLANNER_SETTINGS_UNRECORDED
-            return attrs.evolve(event, planner=attrs.evolve(recorded, **planner))
-        if not isinstance(event, Configured) or not config_settings:
+            return attrs.evolve(event, planner=attrs.evolve(recorded, **self.planner))
+        if not isinstance(event, Configured) or not self.config_settings:
             return event
         data = encode(event.config)
-        for path, value in config_settings:
-            _set(data, path, value)
+        for path, value in self.config_settings:
+            if _set(data, path, value):
+                self.matched_pools.add(path[1])
         config = decode(data)
         return attrs.evolve(event, config=config)
 
-    return transform
+    def unmatched_pools(self) -> list[str]:
+        """Pools the settings name that no configuration replayed so far had."""
+        named = {path[1] for path, _ in self.config_settings if path[0] == "pools"}
+        return sorted(named - self.matched_pools)
 
 
 def _planner_changes(settings: list[tuple[list[str], Any]]) -> dict[str, Any]:
@@ -322,31 +369,55 @@ def _planner_changes(settings: list[tuple[list[str], Any]]) -> dict[str, Any]:
     return changes
 
 
-def _set(data: dict[str, Any], path: list[str], value: Any) -> None:
+#: The annotations of a pool's and the cordon rules' fields, for checking a setting's type.
+POOL_FIELD_HINTS = typing.get_type_hints(PoolSpec)
+CORDON_FIELD_HINTS = typing.get_type_hints(CordonRules)
+_SCALARS = (bool, int, float, str)
+
+
+def _scalar(key: str, value: Any, hint: Any) -> Any:
+    """``value`` checked against a scalar field's annotation (a number where a whole number
+    belongs is refused, not replayed as one); other fields' values go to the codec as given."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if not all(option in _SCALARS or option is type(None) for option in options):
+        return value
+    try:
+        return typed(f"--set {key}", value, hint)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _set(data: dict[str, Any], path: list[str], value: Any) -> bool:
+    """Apply one setting to an encoded configuration; whether it named a pool it has."""
     head, *rest = path
+    key = ".".join(path)
     if head == "pools":
         if len(rest) < 2:
-            raise ValueError(f"--set {'.'.join(path)}: expected pools.NAME.FIELD")
+            raise ValueError(f"--set {key}: expected pools.NAME.FIELD")
         name, *field = rest
         for pool in data["pools"]:
-            if pool["name"] == name:
-                if field == ["policy"]:
-                    pool["policy"] = {"@": "PolicySpec", "name": value, "params": {}}
-                elif field[0] == "policy" and len(field) == 2:
-                    pool["policy"]["params"][field[1]] = value
-                elif len(field) == 1 and field[0] in pool:
-                    pool[field[0]] = value
-                else:
-                    raise ValueError(
-                        f"--set {'.'.join(path)}: pools have no field {'.'.join(field)}"
-                    )
-        return
+            if pool["name"] != name:
+                continue
+            if field in (["policy"], ["policy", "name"]):
+                # Another policy starts from its own defaults: the old one's parameters may
+                # not be its own.
+                same = pool["policy"]["name"] == value
+                params = pool["policy"]["params"] if same else {}
+                pool["policy"] = {"@": "PolicySpec", "name": value, "params": params}
+            elif field[0] == "policy" and len(field) == 2:
+                pool["policy"]["params"][field[1]] = value
+            elif len(field) == 1 and field[0] in pool:
+                pool[field[0]] = _scalar(key, value, POOL_FIELD_HINTS[field[0]])
+            else:
+                raise ValueError(f"--set {key}: pools have no field {'.'.join(field)}")
+            return True
+        return False
     if head == "gpus" and not rest:
         data["gpus"] = value if isinstance(value, list) else str(value).split(",")
-        return
+        return False
     if head == "cordon" and len(rest) == 1 and rest[0] in data["cordon"]:
-        data["cordon"][rest[0]] = value
-        return
+        data["cordon"][rest[0]] = _scalar(key, value, CORDON_FIELD_HINTS[rest[0]])
+        return False
     raise ValueError(
         f"--set {'.'.join(path)}: unknown key (pools.NAME.FIELD, gpus, cordon.FIELD, "
         "arbiter.planner.FIELD)"

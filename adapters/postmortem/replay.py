@@ -8,6 +8,7 @@ records no refusal for) or cannot be opened (what could be read is still replaye
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections import deque
 from collections.abc import Iterator
@@ -18,9 +19,16 @@ import orjson
 
 from adapters.describe import at, command_line, event_line, event_subject, pool_summary, state_lines
 from adapters.log import LogProblem
-from adapters.postmortem.engine import Replayed, apply_settings, parse_setting, replay
+from adapters.outputs import is_fitted_scenario, is_sqlite_database, output_problem
+from adapters.postmortem.engine import (
+    ConfigChange,
+    Replayed,
+    apply_settings,
+    parse_setting,
+    replay,
+)
 from adapters.postmortem.sqlite import export_sqlite
-from core import DeoError, Event, encode
+from core import Configured, DeoError, Event, encode
 from core.lifecycle import COUNTED
 
 __all__ = ["add_arguments", "run"]
@@ -76,11 +84,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     path: Path = args.log
     if not path.is_file():
-        print(f"deo replay: {path}: no such log file", file=sys.stderr)
+        what = "a folder, not a log file" if path.is_dir() else "no such log file"
+        print(f"deo replay: {path}: {what}", file=sys.stderr)
+        return 2
+    if path.stat().st_size == 0:
+        print(f"deo replay: {path} is empty: not a deo log (it has no header)", file=sys.stderr)
+        return 2
+    if args.at is not None and not math.isfinite(args.at):
+        print(f"deo replay: --at {args.at}: a time in seconds", file=sys.stderr)
         return 2
     problems: list[LogProblem] = []
     # A caller may build the Namespace by hand, without the closed-loop options.
     what_if: list[str] = getattr(args, "what_if", None) or []
+    fitted_out: Path | None = getattr(args, "fitted_out", None)
+    if fitted_out is not None:
+        problem = output_problem(
+            fitted_out, what="a scenario", replaceable=is_fitted_scenario, reading=path
+        )
+        if not what_if:
+            problem = "writes the scenario --what-if fits: give --what-if too"
+        if problem is not None:
+            print(f"deo replay: --fitted-out {fitted_out} {problem}", file=sys.stderr)
+            return 2
     if what_if:
         if args.set:
             print(
@@ -96,7 +121,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                 path,
                 what_if,
                 seeds=getattr(args, "what_if_seeds", 3),
-                fitted_out=getattr(args, "fitted_out", None),
+                fitted_out=fitted_out,
                 out=out,
             )
         except (whatif.WhatIfError, whatif.FitError) as exc:
@@ -109,6 +134,13 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             print(f"deo replay: {exc}", file=sys.stderr)
             return 2
         return _what_if(path, args.set, transform, problems, out)
+    if args.sqlite is not None:
+        problem = output_problem(
+            args.sqlite, what="a SQLite database", replaceable=is_sqlite_database, reading=path
+        )
+        if problem is not None:
+            print(f"deo replay: --sqlite {args.sqlite} {problem}", file=sys.stderr)
+            return 2
     steps = replay(path, problems=problems)
     if args.sqlite is not None:
         diverged: list[Replayed] = []
@@ -203,6 +235,13 @@ def _timeline(
             if now.get(pool, 0) != counts.get(pool, 0) or pool not in series:
                 series.setdefault(pool, []).append((t, now.get(pool, 0)))
         counts = now
+        if step.cut:
+            print(
+                f"{path}: line {step.line}: the log ends before the commands this event "
+                f"produces (deo stopped before writing them); `deo run` writes them when it "
+                f"starts on this log again",
+                file=out,
+            )
         if not step.matches:
             diverged = step
             break
@@ -281,7 +320,11 @@ def _explain(
 
 
 def _what_if(
-    path: Path, settings: list[str], transform: Any, problems: list[LogProblem], out: TextIO
+    path: Path,
+    settings: list[str],
+    transform: ConfigChange,
+    problems: list[LogProblem],
+    out: TextIO,
 ) -> int:
     print(
         f"replaying {path} with {', '.join(settings)} (open loop: the recorded inputs are fed as "
@@ -293,6 +336,8 @@ def _what_if(
         for step in replay(path, problems=problems, transform=transform):
             total += 1
             if step.produced_error is not None and step.recorded_error is None:
+                if isinstance(step.event, Configured):
+                    raise ValueError(f"refused at line {step.line}: {step.produced_error}")
                 skipped += 1  # e.g. an exit of a worker this configuration never spawned
                 continue
             now = [orjson.dumps(c).decode() for c in encode(step.produced)]
@@ -308,6 +353,13 @@ def _what_if(
                     print(f"  + now       {command_line(c)}", file=out)
     except (DeoError, ValueError) as exc:
         print(f"deo replay: the changed configuration is invalid: {exc}", file=sys.stderr)
+        return 2
+    unmatched = transform.unmatched_pools()
+    if unmatched:
+        print(
+            f"deo replay: --set names {', '.join(unmatched)}, which no configuration in {path} has",
+            file=sys.stderr,
+        )
         return 2
     _print_problems(path, problems, out)
     more = f" (first {MAX_DIFFERENCES} shown)" if differing > MAX_DIFFERENCES else ""

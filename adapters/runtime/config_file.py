@@ -243,7 +243,7 @@ def load_api(path: Path) -> ApiSettings:
 def load_log_path(path: Path) -> Path:
     """Only ``deo.log`` of ``path``, resolved as :func:`load` resolves it."""
     deo = _table(_read(path), "deo", None)
-    log: str = _typed("deo.log", deo.get("log", "deo.jsonl"), str)
+    log: str = typed("deo.log", deo.get("log", "deo.jsonl"), str)
     return path.parent.resolve() / log
 
 
@@ -286,7 +286,7 @@ def load(path: Path) -> RunSettings:
         raise ConfigError(f'deo.gpus: expected a list of GPU ids or "auto", got {gpus!r}')
     config = Config(
         pools=pools,
-        gpus=[str(g) for g in _typed("deo.gpus", gpus, list)],
+        gpus=[str(g) for g in typed("deo.gpus", gpus, list)],
         cordon=_build(CordonRules, "cordon", _table(data, "cordon", None)),
     )
     settings: dict[str, Any] = {}
@@ -297,18 +297,16 @@ def load(path: Path) -> RunSettings:
         ("tick_interval_s", float),
     ):
         if key in deo:
-            settings[key] = _typed(f"deo.{key}", deo[key], kind)
+            settings[key] = typed(f"deo.{key}", deo[key], kind)
     if "keep_segments" in deo:
         keep = deo["keep_segments"]
-        settings["keep_segments"] = (
-            None if keep == "all" else _typed("deo.keep_segments", keep, int)
-        )
+        settings["keep_segments"] = None if keep == "all" else typed("deo.keep_segments", keep, int)
     check_loggable(config)
     executor = _build(ExecutorSettings, "executor", _table(data, "executor", None))
     return RunSettings(
         config=config,
-        log=base / _typed("deo.log", deo.get("log", "deo.jsonl"), str),
-        worker_logs=base / _typed("deo.worker_logs", deo.get("worker_logs", "deo-workers"), str),
+        log=base / typed("deo.log", deo.get("log", "deo.jsonl"), str),
+        worker_logs=base / typed("deo.worker_logs", deo.get("worker_logs", "deo-workers"), str),
         api=_api_settings(data),
         sources=tuple(sources),
         nvml=nvml,
@@ -319,7 +317,7 @@ def load(path: Path) -> RunSettings:
 
 
 def _arbiter_settings(raw: Any) -> ArbiterSettings:
-    table = dict(_typed("arbiter", raw, dict))
+    table = dict(typed("arbiter", raw, dict))
     planner = _planner_settings(table.pop("planner", {}))
     settings: ArbiterSettings = _build(ArbiterSettings, "arbiter", table)
     return attrs.evolve(settings, planner=planner)
@@ -332,19 +330,19 @@ _NEVER = frozenset({"stale_after_s", "reserve_s", "reserve_factor"})
 def _planner_settings(raw: Any) -> PlannerSettings:
     """``[arbiter.planner]``: the planner's parameters (docs/arbiter.md), ``"never"`` for no
     limit where one may be switched off."""
-    table = _typed("arbiter.planner", raw, dict)
+    table = typed("arbiter.planner", raw, dict)
     _known(table, "arbiter.planner", {f.name for f in attrs.fields(PlannerSettings)})
     values: dict[str, Any] = {}
     for key, value in table.items():
         where = f"arbiter.planner.{key}"
         if key == "name":
-            values[key] = _typed(where, value, str)
+            values[key] = typed(where, value, str)
         elif key == "rate_over_awake_gpu_s":
-            values[key] = _typed(where, value, bool)
+            values[key] = typed(where, value, bool)
         elif key in _NEVER and value == "never":
             values[key] = None
         else:
-            values[key] = _typed(where, value, float)
+            values[key] = typed(where, value, float)
     try:
         return PlannerSettings(**values)
     except DeoError as exc:
@@ -426,7 +424,7 @@ def _refuse_non_finite(value: Any, where: str) -> None:
 def _nvml_settings(table: dict[str, Any], base: Path) -> NvmlSettings:
     table = dict(table)
     if "file" in table:
-        table["file"] = base / _typed("nvml.file", table["file"], str)
+        table["file"] = base / typed("nvml.file", table["file"], str)
     settings: NvmlSettings = _build(NvmlSettings, "nvml", table)
     return settings
 
@@ -439,8 +437,8 @@ def _pool(name: str, raw: dict[str, Any]) -> tuple[PoolSpec, Source | None]:
     _known(raw, where, known)
     for key, value in raw.items():
         if key == "policy":
-            policy = dict(_typed(f"{where}.policy", value, dict))
-            policy_name = _typed(f"{where}.policy.name", policy.pop("name", "buffer"), str)
+            policy = dict(typed(f"{where}.policy", value, dict))
+            policy_name = typed(f"{where}.policy.name", policy.pop("name", "buffer"), str)
             fields["policy"] = PolicySpec(name=policy_name, params=policy)
             try:
                 build(fields["policy"])  # check the policy and its parameters now, by key
@@ -449,11 +447,11 @@ def _pool(name: str, raw: dict[str, Any]) -> tuple[PoolSpec, Source | None]:
         elif key == "crash_loop":
             fields["crash_loop"] = _build(CrashLoopRules, f"{where}.crash_loop", value)
         elif key != "source":
-            fields[key] = _typed(f"{where}.{key}", value, hints[key])
+            fields[key] = typed(f"{where}.{key}", value, hints[key])
     source = None
     if "source" in raw:
-        table = dict(_typed(f"{where}.source", raw["source"], dict))
-        kind = _typed(f"{where}.source.kind", table.pop("kind", "json"), str)
+        table = dict(typed(f"{where}.source", raw["source"], dict))
+        kind = typed(f"{where}.source.kind", table.pop("kind", "json"), str)
         cls = _SOURCE_KINDS.get(kind)
         if cls is None:
             raise ConfigError(
@@ -462,13 +460,20 @@ def _pool(name: str, raw: dict[str, Any]) -> tuple[PoolSpec, Source | None]:
         # `pool` is the table's own name: given inside the table it is an unknown key.
         _known(table, f"{where}.source", {f.name for f in attrs.fields(cls)} - {"pool"})
         source = _build(cls, f"{where}.source", {**table, "pool": name}, skip={"pool"})
+    missing = [
+        f.name
+        for f in attrs.fields(PoolSpec)
+        if f.default is attrs.NOTHING and f.name != "name" and f.name not in fields
+    ]
+    if missing:
+        raise ConfigError(f"{where}.{missing[0]}: required")
     return PoolSpec(name=name, **fields), source
 
 
 def _build(
     cls: type, where: str, raw: Any, *, skip: frozenset[str] | set[str] = frozenset()
 ) -> Any:
-    table = _typed(where, raw, dict)
+    table = typed(where, raw, dict)
     hints = typing.get_type_hints(cls)
     _known(
         {k: v for k, v in table.items() if k not in skip},
@@ -476,7 +481,7 @@ def _build(
         {f.name for f in attrs.fields(cls)} - set(skip),
     )
     values = {
-        key: value if key in skip else _typed(f"{where}.{key}", value, hints[key])
+        key: value if key in skip else typed(f"{where}.{key}", value, hints[key])
         for key, value in table.items()
     }
     missing = [
@@ -518,7 +523,7 @@ _NAMES = {
 }
 
 
-def _typed(where: str, value: Any, hint: Any) -> Any:
+def typed(where: str, value: Any, hint: Any) -> Any:
     """``value`` if it fits the annotation ``hint`` (ints accepted for floats), else ConfigError."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     for option in options:

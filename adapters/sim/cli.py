@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from adapters.outputs import OutputRefused
 from adapters.sim.driver import simulate
 from adapters.sim.metrics import SimResult
 from adapters.sim.scenario import load_scenario
@@ -77,8 +78,26 @@ def format_result(result: SimResult, duration_s: float) -> str:
     return "\n".join(lines)
 
 
+#: The formats ``--plot`` writes, by the file's suffix.
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def plot_path_problem(path: Path) -> str | None:
+    """Why ``--plot PATH`` cannot be written (None: it can), told before the run."""
+    if path.is_dir():
+        return "is a folder: give the plot a file name"
+    if not path.parent.is_dir():
+        return f"no such folder ({path.parent})"
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        return f"the file name must end in {', '.join(PLOT_SUFFIXES)}"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the command; returns the exit status (2: bad file, setting or policy)."""
+    if args.plot is not None and (problem := plot_path_problem(args.plot)) is not None:
+        print(f"deo simulate: --plot {args.plot}: {problem}", file=sys.stderr)
+        return 2
     overrides: dict[str, str] = {}
     for setting in args.settings:
         key, sep, value = setting.partition("=")
@@ -99,8 +118,12 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"deo simulate: {exc}", file=sys.stderr)
         return 2
+    except OutputRefused as exc:
+        print(f"deo simulate: --log {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
-        print(f"deo simulate: --log {args.log}: {exc.strerror or exc}", file=sys.stderr)
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"deo simulate: --log {args.log}: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
     print(format_result(result, scenario.duration_s))
     if args.log is not None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from adapters.log import EventLog, snapshot_path
+from adapters.outputs import OutputRefused, is_simulated_log, output_problem
 from adapters.sim.metrics import SimResult, measure
 from adapters.sim.oracle import oracle
 from adapters.sim.scenario import Scenario
@@ -24,6 +25,17 @@ __all__ = ["simulate"]
 
 #: Records buffered between writes of the log.
 _FLUSH_EVERY = 4096
+
+
+def _make_way(path: Path) -> None:
+    """Remove what a new simulated run's log at ``path`` replaces: an earlier simulated run's
+    log and its snapshot, and nothing else (a real run's log, in use or not, or any other file
+    raises :class:`~adapters.outputs.OutputRefused`)."""
+    problem = output_problem(path, what="a simulated run's log", replaceable=is_simulated_log)
+    if problem is not None:
+        raise OutputRefused(f"{path} {problem}")
+    for stale in (path, snapshot_path(path)):
+        stale.unlink(missing_ok=True)
 
 
 def simulate(
@@ -42,7 +54,9 @@ def simulate(
     event and command is written to a fresh event log there (``deo replay`` verifies it).
     ``check_invariants`` checks the core's invariants after every step (slower). ``policies``:
     the policies a pool may run, by name (the benchmark passes one with its baselines).
-    Raises :class:`~core.errors.ConfigError` when the policy or overrides are invalid.
+    Raises :class:`~core.errors.ConfigError` when the policy or overrides are invalid, and
+    :class:`~adapters.outputs.OutputRefused` when ``log_path`` cannot be written or holds
+    anything but a simulated run's log.
     """
     config = scenario.config(policy, pool_overrides, policies)
     world = World(scenario)
@@ -50,10 +64,8 @@ def simulate(
     log: EventLog | None = None
     if log_path is not None:
         log_path = Path(log_path)
-        for stale in (log_path, snapshot_path(log_path)):
-            stale.unlink(missing_ok=True)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log, _ = EventLog.open(log_path, fsync=False, policies=policies)
+        _make_way(log_path)
+        log, _ = EventLog.open(log_path, fsync=False, policies=policies, simulated=True)
 
     def feed(event: Event) -> None:
         commands: list[Command] = reducer.step(event) if log is None else log.record(reducer, event)

@@ -55,6 +55,9 @@ INVALID: list[tuple[str, Callable[[], object], str]] = [
     ("argv-positional-index", lambda: pool(argv=["env", "{0}"]), "pools.envs.argv"),
     ("argv-attribute", lambda: pool(argv=["env", "{pool.name}"]), "pools.envs.argv"),
     ("argv-item", lambda: pool(argv=["env", "{gpus[0]}"]), "pools.envs.argv"),
+    ("argv-bad-format", lambda: pool(argv=["env", "{index:q}"]), "Unknown format code 'q'"),
+    ("argv-bad-conversion", lambda: pool(argv=["env", "{gpus!z}"]), "cannot be filled in"),
+    ("argv-text-as-number", lambda: pool(argv=["env", "{worker_id:d}"]), "pools.envs.argv"),
     # counts
     ("min-negative", lambda: pool(min_workers=-1), "pools.envs.min_workers"),
     ("min-above-max", lambda: pool(min_workers=3, max_workers=2), "pools.envs.max_workers"),

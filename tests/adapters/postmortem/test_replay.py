@@ -431,6 +431,42 @@ def test_sqlite_export_replaces_an_existing_file(
         assert db.execute("select count(*) from commands").fetchone()[0] == counts["commands"]
 
 
+def test_sqlite_export_writes_over_nothing_but_a_database(demo_log: Path, tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine\n")
+    log_bytes = demo_log.read_bytes()
+    for out, why in [
+        (demo_log, "is the log being read"),
+        (notes, "is a file, not a SQLite database"),
+        (tmp_path, "is a folder"),
+        (tmp_path / "no" / "out.db", "no such folder"),
+    ]:
+        proc = run_tool(demo_log, "-q", "--sqlite", out)
+        assert proc.returncode == 2 and why in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert demo_log.read_bytes() == log_bytes and notes.read_text() == "mine\n"
+
+
+def test_a_log_cut_before_its_last_commands_verifies_with_a_note(demo_log: Path) -> None:
+    # Cut where deo writes an event's commands: after the event, before its commands.
+    lines = demo_log.read_bytes().splitlines(keepends=True)
+    index = max(i for i, line in enumerate(lines) if b'"kind":"commands"' in line)
+    demo_log.write_bytes(b"".join(lines[:index]))
+    proc = run_tool(demo_log, "-q")
+    assert proc.returncode == 0, proc.stdout
+    assert f"line {index}: the log ends before the commands" in proc.stdout
+    assert "DIVERGED" not in proc.stdout
+
+
+def test_an_empty_log_or_a_bad_time_exits_2(demo_log: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.touch()
+    proc = run_tool(empty, "-q")
+    assert proc.returncode == 2 and "is empty: not a deo log" in proc.stderr
+    proc = run_tool(demo_log, "--at", "nan")
+    assert proc.returncode == 2 and "--at nan" in proc.stderr
+
+
 # --- --set (what if) ---------------------------------------------------------------------------
 
 
@@ -476,6 +512,12 @@ def test_set_unchanged_configuration_finds_no_difference(demo_log: Path) -> None
         ("pools.envs.bogus=1", "pools have no field bogus"),
         ("pools.envs.max_workers", "expected key=value"),
         ("pools.envs.max_workers=-1", "max_workers"),
+        ("pools.envs.max_workers=4.5", "pools.envs.max_workers: expected an integer, got 4.5"),
+        ("pools.envs.max_workers=abc", "expected an integer, got 'abc'"),
+        ("pools.nosuch.max_workers=1", "names nosuch, which no configuration in"),
+        ("pools.envs.policy=bogus", "unknown policy 'bogus'"),
+        ("pools.envs.policy.name=bogus", "unknown policy 'bogus'"),
+        ("pools.envs.policy.target_batches=-1", "policy.target_batches must be >= 0"),
     ],
 )
 def test_bad_setting_exits_2(demo_log: Path, setting: str, message: str) -> None:

@@ -103,6 +103,7 @@ def test_a_full_config_becomes_the_cores_config(tmp_path: Path) -> None:
             r"source\.pool: unknown key",
         ),
         (("127.0.0.1:9000", "127.0.0.1:99999"), r"source\.url: port 99999"),
+        (('argv = ["python3", "env.py", "{index}"]\n', ""), r"^pools\.envs\.argv: required$"),
         (
             (
                 'queued_sequences = "queue.seqs"\nbatch_size_seqs = "batch"\ntrainer_step = "step"',

@@ -79,6 +79,9 @@ def test_errors_exit_2_with_the_reason(tmp_path: Path) -> None:
             ("simulate", STEADY, "--set", "duration_s=10", "--log", tmp_path / "file" / "x.jsonl"),
             "deo simulate: --log",
         ),
+        (("simulate", STEADY, "--plot", tmp_path / "run.txt"), "must end in .png, .svg, .pdf"),
+        (("simulate", STEADY, "--plot", tmp_path), "--plot"),
+        (("simulate", STEADY, "--log", bad), "is a file, not a simulated run's log"),
     ]
     for args, message in cases:
         done = run_deo(*args)

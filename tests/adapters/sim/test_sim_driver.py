@@ -9,6 +9,8 @@ import attrs
 import orjson
 import pytest
 
+from adapters.log import EventLog, NotALog
+from adapters.outputs import OutputRefused
 from adapters.postmortem.engine import replay
 from adapters.sim.driver import SimResult, simulate
 from adapters.sim.metrics import worker_hours_ratio_since
@@ -64,11 +66,31 @@ def test_the_log_replays_exactly(tmp_path: Path) -> None:
     assert all(step.matches for step in steps)
 
 
-def test_a_log_is_written_afresh(tmp_path: Path) -> None:
+def test_a_log_is_written_afresh_over_a_simulated_one_only(tmp_path: Path) -> None:
     log = tmp_path / "run.jsonl"
-    log.write_text("not a log\n")
     simulate(short("steady", 100.0), log_path=log)
-    assert log.read_bytes().startswith(b'{"kind":"header"')
+    first = log.read_bytes()
+    simulate(short("steady", 50.0), log_path=log)
+    assert log.read_bytes().startswith(b'{"kind":"header"') and log.read_bytes() != first
+    # Anything else at the path is left as it is: a real run's log, a scenario, a folder.
+    real = tmp_path / "real.jsonl"
+    EventLog.open(real)[0].close()
+    other = tmp_path / "steady.toml"
+    other.write_text("not a log\n")
+    for path, why in [
+        (real, "is a deo event log, not a simulated run's log"),
+        (other, "is a file, not a simulated run's log"),
+        (tmp_path, "is a folder"),
+        (tmp_path / "no" / "x.jsonl", "no such folder"),
+    ]:
+        before = path.read_bytes() if path.is_file() else None
+        with pytest.raises(OutputRefused, match=why):
+            simulate(short("steady", 50.0), log_path=path)
+        assert (path.read_bytes() if path.is_file() else None) == before
+    assert not (tmp_path / "no").exists()
+    # And deo run's log refuses a simulated run's, whose workers and clock are not its own.
+    with pytest.raises(NotALog, match="log of a simulated run"):
+        EventLog.open(log)
 
 
 def test_policy_replaces_every_pool_policy() -> None:

@@ -1,0 +1,70 @@
+"""Files deo writes on request (a simulated run's log, a SQLite export, a fitted scenario): what
+each may replace. A path that holds anything else, a deo log of a real run above all, is
+refused and left as it is."""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+
+from adapters.log import SIMULATED, log_header
+from core.errors import DeoError
+
+__all__ = [
+    "OutputRefused",
+    "is_fitted_scenario",
+    "is_simulated_log",
+    "is_sqlite_database",
+    "output_problem",
+]
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+class OutputRefused(DeoError):
+    """An output path deo will not write: a folder, in no folder, or a file it would destroy."""
+
+
+def output_problem(
+    path: Path, *, what: str, replaceable: Callable[[Path], bool], reading: Path | None = None
+) -> str | None:
+    """Why ``path`` must not be written as ``what`` (None: it may): it is a folder, its folder
+    does not exist, it is the file being read (``reading``), or it holds something
+    ``replaceable`` does not accept (an empty file or none at all may be written)."""
+    if path.is_dir():
+        return "is a folder: give a file name"
+    if not path.parent.is_dir():
+        return f"no such folder ({path.parent})"
+    try:
+        if not path.exists() or path.stat().st_size == 0:
+            return None
+        if reading is not None and reading.exists() and path.samefile(reading):
+            return "is the log being read"
+        if replaceable(path):
+            return None
+        held = "a deo event log" if log_header(path) is not None else "a file"
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}"
+    return f"is {held}, not {what}; it is left as it is"
+
+
+def is_simulated_log(path: Path) -> bool:
+    """Whether ``path`` is the log of a simulated run (``deo simulate`` writes over those)."""
+    header = log_header(path)
+    return header is not None and header.get("world") == SIMULATED
+
+
+def is_sqlite_database(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(len(_SQLITE_MAGIC)) == _SQLITE_MAGIC
+
+
+def is_fitted_scenario(path: Path) -> bool:
+    """Whether ``path`` holds a scenario (TOML with a trainer and a duration: one written
+    before; not a ``deo run`` configuration, nor anything else)."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return False
+    return "trainer" in data and "duration_s" in data
