@@ -387,7 +387,8 @@ def _pinned(step: Step, event: e.PoolPinned) -> None:
 def _drain_requested(step: Step, event: e.DrainRequested) -> None:
     worker = step.worker(event.worker_id, event)
     if worker is None:
-        return
+        # An operator who is told "draining" looks for it to finish; it finished before.
+        raise Refused(f"DrainRequested: worker {event.worker_id!r} already exited")
     why = f"operator asked to drain {worker.worker_id}"
     if worker.state in (S.FALLING_ASLEEP, S.SLEEPING):
         # Nothing in flight and its memory (being) released: it exits now.

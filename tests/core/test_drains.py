@@ -17,6 +17,7 @@ from core import (
     PolicySpec,
     PoolSpec,
     Reducer,
+    Refused,
     TerminateWorker,
     Tick,
     WorkerExited,
@@ -305,3 +306,15 @@ def test_the_measured_drains_survive_the_log_and_a_replay() -> None:
     draining = reducer.state.workers[active.worker_id]
     assert draining.drain_started_t == t
     assert decode(encode(draining)) == draining
+
+
+def test_a_drain_of_a_worker_that_already_exited_is_refused() -> None:
+    reducer = running(spec(drain_timeout_s=30.0))
+    drain_once(reducer, T0 + 10, takes_s=2.0)
+    before = reducer.state
+    with pytest.raises(Refused, match="worker 'envs-0' already exited"):
+        reducer.step(DrainRequested(t=T0 + 20, worker_id="envs-0"))
+    assert reducer.state is before
+    # Its replacement drains as asked, and a second request while it drains changes nothing.
+    assert of(DrainWorker, reducer.step(DrainRequested(t=T0 + 21, worker_id="envs-1")))
+    assert reducer.step(DrainRequested(t=T0 + 22, worker_id="envs-1")) == []
