@@ -445,7 +445,9 @@ async def run(
     with anyio.open_signal_receiver(*STOP_SIGNALS, *IGNORED_SIGNALS) as signals:
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_stop_on_signal, signals, runner, tg.cancel_scope, out)
+                tg.start_soon(
+                    _stop_on_signal, signals, runner, tg.cancel_scope, out, settings.drain_on_signal
+                )
                 tg.start_soon(executor.run)
                 tg.start_soon(engines.run)
                 if isinstance(executor, LocalProcesses):
@@ -570,11 +572,15 @@ async def _stop_on_signal(
     runner: Runner,
     scope: anyio.CancelScope,
     out: Callable[[str], None],
+    drain_first: bool,
 ) -> None:
     async for signum in signals:
         name = signal.Signals(signum).name
         if signum not in STOP_SIGNALS:
             out(f"deo: {name}: ignored (deo stops on SIGTERM or SIGINT and reloads nothing)")
+        elif drain_first and not runner.stop_requested.is_set():
+            out(f"deo: {name}: draining every worker, then stopping (again: stop at once)")
+            runner.request_stop(drain=True)
         elif runner.stop_requested.is_set() and runner.drain_on_stop:
             out(
                 f"deo: {name}: stopping now, without waiting for the drain (the workers "

@@ -133,6 +133,7 @@ def _settings(demo: DemoSettings, log: Path, api_url: str, deo_port: int) -> Run
         tick_interval_s=0.5,
         worker_logs=_worker_logs(log),
         api=ApiSettings(port=deo_port, token_env=_TOKEN_ENV),
+        drain_on_signal=True,  # the demo's workers are its own: Ctrl-C ends them too
         # (A static pool reads no queue: deo refuses a source its policy would not read.)
         sources=(
             (AtroposSource(pool="envs", url=api_url, group_size=demo.group_size, interval_s=0.5),)

@@ -91,7 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGTERM, stop)
+    # Ctrl-C reaches the whole demo: end the run as a stop does, with the summary line.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop)
     start = time.monotonic()
     steps = 0
     waited_s = 0.0  # waiting for a batch after the first one arrived

@@ -172,6 +172,10 @@ class RunSettings:
     executor: ExecutorSettings = attrs.field(factory=ExecutorSettings)
     #: The GPU arbiter (``[arbiter]``); None: deo serves none.
     arbiter: ArbiterSettings | None = None
+    #: A first SIGINT or SIGTERM drains every worker and then stops, as ``deo stop --drain``
+    #: does (a second stops at once): for a run whose workers are its own, such as ``deo demo``.
+    #: (``deo run`` leaves its workers running for a restart to adopt.)
+    drain_on_signal: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.arbiter is not None:

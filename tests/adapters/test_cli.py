@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,44 @@ def test_the_demo_log_answers_a_closed_loop_what_if(
     assert re.search(r"^fit error \(.*\):\n  starvation [-+]\d+\.\d\d points", out, re.M), out
     assert "static (count=8)" in out
     assert (cwd / "tmp" / "fitted.toml").is_file()
+
+
+def test_ctrl_c_ends_the_demo_with_its_workers_drained(tmp_path: Path) -> None:
+    # Ctrl-C in a terminal signals the whole foreground process group: the demo, its trainer,
+    # its API server and its env workers, once.
+    command, env = deo_command()
+    log = tmp_path / "c.jsonl"
+    demo = subprocess.Popen(
+        [*command, "demo", "--log", log, "--duration-s", "120"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        assert demo.stdout is not None
+        lines = []
+        for line in demo.stdout:  # until the pool is up and the trainer has taken a step
+            lines.append(line)
+            if re.search(r"trainer step +[1-9]\d* .*envs: [1-9]\d* active", line):
+                break
+        os.killpg(demo.pid, signal.SIGINT)
+        rest, _ = demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait(timeout=30)
+    out = "".join(lines) + rest
+    assert demo.returncode == 0, out
+    assert "deo: stopped; 0 worker(s) left running" in out
+    assert "Traceback" not in out
+    assert "replays exactly" in out
+    # No env worker of this demo (each is given its API server's URL) outlives it.
+    api = re.match(r"deo demo: atroposlib API server on (\S+),", out)
+    assert api is not None, out
+    assert processes_mentioning(f"--api {api.group(1)} ") == []
 
 
 def test_demo_refuses_a_too_short_run(tmp_path: Path) -> None:
