@@ -19,7 +19,7 @@ from core.errors import ConfigError, Refused, UnknownSubject
 from core.lifecycle import ASLEEP, COUNTED, DEADLINE_ACTIONS, Trigger, WorkerState
 from core.policies import POLICY_ALERTS
 from core.records import replace
-from core.state import Gpu, PoolState, State, Worker, split_worker_id
+from core.state import Gpu, State, Worker, split_worker_id
 from core.step import Step, retry_order, unobserved_s
 from core.vocabulary import (
     COUNTED_AT_STOP,
@@ -274,7 +274,7 @@ def _configured(step: Step, event: e.Configured) -> None:
         if pool is None:
             initial = policy.initial_target(spec.min_workers, spec.max_workers)
             pool = step.set_desired(
-                PoolState(spec=spec, desired=0),
+                step.declare_pool(spec),
                 initial,
                 DecisionSource.CONFIG,
                 f"pool {spec.name} declared",
@@ -320,8 +320,7 @@ def _configured(step: Step, event: e.Configured) -> None:
                 step.put_pool(replace(pool, removed=True))
                 step.dirty_pools.add(name)
             else:
-                del step._own("pools")[name]
-                step.resolve_pool_alerts(name, "pool removed")
+                step.forget_pool(pool)
     step.dirty_pools.update(step.pools)  # the GPU inventory may have changed for every pool
 
 
@@ -517,8 +516,8 @@ def check_seen(state: State, worker_id: str, what: str = "heartbeat") -> bool:
         return True
     parsed = split_worker_id(worker_id)
     if parsed is not None:
-        pool = state.pools.get(parsed[0])
-        if pool is not None and parsed[1] < pool.next_index:
+        next_index = state.next_index_of(parsed[0])
+        if next_index is not None and parsed[1] < next_index:
             return False
     raise UnknownSubject(f"{what}: unknown worker {worker_id!r}")
 

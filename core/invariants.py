@@ -135,6 +135,9 @@ def state_violations(state: State) -> list[str]:
             held.target < pool.desired and held.since_t <= min(state.now, held.until_t)
         ):
             found.append(f"4: pool {name} holds back {held} at desired {pool.desired}")
+    for name in state.removed_next_index:
+        if name in state.pools:
+            found.append(f"pool {name} is both declared and removed (a worker id could repeat)")
     for worker in state.workers.values():
         owner = state.pools.get(worker.pool)
         if owner is None:

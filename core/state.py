@@ -267,6 +267,14 @@ class PoolState:
         return self.desired if self.pinned is None else self.pinned
 
 
+def next_index_in(
+    pools: Mapping[str, PoolState], removed_next_index: Mapping[str, int], pool: str
+) -> int | None:
+    """The index the next worker of ``pool`` gets, declared or removed (None: never declared)."""
+    declared = pools.get(pool)
+    return declared.next_index if declared is not None else removed_next_index.get(pool)
+
+
 @replaceable
 @attrs.frozen(slots=True, kw_only=True)
 class State:
@@ -302,6 +310,12 @@ class State:
     )
     #: The GPU arbiter's state (:mod:`core.arbiter`): empty unless ``deo run`` serves one.
     arbiter: ArbiterState = attrs.field(factory=ArbiterState)
+    #: The next worker index of each pool removed (its workers gone): one declared again under
+    #: that name numbers on from there, so no worker id repeats in a log (``deo stop --drain``
+    #: removes every pool; the restart declares them again).
+    removed_next_index: MappingProxyType[str, int] = attrs.field(
+        factory=dict, converter=_read_only, hash=False
+    )
     #: (counted, active) workers per pool that has a counted one: :func:`count_workers` of
     #: ``workers``, kept up to date by each step instead of recounted. Derived, so not compared
     #: and not encoded.
@@ -314,6 +328,10 @@ class State:
         object.__setattr__(
             self, "worker_counts", MappingProxyType(count_workers(self.workers.values()))
         )
+
+    def next_index_of(self, pool: str) -> int | None:
+        """The index the next worker of ``pool`` gets (None: no such pool was ever declared)."""
+        return next_index_in(self.pools, self.removed_next_index, pool)
 
     def workers_of(self, pool: str) -> list[Worker]:
         """Live workers of one pool, oldest first."""

@@ -22,7 +22,15 @@ from core.errors import UnknownSubject
 from core.lifecycle import COUNTED, LEAVING, Trigger, WorkerState, next_state
 from core.policies import BUILT_INS, POLICY_ALERTS, Policy, PolicyCatalog, PolicyContext
 from core.records import replace
-from core.state import Gpu, HeldChange, PoolState, State, Worker, split_worker_id
+from core.state import (
+    Gpu,
+    HeldChange,
+    PoolState,
+    State,
+    Worker,
+    next_index_in,
+    split_worker_id,
+)
 from core.vocabulary import (
     COUNTED_AT_STOP,
     PLANNED_STOPS,
@@ -104,6 +112,7 @@ class Step:
         self.workers: Mapping[str, Worker] = state.workers
         self.gpus: Mapping[str, Gpu] = state.gpus
         self.last_seen: Mapping[str, float] = state.last_seen
+        self.removed_next_index: Mapping[str, int] = state.removed_next_index
         self.worker_counts: Mapping[str, tuple[int, int]] = state.worker_counts
         self.paused_all = state.paused_all
         self.last_tick_t = state.last_tick_t
@@ -178,6 +187,11 @@ class Step:
             workers=MappingProxyType(self.workers) if "workers" in owned else self.workers,
             gpus=MappingProxyType(self.gpus) if "gpus" in owned else self.gpus,
             last_seen=MappingProxyType(self.last_seen) if "last_seen" in owned else self.last_seen,
+            removed_next_index=(
+                MappingProxyType(self.removed_next_index)
+                if "removed_next_index" in owned
+                else self.removed_next_index
+            ),
             worker_counts=(
                 MappingProxyType(self.worker_counts)
                 if "worker_counts" in owned
@@ -206,10 +220,26 @@ class Step:
             return worker
         parsed = split_worker_id(worker_id)
         if parsed is not None:
-            pool = self.pools.get(parsed[0])
-            if pool is not None and parsed[1] < pool.next_index:
+            next_index = next_index_in(self.pools, self.removed_next_index, parsed[0])
+            if next_index is not None and parsed[1] < next_index:
                 return None
         raise UnknownSubject(f"{type(event).__name__}: unknown worker {worker_id!r}")
+
+    def forget_pool(self, pool: PoolState) -> None:
+        """Remove ``pool`` (removed from the configuration, its last worker gone), keeping the
+        index its next worker would have had."""
+        name = pool.spec.name
+        del self._own("pools")[name]
+        self._own("removed_next_index")[name] = pool.next_index
+        self.dirty_pools.discard(name)
+        self.resolve_pool_alerts(name, "pool removed")
+
+    def declare_pool(self, spec: PoolSpec) -> PoolState:
+        """A new pool's state: numbering its workers on from a pool of that name removed before."""
+        next_index = self.removed_next_index.get(spec.name, 0)
+        if spec.name in self.removed_next_index:
+            del self._own("removed_next_index")[spec.name]
+        return PoolState(spec=spec, desired=0, next_index=next_index)
 
     def gpu(self, gpu_id: str, event: e.Event) -> Gpu:
         gpu = self.gpus.get(gpu_id)
@@ -357,9 +387,7 @@ class Step:
         elif worker.attempt:
             pool = self._close_chains(pool, f"{worker.worker_id} stopped")
         if pool.removed and not any(w.pool == pool.spec.name for w in self.workers.values()):
-            del self._own("pools")[pool.spec.name]
-            self.dirty_pools.discard(pool.spec.name)
-            self.resolve_pool_alerts(pool.spec.name, "pool removed")
+            self.forget_pool(pool)
             return
         self.put_pool(pool)
         self.dirty_pools.add(pool.spec.name)

@@ -50,6 +50,8 @@ from core import (
     WorkerReady,
     WorkerStarted,
     WorkerState,
+    decode,
+    encode,
 )
 from core.invariants import state_violations
 from core.records import replace
@@ -163,6 +165,23 @@ def test_removing_a_pool_drains_it_then_forgets_it() -> None:
     commands = reducer.step(WorkerExited(t=3.5, worker_id="envs-1", exit_code=0))
     assert commands == []
     assert "envs" not in reducer.state.pools
+
+
+def test_a_pool_declared_again_numbers_its_workers_on_from_the_removed_one() -> None:
+    # `deo stop --drain` removes every pool; the restart declares them again: a worker id
+    # never repeats in one log (its output file, its token and the postmortem's rows are its).
+    reducer, _ = make(pool())
+    start_all(reducer, 1.0)
+    reducer.step(Configured(t=2.0, config=Config(pools=[])))
+    for t, worker_id in ((3.0, "envs-0"), (3.5, "envs-1")):
+        reducer.step(WorkerExited(t=t, worker_id=worker_id, exit_code=0))
+    assert "envs" not in reducer.state.pools
+    assert decode(encode(reducer.state)) == reducer.state  # what a snapshot keeps
+    # A late report about a worker of the removed pool is a no-op, as for a declared one.
+    assert reducer.step(WorkerExited(t=4.0, worker_id="envs-1", exit_code=0)) == []
+    commands = reducer.step(Configured(t=5.0, config=Config(pools=[pool()])))
+    assert sorted(s.worker_id for s in of(SpawnWorker, commands)) == ["envs-2", "envs-3"]
+    assert "envs" not in reducer.state.removed_next_index
 
 
 def test_removing_a_held_gpu_is_refused_and_changes_nothing() -> None:
