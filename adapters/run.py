@@ -284,7 +284,7 @@ async def run(
             else "every endpoint, reads included, needs the operator token"
         )
         out(f"deo: warning: the API listens on {api.host}, beyond loopback: {reads}")
-    clock = time.time  # wall time: it must keep meaning the same across restarts
+    clock = steady_wall_clock()
     # Everything that can fail at start-up fails before any worker is touched.
     try:
         # The configuration carries the device ids, so the core writes each worker's
@@ -590,6 +590,15 @@ async def _stop_on_signal(
         else:
             out(f"deo: {name}: stopping (workers keep running)")
             scope.cancel()
+
+
+def steady_wall_clock() -> Callable[[], float]:
+    """Wall time as of now, advancing with the monotonic clock from here: it means the same
+    across restarts (the log's times are wall times), and a step of the system clock while
+    deo runs (NTP, a VM restored) moves no deadline. (The core never lets time go back, so a
+    step back would otherwise hold every grace, drain and backoff for as long as the step.)"""
+    origin = time.time() - time.monotonic()
+    return lambda: origin + time.monotonic()
 
 
 def drain_all_wait_s(state: State, now: float) -> float:

@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +24,8 @@ import httpx
 import pytest
 from spawned import alive, kill_marked, marked_processes
 from waiting import wait_for
+
+from adapters.run import steady_wall_clock
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "test-operator-token"
@@ -597,3 +600,17 @@ def test_a_second_deo_on_the_same_log_is_refused(deo: Callable[[str], Deo]) -> N
         and r["event"]["@"] in {"WorkerAdopted", "WorkerLost", "WorkerStarted"}
     ] == []
     verified(d)
+
+
+def test_deos_clock_goes_on_through_a_step_back_of_the_system_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An NTP step or a restored VM moves the wall clock; deo's deadlines (grace, drain,
+    # backoff) must not wait for it to come back.
+    clock = steady_wall_clock()
+    before = clock()
+    assert abs(before - time.time()) < 5.0  # wall time: the log means the same across restarts
+    stepped = time.time() - 3600.0
+    monkeypatch.setattr(time, "time", lambda: stepped)
+    after = clock()
+    assert before <= after < before + 60.0
