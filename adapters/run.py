@@ -659,8 +659,13 @@ async def _stop_on_request(
         await runner.submit(Configured(t=runner.clock(), config=drained))
         bound_s = drain_all_wait_s(runner.state, runner.clock())
         with anyio.move_on_after(bound_s + 10 * runner.tick_interval_s):
-            while runner.state.workers:
+            while runner.state.workers and not runner.stop_now.is_set():
                 await anyio.sleep(0.2)
+        if runner.stop_now.is_set():
+            out(
+                "deo: stop requested without a drain: stopping now (the workers keep "
+                "draining; a restart adopts them)"
+            )
     out("deo: stop requested")
     scope.cancel()
 

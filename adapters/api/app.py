@@ -62,7 +62,7 @@ from adapters.api.serving import listen, serve
 from adapters.describe import pool_summary
 from adapters.engine_endpoints import engine_figures
 from adapters.runtime.arbiter import ArbiterBoard
-from adapters.runtime.runner import Runner
+from adapters.runtime.runner import Runner, Stopping
 from core import (
     AutoscalingPaused,
     AutoscalingResumed,
@@ -601,6 +601,9 @@ def build_app(
             _authorize(request, accepted)
             body = await _read_object(request, max_body_bytes)
             event = build(request, body, runner.clock())
+            if runner.stop_requested.is_set():
+                # A pin or a drain while every pool is being removed would only be undone.
+                raise Stopping("deo is stopping: it takes no more actions")
             commands = await runner.submit(event)
             return _json(_commands_json(commands))
 

@@ -94,10 +94,16 @@ class Runner:
         #: Set by :meth:`request_stop`; ``deo run`` watches it.
         self.stop_requested = anyio.Event()
         self.drain_on_stop = False
+        #: Set by a stop without a drain asked for while a drain before stopping goes on: stop
+        #: at once, as a second signal does (the workers keep draining; a restart adopts them).
+        self.stop_now = anyio.Event()
         self.liveness = Liveness()
 
     def request_stop(self, *, drain: bool) -> None:
-        """Ask ``deo run`` to stop, after draining every worker when ``drain`` is true."""
+        """Ask ``deo run`` to stop, after draining every worker when ``drain`` is true (a stop
+        without a drain during one ends the wait for it)."""
+        if self.stop_requested.is_set() and self.drain_on_stop and not drain:
+            self.stop_now.set()
         self.drain_on_stop = self.drain_on_stop or drain
         self.stop_requested.set()
 

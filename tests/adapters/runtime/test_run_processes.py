@@ -313,6 +313,41 @@ def test_sigterms_during_a_stop_never_end_deo_uncleanly(
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_a_plain_stop_during_a_drain_stop_stops_at_once(
+    deo: Callable[[str], Deo], tmp_path: Path
+) -> None:
+    stubborn = script(tmp_path, "stubborn.py", STUBBORN)
+    d = deo(
+        pool(
+            "envs",
+            [sys.executable, stubborn],
+            min_workers=0,
+            max_workers=1,
+            drain_timeout_s=600.0,
+            stop_timeout_s=600.0,
+        )
+    )
+    d.start()
+    [worker] = wait_for("the worker", lambda: d.workers("active"))
+    log = d.worker_log(worker)
+    wait_for("the worker's handlers", lambda: log.exists() and "child" in log.read_text())
+    assert d.post("/v1/stop", {"drain": True}).status_code == 200
+    wait_for("the drain", lambda: "DrainWorker" in d.log.read_text())
+    # Actions while deo stops would only be undone: refused, not taken.
+    pinned = d.post("/v1/pools/envs/pin", {"count": 1})
+    assert pinned.status_code == 503 and "stopping" in pinned.json()["error"]
+    # The drain would take ten minutes; a stop without one ends the wait (a second signal's
+    # way), and the worker goes on draining for a restart to adopt.
+    assert d.post("/v1/stop", {"drain": False}).status_code == 200
+    assert d.process is not None
+    assert d.process.wait(timeout=60) == 0, d.output()
+    assert "stop requested without a drain: stopping now" in d.output()
+    assert "deo: stopped; 1 worker(s) left running" in d.output()
+    assert alive(worker["pid"])
+    proc = d.replay()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_sighup_and_sigusr_are_logged_and_ignored(deo: Callable[[str], Deo]) -> None:
     d = deo(pool("envs", [sys.executable, str(WELL_BEHAVED), "0.2"], min_workers=1))
     d.start()
