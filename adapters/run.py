@@ -299,12 +299,8 @@ async def run(
     except DeoError as exc:
         out(f"deo: {exc}")
         return 2
-    try:
-        # Made before anything is written: a worker's output has nowhere else to go.
-        settings.worker_logs.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        why = "a file, not a folder" if settings.worker_logs.is_file() else exc.strerror
-        out(f"deo: deo.worker_logs {settings.worker_logs}: cannot make the folder: {why}")
+    if settings.worker_logs.exists() and not settings.worker_logs.is_dir():
+        out(f"deo: deo.worker_logs {settings.worker_logs}: a file, not a folder")
         return 2
     try:
         sock = listen(settings.api.host, settings.api.port)
@@ -323,6 +319,15 @@ async def run(
         sock.close()
         out(f"deo: {exc}")
         return 3 if isinstance(exc, LogWriteFailed) else 2
+    try:
+        # Made once the log is known to be deo's, and before any worker: a worker's output
+        # has nowhere else to go.
+        settings.worker_logs.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        event_log.close()
+        sock.close()
+        out(f"deo: deo.worker_logs {settings.worker_logs}: cannot make the folder: {exc.strerror}")
+        return 2
     for problem in recovery.problems:
         out(f"deo: {settings.log}: {problem}")
     for note in recovery.notes:

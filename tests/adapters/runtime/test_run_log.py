@@ -138,6 +138,20 @@ def test_a_file_that_is_not_a_deo_log_is_refused_and_left_untouched(
     assert d.workers() == []
 
 
+def test_a_worker_logs_path_that_is_a_file_stops_start_up_before_the_log_is_written(
+    deo: Callable[..., Deo],
+) -> None:
+    d = deo(extra='worker_logs = "notes.txt"\n')
+    (d.dir / "notes.txt").write_text("mine\n")
+    status, output = finished(d.start())
+    assert status == 2, output
+    assert "deo.worker_logs" in output and "a file, not a folder" in output
+    assert "Traceback" not in output
+    assert not d.log.exists()
+    assert (d.dir / "notes.txt").read_text() == "mine\n"
+    assert d.workers() == []
+
+
 def test_a_file_size_limit_stops_deo_with_one_line_and_leaves_the_workers(
     deo: Callable[..., Deo],
 ) -> None:
