@@ -211,6 +211,9 @@ def _json_kind(value: object) -> str:
     kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
     if value is None:
         return "null"
+    if isinstance(value, float):
+        # A whole number too large for an integer arrives as a float: say which one.
+        return f"the number {value!r}"
     return kinds.get(type(value), "a number")
 
 

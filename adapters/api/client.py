@@ -344,6 +344,10 @@ class Action:
     request: Callable[[argparse.Namespace], tuple[str, dict[str, Any]]]
     #: What was asked, for the line printed once deo accepted it.
     done: Callable[[argparse.Namespace], str]
+    #: The command the action exists to bring about, and what to print when deo's answer
+    #: holds none (the thing was already so): an operator is not told of a change not made.
+    effect: str | None = None
+    already: Callable[[argparse.Namespace], str] | None = None
 
 
 def _count(text: str) -> int:
@@ -423,12 +427,16 @@ ACTIONS: dict[str, Action] = {
         arguments=(("gpu", "the GPU id as configured"),),
         request=lambda a: (f"/v1/gpus/{_segment(a.gpu)}/cordon", {}),
         done=lambda a: f"GPU {a.gpu} cordoned",
+        effect="CordonGpu",
+        already=lambda a: f"GPU {a.gpu} was already cordoned by an operator: nothing changed",
     ),
     "uncordon": Action(
         help="lift an operator's or a hardware cordon from a GPU",
         arguments=(("gpu", "the GPU id as configured"),),
         request=lambda a: (f"/v1/gpus/{_segment(a.gpu)}/uncordon", {}),
         done=lambda a: f"GPU {a.gpu} uncordoned",
+        effect="UncordonGpu",
+        already=lambda a: f"GPU {a.gpu} was not cordoned: nothing changed",
     ),
 }
 
@@ -459,8 +467,12 @@ def act(verb: str, args: argparse.Namespace) -> int:
     except _Answered as exc:
         print(f"deo {verb}: {exc}", file=sys.stderr)
         return 1
-    print(f"deo {verb}: {action.done(args)}")
     commands = answer.get("commands", []) if isinstance(answer, dict) else []
+    types = {command.get("type") for command in commands}
+    if action.effect is not None and action.already is not None and action.effect not in types:
+        print(f"deo {verb}: {action.already(args)}")
+    else:
+        print(f"deo {verb}: {action.done(args)}")
     for command in commands:
         print(f"  {command.get('type')}: {command.get('reason')}")
     return 0

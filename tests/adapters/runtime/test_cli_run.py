@@ -120,10 +120,21 @@ def test_actions_reach_deo_through_its_config_file(deo: Callable[[str], Deo]) ->
     assert run("resume").stdout == "deo resume: autoscaling resumed for every pool\n"
     assert d.status()["pools"]["envs"]["paused"] is False
 
-    assert run("cordon", "0").returncode == 0
+    cordoned = run("cordon", "0")
+    assert cordoned.returncode == 0, cordoned.stderr
+    assert cordoned.stdout.startswith("deo cordon: GPU 0 cordoned\n")
     assert d.status()["gpus"][0]["causes"] == ["operator"]
-    assert run("uncordon", "0").returncode == 0
+    again = run("cordon", "0")
+    assert again.stdout == (
+        "deo cordon: GPU 0 was already cordoned by an operator: nothing changed\n"
+    )
+    uncordoned = run("uncordon", "0")
+    assert uncordoned.returncode == 0, uncordoned.stderr
+    assert uncordoned.stdout.startswith("deo uncordon: GPU 0 uncordoned\n")
     assert d.status()["gpus"][0]["causes"] == []
+    again = run("uncordon", "0")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == "deo uncordon: GPU 0 was not cordoned: nothing changed\n"
 
     unknown = run("cordon", "7")
     assert unknown.returncode == 1
