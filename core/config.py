@@ -238,6 +238,8 @@ class PoolSpec:
             )
         if not self.argv or not all(isinstance(a, str) for a in self.argv):
             raise ConfigError(f"{where}.argv: must be a non-empty list of strings")
+        if not self.argv[0].strip():
+            raise ConfigError(f"{where}.argv: its first item, the program to run, is empty")
         for arg in self.argv:
             try:
                 fields = [field for _, field, _, _ in string.Formatter().parse(arg)]

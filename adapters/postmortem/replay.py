@@ -65,7 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--what-if-seeds",
         dest="what_if_seeds",
         type=int,
-        default=3,
         metavar="N",
         help="seeds each --what-if configuration is simulated under (default 3)",
     )
@@ -106,6 +105,14 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         if problem is not None:
             print(f"deo replay: --fitted-out {fitted_out} {problem}", file=sys.stderr)
             return 2
+    what_if_seeds: int | None = getattr(args, "what_if_seeds", None)
+    if what_if_seeds is not None and not what_if:
+        print(
+            f"deo replay: --what-if-seeds {what_if_seeds} sets how many seeds each --what-if "
+            f"configuration runs under: give --what-if too",
+            file=sys.stderr,
+        )
+        return 2
     if what_if:
         if args.set:
             print(
@@ -120,7 +127,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             return whatif.run_what_if(
                 path,
                 what_if,
-                seeds=getattr(args, "what_if_seeds", 3),
+                seeds=3 if what_if_seeds is None else what_if_seeds,
                 fitted_out=fitted_out,
                 out=out,
             )

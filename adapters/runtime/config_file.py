@@ -54,6 +54,10 @@ __all__ = [
 EXECUTOR_KINDS = ("local", "ray")
 
 
+#: The shortest tick a configuration file may ask for.
+MIN_TICK_INTERVAL_S = 0.01
+
+
 @attrs.frozen(slots=True, kw_only=True)
 class ExecutorSettings:
     """Where workers run (``[executor]``): ``kind = "local"`` (processes on this machine) or
@@ -187,6 +191,12 @@ class RunSettings:
                 )
         if not (math.isfinite(self.tick_interval_s) and self.tick_interval_s > 0):
             raise ConfigError(f"deo.tick_interval_s must be > 0, got {self.tick_interval_s}")
+        if self.tick_interval_s < MIN_TICK_INTERVAL_S:
+            # Every tick is a log record: a microsecond tick fills the disk, not the trainer.
+            raise ConfigError(
+                f"deo.tick_interval_s must be >= {MIN_TICK_INTERVAL_S:g} (each tick is a log "
+                f"record), got {self.tick_interval_s:g}"
+            )
         if self.snapshot_every < 1:
             raise ConfigError(f"deo.snapshot_every must be >= 1, got {self.snapshot_every}")
         if self.segment_bytes < 0:

@@ -347,6 +347,16 @@ def test_bad_what_ifs_exit_2_with_a_clear_message(
     assert proc.stdout == ""
 
 
+def test_what_if_seeds_without_a_what_if_is_refused(recorded: Path, tmp_path: Path) -> None:
+    proc = deo("replay", recorded, "--what-if-seeds", "5", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == (
+        "deo replay: --what-if-seeds 5 sets how many seeds each --what-if configuration runs "
+        "under: give --what-if too\n"
+    )
+    assert proc.stdout == ""
+
+
 def test_a_log_with_no_configuration_cannot_be_fitted(tmp_path: Path) -> None:
     log = tmp_path / "empty.jsonl"
     log.write_text('{"kind": "header", "schema": 1, "deo": "0.1.0", "created": "x"}\n')

@@ -95,6 +95,10 @@ def test_a_full_config_becomes_the_cores_config(tmp_path: Path) -> None:
         (("[deo]", "[dep]"), r"dep: unknown key"),
         (("max_workers = 4", "max_workers = 4 ="), r"not valid TOML"),
         (("[deo]", "[deo]\ntick_interval_s = 0"), r"deo\.tick_interval_s must be > 0"),
+        (
+            ("[deo]", "[deo]\ntick_interval_s = 1e-9"),
+            r"deo\.tick_interval_s must be >= 0\.01 \(each tick is a log record\), got 1e-09",
+        ),
         (("[deo]", "[deo]\nsnapshot_every = 0"), r"deo\.snapshot_every must be >= 1"),
         (("[deo]", "[api]\nport = 70000\n[deo]"), r"api\.port: 70000 is not in 0-65535"),
         (("[deo]", '[api]\nhost = ""\n[deo]'), r"api\.host: empty"),
