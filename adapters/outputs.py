@@ -8,11 +8,15 @@ import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
+import orjson
+
 from adapters.log import SIMULATED, log_header
 from core.errors import DeoError
 
 __all__ = [
+    "DEMO_ENV_MODULE",
     "OutputRefused",
+    "is_demo_log",
     "is_fitted_scenario",
     "is_simulated_log",
     "is_sqlite_database",
@@ -20,6 +24,9 @@ __all__ = [
 ]
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
+#: The module ``deo demo``'s env workers run (``python -m deo_worker.demo_env``).
+DEMO_ENV_MODULE = "deo_worker.demo_env"
+_MAX_CONFIGURED_BYTES = 1 << 20
 
 
 class OutputRefused(DeoError):
@@ -37,6 +44,9 @@ def output_problem(
     if not path.parent.is_dir():
         return f"no such folder ({path.parent})"
     try:
+        if path.exists() and not path.is_file():
+            # A device or a pipe reads as empty, and writing one means deleting it first.
+            return "is not a regular file (a device, a pipe, a socket): give a file name"
         if not path.exists() or path.stat().st_size == 0:
             return None
         if reading is not None and reading.exists() and path.samefile(reading):
@@ -53,6 +63,22 @@ def is_simulated_log(path: Path) -> bool:
     """Whether ``path`` is the log of a simulated run (``deo simulate`` writes over those)."""
     header = log_header(path)
     return header is not None and header.get("world") == SIMULATED
+
+
+def is_demo_log(path: Path) -> bool:
+    """Whether ``path`` is the log of a ``deo demo`` run: a deo log whose configuration runs
+    only the demo's env workers (``deo demo`` writes over those, nothing else)."""
+    if log_header(path) is None:
+        return False
+    with path.open("rb") as f:
+        f.readline()
+        configured = f.readline(_MAX_CONFIGURED_BYTES)
+    try:
+        record = orjson.loads(configured)
+        pools = record["event"]["config"]["pools"]
+        return bool(pools) and all(DEMO_ENV_MODULE in pool["argv"] for pool in pools)
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return False
 
 
 def is_sqlite_database(path: Path) -> bool:

@@ -49,31 +49,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             description=engine_sim.HELP + " (see adapters/sim/engines.py)",
         )
     )
+    # The scenario benchmark's options default to None, so that one given before `soak` or
+    # `engines` (which it would not reach) is told apart from one not given.
     parser.add_argument(
         "--scenarios",
         type=Path,
-        default=harness.DEFAULT_SCENARIOS,
         metavar="DIR",
         help="directory of scenario files (*.toml); default: bench/scenarios",
     )
     parser.add_argument(
         "--only",
         nargs="+",
-        default=[],
         metavar="NAME",
         help="run only these scenarios (file names without .toml)",
     )
     parser.add_argument(
         "--out",
+        dest="bench_out",
         type=Path,
-        default=harness.DEFAULT_OUT,
         metavar="FILE",
         help="markdown file whose deo_bench section is rewritten; default: docs/benchmarks.md",
     )
     parser.add_argument(
         "--seeds",
         type=_seeds,
-        default=DEFAULT_SEEDS,
         metavar="N",
         help=f"run every scenario under N seeds (its own and the next ones); tables give the "
         f"mean and the worst, targets are judged on every seed; default {DEFAULT_SEEDS}",
@@ -81,7 +80,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plots",
         type=Path,
-        default=harness.DEFAULT_PLOTS,
         metavar="DIR",
         help="directory for one PNG per scenario; default: docs/bench",
     )
@@ -110,17 +108,27 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
+#: The scenario benchmark's options: (flag, dest, default).
+_SCENARIO_OPTIONS: tuple[tuple[str, str, object], ...] = (
+    ("--scenarios", "scenarios", harness.DEFAULT_SCENARIOS),
+    ("--only", "only", []),
+    ("--out", "bench_out", harness.DEFAULT_OUT),
+    ("--seeds", "seeds", DEFAULT_SEEDS),
+    ("--plots", "plots", harness.DEFAULT_PLOTS),
+)
+
+
 def command_line(args: argparse.Namespace) -> str:
     """The ``deo bench`` invocation ``args`` stand for, with the defaults left out."""
     words = ["deo", "bench"]
     for flag, value, default in (
         ("--scenarios", args.scenarios, harness.DEFAULT_SCENARIOS),
-        ("--out", args.out, harness.DEFAULT_OUT),
+        ("--out", args.bench_out, harness.DEFAULT_OUT),
         ("--plots", args.plots, harness.DEFAULT_PLOTS),
     ):
-        if Path(value).resolve() != default.resolve():
+        if value is not None and Path(value).resolve() != default.resolve():
             words += [flag, _shown(Path(value))]
-    if args.seeds != DEFAULT_SEEDS:
+    if args.seeds not in (None, DEFAULT_SEEDS):
         words += ["--seeds", str(args.seeds)]
     if args.only:
         words += ["--only", *args.only]
@@ -129,10 +137,24 @@ def command_line(args: argparse.Namespace) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Run the command; returns the exit status."""
+    if args.bench is not None:
+        given = [flag for flag, dest, _ in _SCENARIO_OPTIONS if getattr(args, dest, None)]
+        if given:
+            print(
+                f"deo bench {args.bench}: {', '.join(given)}: "
+                f"{'an option' if len(given) == 1 else 'options'} of the scenario benchmark "
+                f"(`deo bench` alone), not of `deo bench {args.bench}`; see "
+                f"`deo bench {args.bench} --help`",
+                file=sys.stderr,
+            )
+            return 2
     if args.bench == "soak":
         return soak.run(args, ["deo", "bench", "soak"])
     if args.bench == "engines":
         return engine_sim.run(args)
+    for _, dest, default in _SCENARIO_OPTIONS:
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, default)
 
     def progress(line: str) -> None:
         print(line, flush=True)
@@ -141,7 +163,7 @@ def main(args: argparse.Namespace) -> int:
         harness.run_bench(
             args.scenarios,
             only=args.only,
-            out=args.out,
+            out=args.bench_out,
             plots_dir=args.plots,
             command=command_line(args),
             progress=progress,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -754,9 +755,31 @@ def replace_section(
 def check_out(out: Path, marks: tuple[str, str] = (START_MARK, END_MARK)) -> None:
     """Check, before a bench runs, that its section (``marks``) of ``out`` can be written.
 
-    Raises :class:`BenchError` naming ``out`` when it cannot be read or its markers are broken.
+    Raises :class:`BenchError` naming ``out`` when it is a folder or a scenario, cannot be read
+    or written, or its markers are broken.
     """
+    if out.is_dir():
+        raise BenchError(f"--out {out}: a folder; give the markdown file to write")
+    if out.suffix == ".toml":
+        raise BenchError(f"--out {out}: a .toml file (a scenario?); give a markdown file")
+    _check_writable_folder(out.parent, f"--out {out}")
     replace_section(_read_out(out), "", where=f"--out {out}", marks=marks)
+
+
+def check_plots_dir(plots_dir: Path) -> None:
+    """Make ``plots_dir`` before a bench runs (:class:`BenchError` where it cannot be)."""
+    if plots_dir.exists() and not plots_dir.is_dir():
+        raise BenchError(f"--plots {plots_dir}: a file, not a folder")
+    _check_writable_folder(plots_dir, f"--plots {plots_dir}")
+
+
+def _check_writable_folder(folder: Path, where: str) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BenchError(f"{where}: cannot make its folder {folder}: {exc.strerror}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise BenchError(f"{where}: its folder {folder} is not writable")
 
 
 def write_section(out: Path, section: str, marks: tuple[str, str] = (START_MARK, END_MARK)) -> None:
@@ -773,11 +796,15 @@ def _read_out(out: Path) -> str:
 
 
 def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path``'s text at once (a link: the file it points to), keeping its mode."""
+    path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
+    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644
     with tempfile.NamedTemporaryFile(
         "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", delete=False
     ) as tmp:
         tmp.write(text)
+    os.chmod(tmp.name, mode)
     os.replace(tmp.name, path)
 
 
@@ -913,6 +940,7 @@ def run_bench(
         raise BenchError(f"--seeds {seeds}: at least 1")
     scenarios = _load_all(find_scenarios(scenarios_dir, only))
     check_out(out)
+    check_plots_dir(plots_dir)
     reports = []
     plots: dict[str, Path] = {}
     for i, (path, scenario) in enumerate(scenarios, 1):

@@ -41,6 +41,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from adapters.demo.summary import RunFacts, StaticEstimate, facts_of, render, simulate_static
 from adapters.log import segments, snapshot_path
+from adapters.outputs import DEMO_ENV_MODULE, is_demo_log, output_problem
 from adapters.postmortem.engine import replay
 from adapters.runtime.config_file import ApiSettings, RunSettings
 from adapters.sources.atropos import AtroposSource
@@ -51,6 +52,10 @@ from deo_worker.demo_env import DemoEnvSettings
 __all__ = ["DemoOutcome", "DemoSettings", "measure_demo", "run_demo"]
 
 _TOKEN_ENV = "DEO_DEMO_TOKEN"
+
+
+#: The longest demo run: a demo is a minute, not a service.
+DEMO_MAX_DURATION_S = 86_400.0
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -73,6 +78,11 @@ class DemoSettings:
     def __attrs_post_init__(self) -> None:
         if not self.duration_s >= 10:
             raise ValueError(f"--duration-s: at least 10 seconds, got {self.duration_s:g}")
+        if not self.duration_s <= DEMO_MAX_DURATION_S:
+            raise ValueError(
+                f"--duration-s: at most {DEMO_MAX_DURATION_S:g} seconds (a day), got "
+                f"{self.duration_s:g}"
+            )
         if self.policy not in ("buffer", "static"):
             raise ValueError(f"policy: 'buffer' or 'static', got {self.policy!r}")
 
@@ -98,7 +108,7 @@ def _free_port() -> int:
 
 
 def _settings(demo: DemoSettings, log: Path, api_url: str, deo_port: int) -> RunSettings:
-    argv = [sys.executable, "-m", "deo_worker.demo_env", "--api", api_url]
+    argv = [sys.executable, "-m", DEMO_ENV_MODULE, "--api", api_url]
     argv += ["--group-size", str(demo.group_size), "--latency-s", str(demo.group_latency_s)]
     argv += ["--groups-in-flight", str(demo.groups_in_flight), "--seed", "{index}"]
     # The buffer policy's time constants, shortened to fit a one-minute run.
@@ -296,7 +306,15 @@ def measure_demo(
         )
         return 2, None
     log = log.absolute()
-    log.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        out(f"deo demo: --log {log}: cannot make its folder: {exc.strerror}")
+        return 2, None
+    problem = output_problem(log, what="a demo run's log", replaceable=is_demo_log)
+    if problem is not None:
+        out(f"deo demo: --log {log} {problem}")
+        return 2, None
     # A fresh run each time: this log and everything deo keeps beside it are the demo's own.
     beside = (
         snapshot_path(log),

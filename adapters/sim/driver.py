@@ -34,7 +34,11 @@ def _make_way(path: Path) -> None:
     problem = output_problem(path, what="a simulated run's log", replaceable=is_simulated_log)
     if problem is not None:
         raise OutputRefused(f"{path} {problem}")
-    for stale in (path, snapshot_path(path)):
+    snapshot = snapshot_path(path)
+    if snapshot.exists() and not path.exists():
+        # A snapshot is replaced with the log it belongs to, never on its own.
+        raise OutputRefused(f"{path}: {snapshot} lies beside no log; it is left as it is")
+    for stale in (path, snapshot):
         stale.unlink(missing_ok=True)
 
 

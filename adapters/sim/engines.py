@@ -29,6 +29,7 @@ import heapq
 import math
 import random
 import statistics
+import sys
 
 import attrs
 
@@ -56,6 +57,10 @@ __all__ = ["HELP", "EngineScenario", "EngineSimResult", "add_arguments", "run", 
 
 _STEP_S = 0.25
 _FIRST_PORT = 18000
+
+
+#: The longest engine scenario: a week of simulated time.
+MAX_ENGINE_DURATION_S = 7 * 86_400.0
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -88,6 +93,17 @@ class EngineScenario:
     drain_timeout_s: float = 30.0
     deo_drain_timeout_s: float = 300.0
     sample_interval_s: float = 2.0
+
+    def __attrs_post_init__(self) -> None:
+        for name, low, high in (
+            ("duration_s", 1.0, MAX_ENGINE_DURATION_S),
+            ("wake_s", 1.0, 3600.0),
+            ("cold_start_s", 1.0, 3600.0),
+        ):
+            value = getattr(self, name)
+            if not low <= value <= high:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag}: from {low:g} to {high:g} seconds, got {value:g}")
 
     def rate_at(self, t: float) -> float:
         rate = 0.0
@@ -413,13 +429,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Simulate the scenario ``args`` describe and print one line per controller."""
-    scenario = EngineScenario(
-        duration_s=args.duration_s,
-        seed=args.seed,
-        wake_s=args.wake_s,
-        cold_start_s=args.cold_start_s,
-    )
+    """Simulate the scenario ``args`` describe and print one line per controller (2: bad
+    input)."""
+    try:
+        scenario = EngineScenario(
+            duration_s=args.duration_s,
+            seed=args.seed,
+            wake_s=args.wake_s,
+            cold_start_s=args.cold_start_s,
+        )
+    except ValueError as exc:
+        print(f"deo bench engines: {exc}", file=sys.stderr)
+        return 2
     print(f"engine scenario: {scenario}")
     for result in simulate_engines(scenario):
         shown = [

@@ -14,6 +14,9 @@ import pytest
 from conftest import deo_command
 
 from adapters.log import VERSION
+from adapters.outputs import is_demo_log
+
+DEMO_LOG = Path(__file__).parent / "postmortem" / "data" / "demo_60s.jsonl"
 
 
 def deo(*args: Any, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -184,6 +187,24 @@ def test_demo_refuses_a_too_short_run(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "--duration-s: at least 10 seconds" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("duration", ["inf", "nan", "1e9"])
+def test_demo_refuses_an_endless_run(tmp_path: Path, duration: str) -> None:
+    proc = deo("demo", "--duration-s", duration, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "--duration-s: " in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_demo_writes_over_its_own_log_and_nothing_else(tmp_path: Path) -> None:
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text("my notes\n")
+    proc = deo("demo", "--log", notes, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"--log {notes} is a file, not a demo run's log; it is left as it is" in proc.stdout
+    assert notes.read_text() == "my notes\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.jsonl"]
+    assert is_demo_log(DEMO_LOG)  # an earlier demo's log is one it writes over
 
 
 def test_version(tmp_path: Path) -> None:

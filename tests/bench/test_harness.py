@@ -33,6 +33,7 @@ from bench.harness import (
     lineup,
     render_section,
     replace_section,
+    write_atomically,
 )
 from core import PolicySpec
 
@@ -241,6 +242,31 @@ def test_bad_input_exits_2_with_a_clear_message_and_writes_nothing(
     assert (tmp_path / "broken.md").read_text() == f"text\n{START_MARK}\nno end marker\n"
     assert not (tmp_path / "plots").exists()
     assert done.stdout == ""  # nothing ran
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--out", "scenarios/steady.toml"], "--out scenarios/steady.toml: a .toml file"),
+        (["--out", "scenarios"], "--out scenarios: a folder"),
+        (["--plots", "out.md"], "--plots out.md: a file, not a folder"),
+        (["--out", "out.md/x.md"], "--out out.md/x.md: cannot make its folder"),
+    ],
+)
+def test_outputs_that_cannot_be_written_are_refused_before_anything_runs(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    write_scenarios(tmp_path / "scenarios")
+    (tmp_path / "out.md").write_text("untouched\n")
+    given = {"--out": "out.md", "--plots": "plots"} | dict(zip(args[::2], args[1::2], strict=True))
+    done = deo_bench(
+        "--scenarios", "scenarios", *(word for item in given.items() for word in item), cwd=tmp_path
+    )
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.startswith(f"deo bench: error: {message}"), done.stderr
+    assert done.stdout == ""  # nothing ran
+    assert (tmp_path / "out.md").read_text() == "untouched\n"
+    assert (tmp_path / "scenarios" / "steady.toml").read_text() == STEADY
 
 
 def test_a_bad_scenario_names_its_key(tmp_path: Path) -> None:
@@ -495,3 +521,17 @@ def test_the_worker_hours_target_reads_plainly_when_the_oracle_held_no_worker() 
     assert hours.value == "0.50 (the oracle held no worker)"
     assert not hours.ok  # 0.5 worker-hours against the oracle's none
     assert check_targets(report)[1].value == "0.50 = 0.06 x 9.00"
+
+
+def test_a_rewritten_report_keeps_its_mode_and_its_link(tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("before\n")
+    doc.chmod(0o664)
+    link = tmp_path / "link.md"
+    link.symlink_to(doc)
+    write_atomically(link, "after\n")
+    assert link.is_symlink() and doc.read_text() == "after\n"
+    assert doc.stat().st_mode & 0o777 == 0o664
+    fresh = tmp_path / "new.md"
+    write_atomically(fresh, "x\n")
+    assert fresh.stat().st_mode & 0o777 == 0o644

@@ -41,3 +41,26 @@ def test_deo_bench_engines_prints_a_line_per_controller(capsys: pytest.CaptureFi
         "controller verl",
         "controller deo",
     ]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["engines", "--duration-s", "nan"], "deo bench engines: --duration-s: from 1 to 604800"),
+        (["engines", "--duration-s", "-5"], "deo bench engines: --duration-s: from 1"),
+        (["engines", "--wake-s", "-1"], "deo bench engines: --wake-s: from 1 to 3600"),
+        (["engines", "--cold-start-s", "inf"], "deo bench engines: --cold-start-s: from 1"),
+        # An option of the scenario benchmark given before a subcommand would not reach it.
+        (["--seeds", "5", "engines"], "deo bench engines: --seeds: an option of the scenario"),
+        (["--out", "x.md", "--plots", "p", "soak"], "deo bench soak: --out, --plots: options"),
+    ],
+)
+def test_deo_bench_refuses_what_its_subcommand_would_not_use(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    assert bench_cli.main(parser.parse_args(args)) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(message), captured.err
+    assert captured.out == ""

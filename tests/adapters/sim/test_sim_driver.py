@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +11,7 @@ import attrs
 import orjson
 import pytest
 
-from adapters.log import EventLog, NotALog
+from adapters.log import EventLog, NotALog, snapshot_path
 from adapters.outputs import OutputRefused
 from adapters.postmortem.engine import replay
 from adapters.sim.driver import SimResult, simulate
@@ -88,6 +90,18 @@ def test_a_log_is_written_afresh_over_a_simulated_one_only(tmp_path: Path) -> No
             simulate(short("steady", 50.0), log_path=path)
         assert (path.read_bytes() if path.is_file() else None) == before
     assert not (tmp_path / "no").exists()
+    # A pipe reads as empty, but writing it would mean deleting it.
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    with pytest.raises(OutputRefused, match="is not a regular file"):
+        simulate(short("steady", 50.0), log_path=pipe)
+    assert stat.S_ISFIFO(pipe.stat().st_mode)
+    # A snapshot with no log beside it is not this run's to delete.
+    orphan = tmp_path / "mine.jsonl"
+    snapshot_path(orphan).write_text("mine\n")
+    with pytest.raises(OutputRefused, match="lies beside no log"):
+        simulate(short("steady", 50.0), log_path=orphan)
+    assert snapshot_path(orphan).read_text() == "mine\n" and not orphan.exists()
     # And deo run's log refuses a simulated run's, whose workers and clock are not its own.
     with pytest.raises(NotALog, match="log of a simulated run"):
         EventLog.open(log)
