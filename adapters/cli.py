@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
@@ -137,6 +138,17 @@ def _command_of(argv: Sequence[str]) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command ``argv`` (default: this process's arguments) names; its exit status."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader of the output went away (`deo replay LOG | head`): stop quietly, and keep
+        # the interpreter's last flush from writing to the closed pipe.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command_of(argv)
     try:

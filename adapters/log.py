@@ -496,6 +496,7 @@ class EventLog:
             recovery, seq, lines, repair = _recover(path, policies)
         if path.stat().st_size == 0:
             # A new log (or one whose only line, a torn header, was set aside).
+            _check_no_orphaned_workers(path)
             snapshot_path(path).unlink(missing_ok=True)  # it would belong to another log
             header = {
                 "kind": "header",
@@ -558,6 +559,7 @@ class EventLog:
         if not self._buffer:
             return
         data = b"".join(self._buffer)
+        self._check_still_there()
         try:
             _write_all(self._fd, data)
             if self.fsync:
@@ -570,6 +572,32 @@ class EventLog:
         self._lines += len(self._buffer)
         self._since_snapshot += len(self._buffer)
         self._buffer.clear()
+
+    def _check_still_there(self) -> None:
+        """Raise :class:`LogWriteFailed` once the file deo writes is no longer the log at its
+        path: removed, moved or replaced (log rotation), or cut short. Records written on would
+        be lost, and a deo started on the path would begin a new log beside running workers."""
+        try:
+            held = os.fstat(self._fd)
+            if held.st_nlink == 0:
+                what = "removed"
+            elif held.st_size < self._size_bytes:
+                what = f"cut short ({held.st_size} of the {self._size_bytes} bytes written)"
+            else:
+                named = os.stat(self.path)
+                same = (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+                what = "" if same else "replaced by another file"
+        except FileNotFoundError:
+            what = "moved away"
+        except OSError as exc:
+            what = f"unreadable ({_cause(exc)})"
+        if what:
+            self._failed = LogWriteFailed(
+                f"{self.path}: the log was {what} while deo ran: nothing more is written or "
+                f"carried out; put the log back where it was and start deo again to adopt its "
+                f"workers"
+            )
+            raise self._failed
 
     def record(self, reducer: Reducer, event: Event) -> list[Command]:
         """Log ``event``, reduce it, log what came out; re-raises the reducer's refusal."""
@@ -807,6 +835,25 @@ def _check_is_log(path: Path, simulated: bool) -> None:
         f"{path} is not a deo log (its first line is not a deo log header); it is left as it "
         f"is: point deo.log in the configuration at a new file or at a deo log"
     )
+
+
+def _check_no_orphaned_workers(path: Path) -> None:
+    """Raise :class:`LogDamaged` where the snapshot beside a new log at ``path`` holds workers:
+    the log they were recorded in was removed or moved, and a new one would start its workers
+    beside them (an unreadable snapshot, or one with none, is another log's leftover)."""
+    target = snapshot_path(path)
+    try:
+        state = orjson.loads(target.read_bytes())["state"]
+        workers = state["workers"]
+        count = len(workers) if isinstance(workers, dict | list) else 0
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
+        return
+    if count:
+        raise LogDamaged(
+            f"{path} is new, but {target.name} beside it holds {count} worker(s) of an earlier "
+            f"log at this path: that log was removed or moved while its workers may still run. "
+            f"Put it back, or remove {target} to start afresh"
+        )
 
 
 def _load_snapshot(

@@ -267,7 +267,7 @@ async def run(
     otherwise decisions go out as log lines.
     """
     from adapters.api.app import build_app, listen, serve, worker_token
-    from adapters.api.client import operator_token_path
+    from adapters.api.client import operator_token_path, token_problem
     from adapters.api.guard import connection_cap
     from adapters.sources.nvml import held_gpus, physical_gpu_ids, poll_gpus
 
@@ -276,6 +276,10 @@ async def run(
         max_connections = connection_cap(api.max_connections)
     except ValueError as exc:
         out(f"deo: api: {exc}")
+        return 2
+    given_token = os.environ.get(api.token_env)
+    if given_token and token_problem(given_token) is not None:
+        out(f"deo: ${api.token_env}: {token_problem(given_token)}; no client could send it")
         return 2
     if not api.loopback:
         reads = (

@@ -36,6 +36,7 @@ __all__ = [
     "add_action_arguments",
     "add_target_arguments",
     "find_operator_token",
+    "token_problem",
     "operator_token_path",
     "status",
     "stop",
@@ -80,6 +81,16 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
 def operator_token_path(log_path: Path) -> Path:
     """Where ``deo run`` writes the operator token it generated (mode 0600): beside the log."""
     return log_path.with_name(log_path.name + ".token")
+
+
+def token_problem(token: str) -> str | None:
+    """Why ``token`` cannot be sent in an Authorization header (None: it can). It is never
+    quoted: a token does not belong in an error message."""
+    if all("!" <= ch <= "~" for ch in token):
+        return None
+    if token.strip() != token:
+        return "ends or starts with whitespace (a line end read from a file?)"
+    return "holds whitespace or a character outside printable ASCII"
 
 
 def find_operator_token(token_env: str, log_path: Path | None = None) -> str | None:
@@ -139,6 +150,9 @@ def _operator_token(target: _Target) -> str:
             f"set ${target.token_env} to the operator token, or give --log LOG (or --config) "
             f"when deo run generated it and wrote it to LOG.token"
         )
+    problem = token_problem(token)
+    if problem is not None:
+        raise _Refused(f"the operator token (${target.token_env} or LOG.token) {problem}")
     return token
 
 
@@ -187,6 +201,13 @@ def status(args: argparse.Namespace) -> int:
         return 2
     # The token, when there is one: a deo listening beyond loopback wants it for reads too.
     token = find_operator_token(target.token_env, target.log)
+    if token is not None and token_problem(token) is not None:
+        print(
+            f"deo status: the operator token (${target.token_env} or LOG.token) "
+            f"{token_problem(token)}",
+            file=sys.stderr,
+        )
+        return 2
     url = target.url
     try:
         body = _get(f"{url}/global-status", {"Authorization": f"Bearer {token}"} if token else {})

@@ -2,7 +2,8 @@
 
 Exit status: 0 when every recorded command came out again; 1 on the first divergence (shown with
 both sides); 2 when the log has unreadable lines (or events the reducer refuses that the log
-records no refusal for) or cannot be opened (what could be read is still replayed and reported).
+records no refusal for) or cannot be opened (what could be read is still replayed and reported),
+and on bad input (options that ask different questions, a time or a command the log has not).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, TextIO
 import orjson
 
 from adapters.describe import at, command_line, event_line, event_subject, pool_summary, state_lines
-from adapters.log import LogProblem
+from adapters.log import LogProblem, log_header
 from adapters.outputs import is_fitted_scenario, is_sqlite_database, output_problem
 from adapters.postmortem.engine import (
     ConfigChange,
@@ -89,6 +90,17 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     if path.stat().st_size == 0:
         print(f"deo replay: {path} is empty: not a deo log (it has no header)", file=sys.stderr)
         return 2
+    try:
+        header = log_header(path)
+    except OSError as exc:
+        print(f"deo replay: {path}: cannot be read: {exc.strerror}", file=sys.stderr)
+        return 2
+    if header is None:
+        print(
+            f"deo replay: {path} is not a deo log (its first line is no deo log header)",
+            file=sys.stderr,
+        )
+        return 2
     if args.at is not None and not math.isfinite(args.at):
         print(f"deo replay: --at {args.at}: a time in seconds", file=sys.stderr)
         return 2
@@ -105,6 +117,23 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         if problem is not None:
             print(f"deo replay: --fitted-out {fitted_out} {problem}", file=sys.stderr)
             return 2
+    questions = [
+        flag
+        for flag, given in (
+            ("--set", bool(args.set)),
+            ("--what-if", bool(what_if)),
+            ("--sqlite", args.sqlite is not None),
+            ("--at", args.at is not None),
+            ("--explain", args.explain is not None),
+        )
+        if given
+    ]
+    if len(questions) > 1:
+        print(
+            f"deo replay: {' and '.join(questions)} ask different questions; give one",
+            file=sys.stderr,
+        )
+        return 2
     what_if_seeds: int | None = getattr(args, "what_if_seeds", None)
     if what_if_seeds is not None and not what_if:
         print(
@@ -114,13 +143,6 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         )
         return 2
     if what_if:
-        if args.set:
-            print(
-                "deo replay: --set (open loop) and --what-if (closed loop) ask different "
-                "questions; give one",
-                file=sys.stderr,
-            )
-            return 2
         from adapters.postmortem import whatif  # the simulator, only when asked for
 
         try:
@@ -288,10 +310,13 @@ def _at(
     for step in steps:
         if step.event.t > at:
             break
+        if not step.matches:
+            # The state past a divergence is not the one the run had: show where it parted.
+            return _finish(path, problems, [step], out)
         state = step.after
     if state is None:
-        print(f"no event at or before t={at:g}", file=out)
-        return _finish(path, problems, [], out) or 1
+        print(f"deo replay: --at {at:g}: the log has no event at or before it", file=sys.stderr)
+        return 2
     for line in state_lines(state):
         print(line, file=out)
     return _finish(path, problems, [], out)
@@ -303,6 +328,8 @@ def _explain(
     number = 0
     recent: dict[str | None, deque[tuple[int, Event]]] = {}
     for step in steps:
+        if not step.matches:
+            return _finish(path, problems, [step], out)
         subject = event_subject(step.event)
         if number + len(step.produced) >= wanted:
             command = step.produced[wanted - number - 1]
@@ -315,15 +342,19 @@ def _explain(
                 print(f"after it:  {pool_summary(step.after, pool)}", file=out)
             history = list(recent.get(pool, ()))
             if history:
-                print(f"earlier inputs for {pool}:", file=out)
+                print(f"earlier inputs for {pool or 'deo as a whole'}:", file=out)
                 for line, event in history:
                     print(f"  line {line}: {orjson.dumps(encode(event)).decode()}", file=out)
             return _finish(path, problems, [], out)
         number += len(step.produced)
         if type(step.event).__name__ != "Tick":
             recent.setdefault(subject, deque(maxlen=6)).append((step.line, step.event))
-    print(f"the log has {number} commands; there is no #{wanted}", file=out)
-    return 1
+    _print_problems(path, problems, out)
+    print(
+        f"deo replay: --explain {wanted}: the log has {number} commands; there is no #{wanted}",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def _what_if(

@@ -291,3 +291,23 @@ def test_help_lists_the_operators_verbs(tmp_path: Path) -> None:
     proc = deo("--help", cwd=tmp_path)
     for verb in ("status", "stop", "pause", "resume", "pin", "unpin", "drain", "cordon"):
         assert re.search(rf"^    {verb}\s", proc.stdout, re.M), verb
+
+
+@pytest.mark.parametrize("verb", [["stop"], ["pause"], ["status"]])
+def test_an_operator_token_no_http_client_can_send_is_refused_unquoted(
+    tmp_path: Path, verb: list[str]
+) -> None:
+    command, env = deo_command()
+    done = subprocess.run(
+        [*command, *verb, "--url", "http://127.0.0.1:9", "--token-env", "DEO_TEST_TOKEN"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "DEO_TEST_TOKEN": "hunter2\n"},
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "operator token ($DEO_TEST_TOKEN or LOG.token) ends or starts with whitespace" in (
+        done.stderr
+    )
+    assert "hunter2" not in done.stdout + done.stderr and "Traceback" not in done.stderr

@@ -536,7 +536,7 @@ def test_non_object_snapshot_is_ignored(
 
 def test_stale_snapshot_of_an_earlier_log_is_not_applied(tmp_path: Path) -> None:
     path = tmp_path / "log.jsonl"
-    write_log(path, [configured()] + [Tick(t=float(i)) for i in range(1, 10)], snapshot_every=5)
+    write_log(path, [Tick(t=float(i)) for i in range(1, 10)], snapshot_every=5)  # no worker
     assert snapshot_path(path).exists()
     path.unlink()  # start over at the same path; the snapshot beside it is left behind
     reducer = write_log(path, [Tick(t=float(i)) for i in range(40)])
@@ -545,6 +545,16 @@ def test_stale_snapshot_of_an_earlier_log_is_not_applied(tmp_path: Path) -> None
     assert recovery.problems == ()
     assert recovery.state == reducer.state
     assert recovery.state.pools == {}
+
+
+def test_a_new_log_beside_a_snapshot_that_holds_workers_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    write_log(path, [configured()] + [Tick(t=float(i)) for i in range(1, 10)], snapshot_every=5)
+    snapshot = snapshot_path(path).read_bytes()
+    path.unlink()  # lost: the workers its snapshot holds may still run
+    with pytest.raises(LogDamaged, match=r"holds 2 worker\(s\) of an earlier log at this path"):
+        EventLog.open(path)
+    assert snapshot_path(path).read_bytes() == snapshot
 
 
 def test_torn_header_recovers_to_a_readable_log(tmp_path: Path) -> None:
@@ -1130,7 +1140,7 @@ def replay_args(path: Path) -> argparse.Namespace:
         log=path,
         set=[],
         what_if=[],
-        what_if_seeds=3,
+        what_if_seeds=None,
         fitted_out=None,
         sqlite=None,
         at=None,

@@ -360,12 +360,48 @@ def test_explain_the_last_command(demo_log: Path, counts: dict[str, int]) -> Non
 
 def test_explain_past_the_end(demo_log: Path, counts: dict[str, int]) -> None:
     proc = run_tool(demo_log, "--explain", counts["commands"] + 1)
-    assert proc.returncode == 1
-    assert (
-        f"the log has {counts['commands']} commands; there is no #{counts['commands'] + 1}"
-        in proc.stdout
+    assert proc.returncode == 2  # bad input: 1 is kept for a divergence
+    assert proc.stderr == (
+        f"deo replay: --explain {counts['commands'] + 1}: the log has {counts['commands']} "
+        f"commands; there is no #{counts['commands'] + 1}\n"
     )
-    assert "Traceback" not in proc.stderr
+
+
+def test_a_time_before_the_log_is_bad_input(demo_log: Path) -> None:
+    proc = run_tool(demo_log, "--at", "-5")
+    assert proc.returncode == 2
+    assert proc.stderr == "deo replay: --at -5: the log has no event at or before it\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--at", "100", "--explain", "3"], "--at and --explain"),
+        (["--sqlite", "x.db", "--at", "100"], "--sqlite and --at"),
+        (["--set", "pools.envs.max_workers=2", "--sqlite", "x.db"], "--set and --sqlite"),
+        (["--set", "pools.envs.max_workers=2", "--explain", "1"], "--set and --explain"),
+    ],
+)
+def test_options_that_ask_different_questions_are_refused(
+    demo_log: Path, tmp_path: Path, args: list[str], said: str
+) -> None:
+    proc = run_tool(demo_log, *args)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"deo replay: {said} ask different questions; give one\n"
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_at_and_explain_on_a_diverged_log_show_the_divergence(
+    demo_log: Path, counts: dict[str, int]
+) -> None:
+    lines = demo_log.read_bytes().splitlines(keepends=True)
+    index = next(i for i, line in enumerate(lines) if b'"@":"ScalePool"' in line and i > 5)
+    lines[index] = lines[index].replace(b'"target":', b'"target":9', 1)
+    demo_log.write_bytes(b"".join(lines))
+    for args in (["--at", "1e12"], ["--explain", str(counts["commands"])]):
+        proc = run_tool(demo_log, *args)
+        assert proc.returncode == 1, (args, proc.stdout[-2000:])
+        assert f"DIVERGED at line {index}" in proc.stdout, args
 
 
 @pytest.mark.parametrize("wanted", [0, -1])
@@ -463,6 +499,11 @@ def test_an_empty_log_or_a_bad_time_exits_2(demo_log: Path, tmp_path: Path) -> N
     empty.touch()
     proc = run_tool(empty, "-q")
     assert proc.returncode == 2 and "is empty: not a deo log" in proc.stderr
+    notes = tmp_path / "notes.txt"
+    notes.write_text("remember the envs\n")
+    proc = run_tool(notes, "-q")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert f"{notes} is not a deo log (its first line is no deo log header)" in proc.stderr
     proc = run_tool(demo_log, "--at", "nan")
     assert proc.returncode == 2 and "--at nan" in proc.stderr
 

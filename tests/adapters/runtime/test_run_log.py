@@ -187,6 +187,69 @@ def test_a_file_size_limit_stops_deo_with_one_line_and_leaves_the_workers(
     assert len(d.workers()) == 2
 
 
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (lambda log: log.unlink(), "removed"),
+        (lambda log: log.rename(log.with_name("run.jsonl.1")), "moved away"),
+        (lambda log: os.truncate(log, 0), "cut short"),
+    ],
+    ids=["removed", "moved", "truncated"],
+)
+def test_a_log_taken_away_while_deo_runs_stops_it_and_leaves_the_workers(
+    deo: Callable[..., Deo], change: Callable[[Path], None], said: str
+) -> None:
+    d = deo()
+    process = d.start()
+    try:
+        wait_for(
+            "two workers",
+            lambda: len(d.workers()) == 2 and d.log.read_bytes().count(b'"@":"WorkerStarted"') == 2,
+        )
+        change(d.log)  # the next tick's record finds it gone
+        status, output = finished(process)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+    assert status == 3, output
+    assert "Traceback" not in output and "ExceptionGroup" not in output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(f"deo: {d.log}: the log was {said}"), output
+    assert "put the log back where it was" in last and "2 worker(s) left running" in last
+    assert len(d.workers()) == 2
+
+
+def test_a_new_log_beside_a_snapshot_of_running_workers_is_refused(
+    deo: Callable[..., Deo],
+) -> None:
+    d = deo(extra="snapshot_every = 5\n")
+    process = d.start()
+    try:
+        wait_for(
+            "two workers and a snapshot that holds them",
+            lambda: len(d.workers()) == 2 and snapshot_bytes(d.log).count(b'"@":"Worker",') == 2,
+        )
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+    workers = d.workers()
+    d.log.unlink()  # lost while deo was stopped: its two workers still run
+    status, output = finished(d.start())
+    assert status == 2, output
+    assert "Traceback" not in output
+    assert "holds 2 worker(s) of an earlier log at this path" in output, output
+    assert f"remove {snapshot_path(d.log)} to start afresh" in output
+    assert snapshot_path(d.log).exists()
+    assert d.workers() == workers  # none spawned beside them
+
+
+def snapshot_bytes(log: Path) -> bytes:
+    try:
+        return snapshot_path(log).read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
 @contextlib.contextmanager
 def read_only(path: Path) -> Iterator[None]:
     """``path`` (a file or a directory) read-only for deo: by its mode, or, for root (whom
@@ -365,3 +428,22 @@ def test_a_token_file_that_cannot_be_written_leaves_no_partial_file(tmp_path: Pa
     with pytest.raises(OSError):
         write_operator_token(path, "new-token")
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+@pytest.mark.parametrize("token", ["secret\n", " secret", "sécret", "se cret"])
+def test_a_token_no_client_could_send_stops_start_up_unquoted(
+    deo: Callable[..., Deo], token: str
+) -> None:
+    d = deo()
+    done = subprocess.run(
+        [sys.executable, "-m", "adapters.cli", "run", "--config", str(d.config)],
+        cwd=d.dir,
+        env={**os.environ, "DEO_TOKEN": token},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "deo: $DEO_TOKEN: " in done.stdout and "no client could send it" in done.stdout
+    assert token.strip() not in done.stdout + done.stderr  # a secret is never echoed
+    assert not d.log.exists() and d.workers() == []
