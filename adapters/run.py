@@ -497,7 +497,7 @@ async def run(
                     )
                     out(f"deo: API on {url} (log {settings.log})")
                 tg.start_soon(
-                    heartbeat_files, settings.worker_logs, lambda: runner.state, runner.saw
+                    heartbeat_files, executor.heartbeat_file, lambda: runner.state, runner.saw
                 )
                 sampling = anyio.CancelScope()
                 tg.start_soon(_sample_pressure, sampling, settings.sources, runner.emit, clock)

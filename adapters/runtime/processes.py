@@ -240,6 +240,9 @@ class _Worker:
     exit: WorkerExited | None = None
     #: Its pool, for the stop timeout of what it leaves behind (None: not known).
     pool: str | None = None
+    #: The heartbeat file it was given, where an adopted worker's is not this run's default
+    #: (``deo.worker_logs`` changed across the restart).
+    heartbeat_file: Path | None = None
 
 
 def _describe(exc: BaseException) -> str:
@@ -417,12 +420,27 @@ class LocalProcesses:
         stat = _read_stat(pid)
         if stat is None or stat.state == "Z" or stat.start_time != start_time:
             return False
-        worker = _Worker(worker_id=worker_id, pid=pid, start_time=start_time, pool=pool)
+        given = (_environ_of(pid) or {}).get(HEARTBEAT_ENV)
+        worker = _Worker(
+            worker_id=worker_id,
+            pid=pid,
+            start_time=start_time,
+            pool=pool,
+            heartbeat_file=Path(given) if given else None,
+        )
         self._workers[worker_id] = worker
         for pending in self._pending.pop(worker_id, []):
             self._signal(worker, pending)
         self._watch(worker)
         return True
+
+    def heartbeat_file(self, worker_id: str) -> Path:
+        """The file worker ``worker_id`` touches to say it is alive: the one its environment
+        names (an adopted worker keeps the one an earlier run gave it)."""
+        worker = self._workers.get(worker_id)
+        if worker is not None and worker.heartbeat_file is not None:
+            return worker.heartbeat_file
+        return heartbeat_path(self._log_dir, worker_id)
 
     async def run(self) -> None:
         """Watch every known worker and report its exit, until cancelled.
@@ -582,10 +600,7 @@ class LocalProcesses:
         worker_id = command.worker_id
         if worker_id in self._workers or worker_id in self._finished:
             return  # worker ids are never reused: this is a duplicate, and one process is enough
-        environ = {
-            **self._environ,
-            HEARTBEAT_ENV: str(heartbeat_path(self._log_dir, worker_id)),
-        }
+        environ = {**self._environ, HEARTBEAT_ENV: str(self.heartbeat_file(worker_id))}
         secrets = {} if self._secret_environ is None else self._secret_environ(worker_id)
         started = _start(command, self._log_dir / f"{worker_id}.log", environ, secrets)
         if isinstance(started, str):

@@ -255,7 +255,7 @@ class RayExecutor:
         self._workers[worker_id] = worker
         env = {
             **self._environ,
-            HEARTBEAT_ENV: str(heartbeat_path(self._log_dir, worker_id)),
+            HEARTBEAT_ENV: str(self.heartbeat_file(worker_id)),
             **command.env,
             **(self._secret_environ(worker_id) if self._secret_environ else {}),
         }
@@ -384,6 +384,10 @@ class RayExecutor:
         worker.actor.signal.remote(sig.name, group)
 
     # --- engines (adapters.runtime.engine_hosts.EngineHosts) -----------------------------------
+
+    def heartbeat_file(self, worker_id: str) -> Path:
+        """The file worker ``worker_id`` touches to say it is alive (on a shared folder)."""
+        return heartbeat_path(self._log_dir, worker_id)
 
     def engine_host(self, worker_id: str) -> str | None:
         """The address of the node engine ``worker_id`` runs on; None until it runs here (placed

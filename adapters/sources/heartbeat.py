@@ -27,12 +27,13 @@ def heartbeat_path(directory: Path, worker_id: str) -> Path:
 
 
 async def heartbeat_files(
-    directory: Path,
+    path_of: Callable[[str], Path],
     state: Callable[[], State],
     saw: Callable[[str], None],
     interval_s: float = 1.0,
 ) -> None:
-    """Report a sighting whenever a live worker's heartbeat file was touched since the last look.
+    """Report a sighting whenever a live worker's heartbeat file (``path_of(worker_id)``: the
+    file its executor named in its ``$DEO_HEARTBEAT_FILE``) was touched since the last look.
 
     ``state`` may lag the one ``saw`` judges by (readers see the last durable state): a worker
     whose pool is gone by then is refused with UnknownSubject, which is no sign of life to
@@ -45,7 +46,7 @@ async def heartbeat_files(
                 del seen[worker_id]
         for worker_id in live:
             try:
-                mtime = os.stat(heartbeat_path(directory, worker_id)).st_mtime
+                mtime = os.stat(path_of(worker_id)).st_mtime
             except OSError:  # not touched yet, or unreadable: no sign of life
                 continue
             if seen.get(worker_id) != mtime:

@@ -403,6 +403,51 @@ def test_an_orchestrator_killed_during_a_drain_adopts_its_workers_on_restart(
     verified(d)
 
 
+TOUCHING = """\
+import os, pathlib, time
+beat = pathlib.Path(os.environ["DEO_HEARTBEAT_FILE"])
+while True:
+    beat.touch()
+    time.sleep(0.2)
+"""
+
+
+def test_an_adopted_worker_keeps_its_heartbeat_file_when_worker_logs_moves(
+    deo: Callable[[str], Deo], tmp_path: Path
+) -> None:
+    touching = script(tmp_path, "touching.py", TOUCHING)
+    envs = pool("envs", [sys.executable, touching], max_workers=1, heartbeat_grace_s=2.0)
+    d = deo(envs)
+    d.config.write_text(d.config.read_text().replace("[deo]\n", '[deo]\nworker_logs = "wl"\n'))
+    d.start()
+    [worker] = wait_for("a worker", lambda: d.workers("active"))
+    wait_for("its heartbeat", lambda: (tmp_path / "wl" / f"{worker['id']}.heartbeat").exists())
+    d.stop()  # the worker lives on, touching wl/
+    d.config.write_text(d.config.read_text().replace('worker_logs = "wl"', 'worker_logs = "wl2"'))
+    d.start()
+    wait_for("the adoption", lambda: "WorkerAdopted" in d.log.read_text())
+    adopted_t = max(e["t"] for e in events(d.log, "WorkerAdopted"))
+    # deo's own clock passes three grace periods (no fixed sleep): the worker is still the one
+    # adopted, not replaced as hung.
+    wait_for(
+        "3 grace periods",
+        lambda: max((e["t"] for e in events(d.log, "Tick")), default=0) > adopted_t + 6,
+    )
+    assert [w["pid"] for w in d.workers("active")] == [worker["pid"]]
+    assert "hung" not in d.log.read_text()
+    verified(d)
+
+
+def events(log: Path, name: str) -> list[dict[str, Any]]:
+    """The events called ``name`` the log records."""
+    found = []
+    for line in log.read_bytes().splitlines():
+        record = json.loads(line)
+        if record.get("kind") == "event" and record["event"]["@"] == name:
+            found.append(record["event"])
+    return found
+
+
 def test_a_silent_worker_is_replaced_after_its_grace_period(
     deo: Callable[[str], Deo], tmp_path: Path
 ) -> None:

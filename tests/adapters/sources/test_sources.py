@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,11 @@ QUEUE = JsonSource(
     batch_size_seqs="info.batch",
     trainer_step="step",
 )
+
+
+def beside(directory: Path) -> Callable[[str], Path]:
+    """Each worker's heartbeat file in ``directory``, as the process executor names it."""
+    return lambda worker_id: heartbeat_path(directory, worker_id)
 
 
 def test_read_pressure_follows_the_field_paths() -> None:
@@ -114,7 +120,7 @@ async def test_touching_a_heartbeat_file_reports_the_worker_alive(tmp_path: Path
     reducer.step(WorkerStarted(t=0.0, worker_id="envs-0", pid=1, start_time=1))
     seen: list[str] = []
     async with anyio.create_task_group() as tg:
-        tg.start_soon(heartbeat_files, tmp_path, lambda: reducer.state, seen.append, 0.02)
+        tg.start_soon(heartbeat_files, beside(tmp_path), lambda: reducer.state, seen.append, 0.02)
         await anyio.sleep(0.1)
         assert seen == []  # no file yet
         heartbeat_path(tmp_path, "envs-0").touch()
@@ -143,7 +149,7 @@ async def test_a_heartbeat_of_a_worker_gone_since_the_last_look_keeps_the_watch(
         seen.append(worker_id)
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(heartbeat_files, tmp_path, lambda: reducer.state, saw, 0.02)
+        tg.start_soon(heartbeat_files, beside(tmp_path), lambda: reducer.state, saw, 0.02)
         heartbeat_path(tmp_path, "envs-0").touch()
         heartbeat_path(tmp_path, "envs-1").touch()
         with anyio.fail_after(30):
