@@ -24,7 +24,7 @@ from adapters.log import (
     segment_start,
     segments,
 )
-from adapters.runtime.config_file import typed
+from adapters.runtime.config_file import literal, typed
 from core import Command, Configured, DeoError, Event, State, decode, encode, reduce
 from core.arbiter import PLANNER_SETTINGS_UNRECORDED, ArbiterGpusDeclared, PlannerSettings
 from core.codec import TYPE_KEY, types_with
@@ -289,16 +289,13 @@ def _first_line(path: Path) -> bytes:
 def parse_setting(text: str) -> tuple[list[str], Any]:
     """``"pools.envs.max_workers=4"`` -> (["pools", "envs", "max_workers"], 4).
 
-    The value is read as JSON when it parses (numbers, booleans, lists), else as a string.
+    The value is read as ``deo simulate --set`` reads it: a TOML literal (numbers, booleans,
+    quoted strings, lists, inline tables) where it parses, else the text itself.
     """
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise ValueError(f"--set {text!r}: expected key=value, e.g. pools.envs.max_workers=4")
-    try:
-        value = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        value = raw
-    return key.split("."), value
+    return key.split("."), literal(raw)
 
 
 def apply_settings(settings: list[tuple[list[str], Any]]) -> ConfigChange:
@@ -399,6 +396,11 @@ def _set(data: dict[str, Any], path: list[str], value: Any) -> bool:
             if pool["name"] != name:
                 continue
             if field in (["policy"], ["policy", "name"]):
+                if not isinstance(value, str):
+                    raise ValueError(
+                        f"--set {key}: a policy's name (set its parameters one by one: "
+                        f"pools.{name}.policy.PARAM=VALUE)"
+                    )
                 # Another policy starts from its own defaults: the old one's parameters may
                 # not be its own.
                 same = pool["policy"]["name"] == value
@@ -413,7 +415,13 @@ def _set(data: dict[str, Any], path: list[str], value: Any) -> bool:
             return True
         return False
     if head == "gpus" and not rest:
-        data["gpus"] = value if isinstance(value, list) else str(value).split(",")
+        gpus = value if isinstance(value, list) else str(value).split(",")
+        if not gpus or not all(isinstance(g, str | int) and str(g).strip() for g in gpus):
+            raise ValueError(f'--set {key}: a list of GPU ids, e.g. gpus=0,1 or gpus=["0"]')
+        if gpus == ["auto"]:
+            # Discovery asks NVML at start-up; a replay has only the GPUs the log recorded.
+            raise ValueError(f"--set {key}=auto: a replay cannot discover GPUs; list their ids")
+        data["gpus"] = [str(g).strip() for g in gpus]
         return False
     if head == "cordon" and len(rest) == 1 and rest[0] in data["cordon"]:
         data["cordon"][rest[0]] = _scalar(key, value, CORDON_FIELD_HINTS[rest[0]])

@@ -537,6 +537,15 @@ _NAMES = {
 }
 
 
+def literal(raw: str) -> Any:
+    """A ``--set`` value as the configuration files would write it: a TOML literal (``4``,
+    ``true``, ``"auto"``, ``[1, 2]``, ``{A = "1"}``), else the text itself."""
+    try:
+        return tomllib.loads(f"value = {raw}")["value"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
 def typed(where: str, value: Any, hint: Any) -> Any:
     """``value`` if it fits the annotation ``hint`` (ints accepted for floats), else ConfigError."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import attrs
 
+from adapters.runtime.config_file import literal
 from core.config import AUTO, Config, CrashLoopRules, PolicySpec, PoolSpec
 from core.errors import ConfigError
 from core.policies import BUILT_INS, PolicyCatalog
@@ -494,10 +495,7 @@ def load_scenario(
 
 def parse_override(raw: str) -> Any:
     """A ``--set`` value: a TOML literal, else the text itself."""
-    try:
-        return tomllib.loads(f"value = {raw}")["value"]
-    except tomllib.TOMLDecodeError:
-        return raw
+    return literal(raw)
 
 
 #: Tables a --set key may create when the file has none: (depth, name) pairs.

@@ -559,6 +559,10 @@ def test_set_unchanged_configuration_finds_no_difference(demo_log: Path) -> None
         ("pools.envs.policy=bogus", "unknown policy 'bogus'"),
         ("pools.envs.policy.name=bogus", "unknown policy 'bogus'"),
         ("pools.envs.policy.target_batches=-1", "policy.target_batches must be >= 0"),
+        ('pools.envs.policy={name="hpa"}', "--set pools.envs.policy: a policy's name"),
+        ("pools.envs.env={A=1}", "pools.envs.env.A: names are identifiers, values strings"),
+        ('gpus="auto"', "a replay cannot discover GPUs"),
+        ("gpus=", "--set gpus: a list of GPU ids"),
     ],
 )
 def test_bad_setting_exits_2(demo_log: Path, setting: str, message: str) -> None:
@@ -567,6 +571,17 @@ def test_bad_setting_exits_2(demo_log: Path, setting: str, message: str) -> None
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert "would have led" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "setting", ['pools.envs.env={ SEED = "7" }', "gpus=[0]", "pools.envs.max_workers=4"]
+)
+def test_set_values_are_read_as_the_configuration_file_writes_them(
+    demo_log: Path, setting: str
+) -> None:
+    proc = run_tool(demo_log, "-q", "--set", setting)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^\d+ of \d+ events would have led to different decisions", proc.stdout, re.M)
 
 
 def test_set_on_a_log_with_unreadable_lines_exits_2(demo_log: Path) -> None:
