@@ -105,6 +105,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"deo simulate: --set {setting!r}: expected KEY=VALUE", file=sys.stderr)
             return 2
         overrides[key.strip()] = value.strip()
+    if args.policy is not None and not args.policy.strip():
+        print("deo simulate: --policy: empty; give a policy's name (e.g. buffer)", file=sys.stderr)
+        return 2
     try:
         if args.policy:
             # Every pool's policy table replaced before --set, which may then set its parameters.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -727,4 +728,8 @@ def _construct(cls: type[T], where: str, values: Mapping[str, Any], *, typed: bo
             message = message.split(".", 1)[1]
         raise ScenarioError(f"{prefix}{message}") from None
     except TypeError as exc:  # a required key is missing
+        missing = re.findall(r"'(\w+)'", str(exc)) if "missing" in str(exc) else []
+        if missing:
+            keys = ", ".join(f"{prefix}{key}" for key in missing)
+            raise ScenarioError(f"{keys}: missing") from None
         raise ScenarioError(f"{where or 'scenario'}: {exc}") from None

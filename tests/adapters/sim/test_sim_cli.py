@@ -88,3 +88,15 @@ def test_errors_exit_2_with_the_reason(tmp_path: Path) -> None:
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert message in done.stderr, (args, done.stderr)
         assert "Traceback" not in done.stderr
+
+
+def test_an_empty_policy_name_is_refused(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "adapters.cli", "simulate", str(STEADY), "--policy", ""],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "deo simulate: --policy: empty; give a policy's name (e.g. buffer)\n"

@@ -161,7 +161,7 @@ def test_top_level_mistakes_name_the_key(tmp_path: Path, extra: str, message: st
         ('step_s = "fast"', "trainer.step_s: expected a number, got 'fast'"),
         ("step_s = -1", "trainer.step_s: must be > 0"),
         ("batch_size = 64", "trainer.batch_size: unknown key (did you mean batch_size_seqs?)"),
-        ("phases = [{at_s = 10}]", "trainer.phases[0]:"),
+        ("phases = [{at_s = 10}]", "trainer.phases[0].step_s: missing"),
         ("phases = [{at_s = 10, step_s = 0}]", "trainer.phases[0].step_s: must be > 0"),
         ("phases = [{at_s = 10, step_s = 1, x = 1}]", "trainer.phases[0].x: unknown key"),
         (
@@ -234,6 +234,12 @@ def test_fault_mistakes_name_the_key(tmp_path: Path, fault: str, message: str) -
     with pytest.raises(ScenarioError) as caught:
         load_scenario(write(tmp_path, MINIMAL + FAULT + fault + "\n"))
     assert str(caught.value).startswith(message), caught.value
+
+
+def test_a_table_without_a_required_key_names_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(write(tmp_path, MINIMAL + "\n[inference]\n"))
+    assert str(caught.value) == "inference.max_concurrent_groups: missing"
 
 
 def test_unreadable_files_are_reported(tmp_path: Path) -> None:
