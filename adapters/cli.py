@@ -114,6 +114,8 @@ def _plugins(wanted: str | None) -> dict[str, Any]:
     """
     loaded: dict[str, Any] = {}
     found = entry_points(group="deo.commands")
+    if wanted not in {ep.name for ep in found}:
+        wanted = None  # no such command: the usage that says so lists every one that loads
     for ep in sorted(found, key=lambda ep: ep.name):
         if wanted is not None and ep.name != wanted:
             continue

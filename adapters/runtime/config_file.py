@@ -257,8 +257,15 @@ def load_api(path: Path) -> ApiSettings:
 def load_log_path(path: Path) -> Path:
     """Only ``deo.log`` of ``path``, resolved as :func:`load` resolves it."""
     deo = _table(_read(path), "deo", None)
-    log: str = typed("deo.log", deo.get("log", "deo.jsonl"), str)
-    return path.parent.resolve() / log
+    return path.parent.resolve() / _file_name(deo, "log", "deo.jsonl")
+
+
+def _file_name(deo: dict[str, Any], key: str, default: str) -> str:
+    """``deo.KEY``: a path, not empty (an empty one would name the configuration's folder)."""
+    value: str = typed(f"deo.{key}", deo.get(key, default), str)
+    if not value.strip():
+        raise ConfigError(f"deo.{key}: empty; give a path (default {default!r})")
+    return value
 
 
 def load(path: Path) -> RunSettings:
@@ -319,8 +326,8 @@ def load(path: Path) -> RunSettings:
     executor = _build(ExecutorSettings, "executor", _table(data, "executor", None))
     return RunSettings(
         config=config,
-        log=base / typed("deo.log", deo.get("log", "deo.jsonl"), str),
-        worker_logs=base / typed("deo.worker_logs", deo.get("worker_logs", "deo-workers"), str),
+        log=base / _file_name(deo, "log", "deo.jsonl"),
+        worker_logs=base / _file_name(deo, "worker_logs", "deo-workers"),
         api=_api_settings(data),
         sources=tuple(sources),
         nvml=nvml,

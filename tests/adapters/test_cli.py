@@ -227,6 +227,7 @@ def test_unknown_subcommand_is_refused(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "usage: deo" in proc.stderr
     assert "frobnicate" in proc.stderr
+    assert "'simulate', 'bench'" in proc.stderr  # the choices name the plugins too
 
 
 def test_help_lists_the_subcommands(tmp_path: Path) -> None:

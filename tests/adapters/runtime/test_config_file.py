@@ -100,6 +100,8 @@ def test_a_full_config_becomes_the_cores_config(tmp_path: Path) -> None:
             r"deo\.tick_interval_s must be >= 0\.01 \(each tick is a log record\), got 1e-09",
         ),
         (("[deo]", "[deo]\nsnapshot_every = 0"), r"deo\.snapshot_every must be >= 1"),
+        (('log = "run.jsonl"', 'log = ""'), r"deo\.log: empty; give a path"),
+        (("[deo]", '[deo]\nworker_logs = " "'), r"deo\.worker_logs: empty; give a path"),
         (("[deo]", "[api]\nport = 70000\n[deo]"), r"api\.port: 70000 is not in 0-65535"),
         (("[deo]", '[api]\nhost = ""\n[deo]'), r"api\.host: empty"),
         (
