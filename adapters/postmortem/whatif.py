@@ -34,7 +34,7 @@ from adapters.postmortem.fit import (
 )
 from adapters.sim.driver import simulate
 from adapters.sim.metrics import Metrics
-from adapters.sim.scenario import EnvPool, Scenario, parse_override
+from adapters.sim.scenario import EnvPool, Scenario, ScenarioError, parse_override
 from bench.baselines import CATALOG, baseline_specs
 from core import ConfigError, DeoError, PolicySpec
 from core.config import AUTO
@@ -238,7 +238,10 @@ def run_what_if(
     if seeds < 1:
         raise WhatIfError(f"--what-if-seeds {seeds}: at least 1")
     facts = read_run(path)
-    fitted = fit_scenario(facts, f"{path.stem}-fitted", CATALOG, calibrate=False)
+    try:
+        fitted = fit_scenario(facts, f"{path.stem}-fitted", CATALOG, calibrate=False)
+    except ScenarioError as exc:  # a run larger than one simulation takes
+        raise FitError(f"{path}: the run cannot be simulated: {exc}") from None
     _apply(change, fitted.scenario)  # a change that does not apply fails before the simulations
     fitted = calibrated(facts, fitted, CATALOG)
     changed = _apply(change, fitted.scenario)

@@ -70,6 +70,14 @@ def _finite(value: float) -> bool:
 # --- the model ------------------------------------------------------------------------------------
 
 
+#: What one simulation may be asked for: beyond these it would run for hours or exhaust memory
+#: (a typo such as duration_s = 1e300 is refused rather than run).
+MAX_DURATION_S = 31 * 86_400.0
+MAX_TRAINER_STEPS = 10_000_000
+MAX_BATCH_SEQS = 1_000_000
+MAX_POOL_WORKERS = 10_000
+
+
 @attrs.frozen(slots=True, kw_only=True)
 class Phase:
     """From ``at_s`` on, a trainer step takes ``step_s`` seconds (once its batch is ready)."""
@@ -131,7 +139,8 @@ class TrainerSpec:
 
     def __attrs_post_init__(self) -> None:
         _require(
-            self.batch_size_seqs >= 1, f"batch_size_seqs: must be >= 1, got {self.batch_size_seqs}"
+            1 <= self.batch_size_seqs <= MAX_BATCH_SEQS,
+            f"batch_size_seqs: must be from 1 to {MAX_BATCH_SEQS:,}, got {self.batch_size_seqs}",
         )
         _require(
             _finite(self.step_s) and self.step_s > 0, f"step_s: must be > 0, got {self.step_s!r}"
@@ -210,6 +219,10 @@ class EnvPool:
         for key in ("group_size", "groups_in_flight", "max_batches_offpolicy", "max_starting"):
             value = getattr(self, key)
             _require(value >= 1, f"{key}: must be >= 1, got {value}")
+        _require(
+            self.max_workers <= MAX_POOL_WORKERS,
+            f"max_workers: at most {MAX_POOL_WORKERS:,} in a simulation, got {self.max_workers}",
+        )
         for key in ("latency_mean_s", "latency_sigma", "latency_growth"):
             value = getattr(self, key)
             _require(_finite(value) and value > 0, f"{key}: must be > 0, got {value!r}")
@@ -409,6 +422,17 @@ class Scenario:
         for key in ("duration_s", "sample_interval_s", "gpu_sample_interval_s"):
             value = getattr(self, key)
             _require(_finite(value) and value > 0, f"{key}: must be > 0, got {value!r}")
+        _require(
+            self.duration_s <= MAX_DURATION_S,
+            f"duration_s: at most {MAX_DURATION_S:g} s (31 days), got {self.duration_s:g}",
+        )
+        shortest_step_s = min([self.trainer.step_s, *(p.step_s for p in self.trainer.phases)])
+        steps = self.duration_s / shortest_step_s
+        _require(
+            steps <= MAX_TRAINER_STEPS,
+            f"trainer.step_s: {shortest_step_s:g} s steps over {self.duration_s:g} s make up to "
+            f"{steps:,.0f} trainer steps; a simulation takes at most {MAX_TRAINER_STEPS:,}",
+        )
         _require(self.gpus is None or self.gpus >= 0, f"gpus: must be >= 0, got {self.gpus}")
         _require(bool(self.pools), "pools: a scenario needs at least one env pool")
         names = [pool.name for pool in self.pools]

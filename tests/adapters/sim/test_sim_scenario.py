@@ -135,6 +135,24 @@ FAULT = "\n[[faults]]\n"
 
 
 @pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("duration_s", "1e300", "duration_s: at most 2.6784e+06 s (31 days), got 1e+300"),
+        ("trainer.step_s", "1e-9", "trainer.step_s: 1e-09 s steps over 3600 s make up to"),
+        ("trainer.batch_size_seqs", "1000000000", "trainer.batch_size_seqs: must be from 1 to"),
+        ("pools.envs.max_workers", "100000", "pools.envs.max_workers: at most 10,000"),
+    ],
+)
+def test_a_simulation_too_large_to_run_is_refused(
+    tmp_path: Path, key: str, value: str, message: str
+) -> None:
+    # A typo that would run for hours or exhaust memory is refused, not run.
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(write(tmp_path, MINIMAL), {key: value})
+    assert str(caught.value).startswith(message), caught.value
+
+
+@pytest.mark.parametrize(
     ("extra", "message"),
     [
         ('duration_s = "long"', "duration_s: expected a number, got 'long'"),
