@@ -148,6 +148,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C before a command installs its own handling (while deo run is still importing,
+        # say): nothing was started, so nothing is left to report.
+        print("deo: interrupted", file=sys.stderr)
+        return 130
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -58,7 +58,12 @@ def event_line(event: e.Event) -> str | None:
             )
             return f"config     pools {pools or 'none'}; GPUs {','.join(config.gpus) or 'none'}"
         case e.WorkerExited(worker_id=w, exit_code=code, signal=sig):
-            how = f"killed by signal {sig}" if sig is not None else f"exited with code {code}"
+            if sig is not None:
+                how = f"killed by signal {sig}"
+            elif code is not None:
+                how = f"exited with code {code}"
+            else:  # an adopted worker: not deo's child, so its status is not deo's to read
+                how = "exited (status unknown: adopted, not deo's child)"
             return f"exit       {w} {how}"
         case e.SpawnFailed(worker_id=w, error=err):
             return f"spawn-fail {w}: {err}"

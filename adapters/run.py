@@ -337,7 +337,8 @@ async def run(
     for note in recovery.notes:
         out(f"deo: {settings.log}: {note}")
     if recovery.replayed:
-        out(f"deo: rebuilt state from {settings.log} ({recovery.replayed} records after snapshot)")
+        # From the start, or from where the snapshot (or a segment's state record) left off.
+        out(f"deo: rebuilt state from {settings.log} ({recovery.replayed} records replayed)")
     run_id = run_id_of(settings.log)
     token = os.environ.get(api.token_env)
     try:
