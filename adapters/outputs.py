@@ -4,6 +4,8 @@ refused and left as it is."""
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +17,8 @@ from core.errors import DeoError
 
 __all__ = [
     "DEMO_ENV_MODULE",
+    "EXPORT_TABLES",
+    "FITTED_BY",
     "OutputRefused",
     "is_demo_log",
     "is_fitted_scenario",
@@ -27,6 +31,10 @@ _SQLITE_MAGIC = b"SQLite format 3\x00"
 #: The module ``deo demo``'s env workers run (``python -m deo_worker.demo_env``).
 DEMO_ENV_MODULE = "deo_worker.demo_env"
 _MAX_CONFIGURED_BYTES = 1 << 20
+#: The tables ``deo replay --sqlite`` writes (:mod:`adapters.postmortem.sqlite`).
+EXPORT_TABLES = frozenset({"events", "commands", "workers"})
+#: How the description of a scenario ``deo replay --what-if`` fitted ends.
+FITTED_BY = "by deo replay --what-if"
 
 
 class OutputRefused(DeoError):
@@ -82,15 +90,27 @@ def is_demo_log(path: Path) -> bool:
 
 
 def is_sqlite_database(path: Path) -> bool:
+    """Whether ``path`` is a ``deo replay --sqlite`` export: a SQLite database that holds
+    nothing but the tables the export writes (any other database is someone's data)."""
     with path.open("rb") as f:
-        return f.read(len(_SQLITE_MAGIC)) == _SQLITE_MAGIC
+        if f.read(len(_SQLITE_MAGIC)) != _SQLITE_MAGIC:
+            return False
+    try:
+        read_only = f"{path.absolute().as_uri()}?mode=ro"
+        with contextlib.closing(sqlite3.connect(read_only, uri=True)) as db:
+            rows = db.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+    except sqlite3.Error:
+        return False
+    tables = {name for (name,) in rows}
+    return bool(tables) and tables <= EXPORT_TABLES
 
 
 def is_fitted_scenario(path: Path) -> bool:
-    """Whether ``path`` holds a scenario (TOML with a trainer and a duration: one written
-    before; not a ``deo run`` configuration, nor anything else)."""
+    """Whether ``path`` holds a scenario ``deo replay --what-if`` fitted (its description says
+    so; a scenario written by hand, or anything else, is not one)."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError):
         return False
-    return "trainer" in data and "duration_s" in data
+    description = data.get("description")
+    return isinstance(description, str) and description.endswith(FITTED_BY)

@@ -46,6 +46,7 @@ from typing import Any
 import attrs
 
 from adapters.log import LogProblem
+from adapters.outputs import FITTED_BY
 from adapters.postmortem.engine import recorded_events
 from adapters.sim.scenario import FAULT_KINDS, EnvPool, Fault, Pause, Phase, Scenario, TrainerSpec
 from core import (
@@ -1110,7 +1111,7 @@ def fit_scenario(
     first_step = trainer.phases[0][1]
     scenario = Scenario(
         name=name,
-        description=f"fitted to {facts.path.name} by deo replay --what-if",
+        description=f"fitted to {facts.path.name} {FITTED_BY}",
         duration_s=round(facts.duration_s, 1),
         seed=1,
         sample_interval_s=_sample_interval(facts),

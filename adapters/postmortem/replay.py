@@ -110,7 +110,10 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     fitted_out: Path | None = getattr(args, "fitted_out", None)
     if fitted_out is not None:
         problem = output_problem(
-            fitted_out, what="a scenario", replaceable=is_fitted_scenario, reading=path
+            fitted_out,
+            what="a scenario deo replay --what-if fitted",
+            replaceable=is_fitted_scenario,
+            reading=path,
         )
         if not what_if:
             problem = "writes the scenario --what-if fits: give --what-if too"
@@ -165,7 +168,10 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         return _what_if(path, args.set, transform, problems, out)
     if args.sqlite is not None:
         problem = output_problem(
-            args.sqlite, what="a SQLite database", replaceable=is_sqlite_database, reading=path
+            args.sqlite,
+            what="a deo replay --sqlite export",
+            replaceable=is_sqlite_database,
+            reading=path,
         )
         if problem is not None:
             print(f"deo replay: --sqlite {args.sqlite} {problem}", file=sys.stderr)

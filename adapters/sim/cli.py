@@ -93,10 +93,20 @@ def plot_path_problem(path: Path) -> str | None:
     return None
 
 
+def _same(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve()
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the command; returns the exit status (2: bad file, setting or policy)."""
     if args.plot is not None and (problem := plot_path_problem(args.plot)) is not None:
         print(f"deo simulate: --plot {args.plot}: {problem}", file=sys.stderr)
+        return 2
+    if args.plot is not None and args.log is not None and _same(args.plot, args.log):
+        print(
+            f"deo simulate: --plot and --log both name {args.log}: give two files",
+            file=sys.stderr,
+        )
         return 2
     overrides: dict[str, str] = {}
     for setting in args.settings:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -467,13 +468,19 @@ def test_sqlite_export_replaces_an_existing_file(
         assert db.execute("select count(*) from commands").fetchone()[0] == counts["commands"]
 
 
-def test_sqlite_export_writes_over_nothing_but_a_database(demo_log: Path, tmp_path: Path) -> None:
+def test_sqlite_export_writes_over_nothing_but_an_export(demo_log: Path, tmp_path: Path) -> None:
     notes = tmp_path / "notes.txt"
     notes.write_text("mine\n")
+    theirs = tmp_path / "theirs.db"
+    with contextlib.closing(sqlite3.connect(theirs)) as db:
+        db.execute("create table runs (name text)")
+        db.commit()
+    theirs_bytes = theirs.read_bytes()
     log_bytes = demo_log.read_bytes()
     for out, why in [
         (demo_log, "is the log being read"),
-        (notes, "is a file, not a SQLite database"),
+        (notes, "is a file, not a deo replay --sqlite export"),
+        (theirs, "is a file, not a deo replay --sqlite export"),
         (tmp_path, "is a folder"),
         (tmp_path / "no" / "out.db", "no such folder"),
     ]:
@@ -481,6 +488,7 @@ def test_sqlite_export_writes_over_nothing_but_a_database(demo_log: Path, tmp_pa
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
     assert demo_log.read_bytes() == log_bytes and notes.read_text() == "mine\n"
+    assert theirs.read_bytes() == theirs_bytes
 
 
 def test_a_log_cut_before_its_last_commands_verifies_with_a_note(demo_log: Path) -> None:

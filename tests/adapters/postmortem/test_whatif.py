@@ -11,6 +11,7 @@ import io
 import math
 import random
 import re
+import shutil
 import statistics
 import subprocess
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import pytest
 from conftest import deo_command, write_simulated_log
 
 from adapters.log import LogProblem, LogReader
+from adapters.outputs import is_fitted_scenario
 from adapters.postmortem.engine import replay
 from adapters.postmortem.fit import (
     FitError,
@@ -325,6 +327,21 @@ def test_what_if_prints_both_runs_beside_the_recorded_one(recorded: Path, tmp_pa
     scenario = load_scenario(fitted, policies=CATALOG)
     assert scenario.duration_s == pytest.approx(900, abs=2)
     assert deo("simulate", fitted, cwd=tmp_path).returncode == 0
+    # One fitted before is written over; a scenario written by hand never is.
+    assert is_fitted_scenario(fitted)
+    assert not is_fitted_scenario(SCENARIOS / "steady.toml")
+
+
+def test_fitted_out_leaves_a_hand_written_scenario_as_it_is(recorded: Path, tmp_path: Path) -> None:
+    mine = tmp_path / "mine.toml"
+    shutil.copyfile(SCENARIOS / "steady.toml", mine)
+    before = mine.read_bytes()
+    proc = deo("replay", recorded, "--what-if", "max_workers=2", "--fitted-out", mine, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"--fitted-out {mine} is a file, not a scenario deo replay --what-if fitted" in (
+        proc.stderr
+    )
+    assert mine.read_bytes() == before
 
 
 @pytest.mark.parametrize(

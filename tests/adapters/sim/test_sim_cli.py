@@ -100,3 +100,17 @@ def test_an_empty_policy_name_is_refused(tmp_path: Path) -> None:
     )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == "deo simulate: --policy: empty; give a policy's name (e.g. buffer)\n"
+
+
+def test_plot_and_log_on_one_file_are_refused(tmp_path: Path) -> None:
+    both = ["--plot", "x.png", "--log", "./x.png"]
+    done = subprocess.run(
+        [sys.executable, "-m", "adapters.cli", "simulate", str(STEADY), *both],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert "--plot and --log both name" in done.stderr
+    assert list(tmp_path.iterdir()) == []
