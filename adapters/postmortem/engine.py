@@ -120,6 +120,7 @@ def _replayed(
     policies: PolicyCatalog,
 ) -> Iterator[Replayed]:
     earlier = _earlier_segments(path)
+    problems.extend(_foreign_segments(path))
     state = State()
     seq = 0
     changed = False  # whether ``transform`` changed anything replayed so far
@@ -128,7 +129,15 @@ def _replayed(
         begins = segment_start(file)
         if begins is not None:
             encoded, start_seq, _, _ = begins
-            if index == 0:
+            if index > 0 and start_seq != seq:
+                found.append(
+                    LogProblem(
+                        2,
+                        f"records {seq + 1} to {start_seq} are missing (a segment before this "
+                        f"one was removed); replayed on from the state it starts from",
+                    )
+                )
+            if index == 0 or start_seq != seq:
                 # The segments before this one were dropped: start from the state it records.
                 try:
                     start = decode(encoded, types_with(policies.records))
@@ -231,6 +240,17 @@ def _earlier_segments(path: Path) -> list[Path]:
     with path.open("rb") as f:
         header = f.readline()
     return [segment for segment in segments(path) if _first_line(segment) == header]
+
+
+def _foreign_segments(path: Path) -> list[LogProblem]:
+    """A problem for each file named as a segment of the log at ``path`` that is none: another
+    log's, or damaged where its header is (it is left out of the replay)."""
+    kept = set(_earlier_segments(path))
+    return [
+        LogProblem(1, f"not a segment of {path.name} (its header differs); left out (in {s.name})")
+        for s in segments(path)
+        if s not in kept
+    ]
 
 
 def state_difference(recorded: Any, replayed: Any, where: str = "state") -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sqlite3
 import sys
 from collections import deque
 from collections.abc import Iterator
@@ -179,7 +180,11 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     steps = replay(path, problems=problems)
     if args.sqlite is not None:
         diverged: list[Replayed] = []
-        counts = export_sqlite(_watch(steps, diverged), args.sqlite)
+        try:
+            counts = export_sqlite(_watch(steps, diverged), args.sqlite)
+        except (sqlite3.Error, OSError) as exc:
+            print(f"deo replay: --sqlite {args.sqlite}: cannot write it: {exc}", file=sys.stderr)
+            return 2
         print(
             f"wrote {args.sqlite}: {counts['events']} events, {counts['commands']} commands, "
             f"{counts['workers']} workers",

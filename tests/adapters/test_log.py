@@ -1390,3 +1390,23 @@ def test_the_arbiter_planner_setting_applies_to_the_state_a_replay_starts_from(
     assert planner is not None and planner.name == "rlix"
     recorded = next(iter(replay(path, problems=[]))).before.arbiter.planner
     assert recorded is None or recorded.name == "deo"
+
+
+def test_a_missing_or_foreign_segment_is_named_and_the_rest_replays(tmp_path: Path) -> None:
+    path = old_rotated_log(tmp_path)
+    first, second, third = segments(path)
+    second.unlink()  # a segment lost in the middle
+    problems: list[LogProblem] = []
+    steps = list(replay(path, problems=problems))
+    assert [p.message for p in problems] == [
+        f"records 152 to 301 are missing (a segment before this one was removed); replayed on "
+        f"from the state it starts from (in {third.name})"
+    ]
+    assert steps and all(step.matches for step in steps)  # no divergence: it goes on from there
+    second.write_text("garbage\n")  # and a file in its place that is no segment of this log
+    problems = []
+    list(replay(path, problems=problems))
+    assert problems[0].message == (
+        f"not a segment of {path.name} (its header differs); left out (in {second.name})"
+    )
+    assert first.exists()

@@ -483,6 +483,7 @@ def test_sqlite_export_writes_over_nothing_but_an_export(demo_log: Path, tmp_pat
         (theirs, "is a file, not a deo replay --sqlite export"),
         (tmp_path, "is a folder"),
         (tmp_path / "no" / "out.db", "no such folder"),
+        (Path("/proc/deo-export.db"), "cannot write it"),  # a folder no file can be made in
     ]:
         proc = run_tool(demo_log, "-q", "--sqlite", out)
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr
