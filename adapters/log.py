@@ -488,6 +488,12 @@ class EventLog:
         simulated: bool,
     ) -> tuple[EventLog, Recovery]:
         _check_is_log(path, simulated)
+        snapshot = snapshot_path(path)
+        if snapshot.exists() and not snapshot.is_file():
+            raise LogDamaged(
+                f"{snapshot} is not a file: deo keeps the log's snapshot at that path; move it "
+                f"aside"
+            )
         _finish_rotation(path)
         recovery = Recovery(state=State(), replayed=0, problems=())
         seq = lines = 0

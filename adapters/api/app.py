@@ -152,6 +152,10 @@ class _ApiError(DeoError):
         self.headers = headers
 
 
+#: The longest pool, worker or GPU id a request may name.
+MAX_NAME_CHARS = 256
+
+
 def _json(content: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
     # orjson rather than Starlette's JSONResponse: a NaN reading (a GPU temperature from a broken
     # sensor) becomes null instead of failing the whole status page.
@@ -615,6 +619,11 @@ def build_app(
     def path(request: Request, name: str) -> str:
         value = request.path_params[name]
         assert isinstance(value, str)
+        if len(value) > MAX_NAME_CHARS:
+            # Not an id deo ever made: refused before it reaches the log or the output whole.
+            raise _ApiError(
+                400, f"{name}: {len(value)} characters; ids are at most {MAX_NAME_CHARS}"
+            )
         return value
 
     def build_pause(cls: type[AutoscalingPaused] | type[AutoscalingResumed]) -> _Build:

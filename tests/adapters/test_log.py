@@ -1410,3 +1410,13 @@ def test_a_missing_or_foreign_segment_is_named_and_the_rest_replays(tmp_path: Pa
         f"not a segment of {path.name} (its header differs); left out (in {second.name})"
     )
     assert first.exists()
+
+
+def test_a_folder_where_the_snapshot_goes_is_refused_and_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    write_log(path, [configured()])
+    before = path.read_bytes()
+    snapshot_path(path).mkdir()
+    with pytest.raises(LogDamaged, match=r"log\.jsonl\.snapshot is not a file: .* move it aside"):
+        EventLog.open(path)
+    assert path.read_bytes() == before and snapshot_path(path).is_dir()

@@ -793,6 +793,7 @@ REFUSALS: list[tuple[str, str, dict[str, Any], int, str]] = [
     ("drain", "/v1/workers/envs-99/drain", {}, 404, "unknown worker 'envs-99'"),
     ("drain", "/v1/workers/envs-0/drain", {"json": {"now": True}}, 422, "'now'"),
     ("drain", "/v1/workers/envs-0/drain", {"content": b"{"}, 400, "not valid JSON"),
+    ("drain", f"/v1/workers/{'w' * 300}/drain", {}, 400, "worker_id: 300 characters"),
     ("cordon", "/v1/gpus/7/cordon", {}, 404, "unknown GPU '7' (GPUs: 0, 1)"),
     ("cordon", "/v1/gpus/0/cordon", {"json": {"why": "x"}}, 422, "'why'"),
     ("cordon", "/v1/gpus/0/cordon", {"content": b"{"}, 400, "not valid JSON"),
