@@ -216,7 +216,9 @@ def _json_kind(value: object) -> str:
     if value is None:
         return "null"
     if isinstance(value, float):
-        # A whole number too large for an integer arrives as a float: say which one.
+        if value.is_integer() and abs(value) >= 2**63:
+            # The JSON parser reads a whole number past 64 bits as a float.
+            return f"a whole number too large for an integer ({value:g})"
         return f"the number {value!r}"
     return kinds.get(type(value), "a number")
 

@@ -784,7 +784,7 @@ REFUSALS: list[tuple[str, str, dict[str, Any], int, str]] = [
     ("pin", "/v1/pools/envs/pin", {"json": {"count": 5}}, 409, "outside pool 'envs' bounds"),
     ("pin", "/v1/pools/infer/pin", {"json": {"count": 0}}, 409, "outside pool 'infer' bounds"),
     ("pin", "/v1/pools/envs/pin", {"json": {"count": 1.0}}, 422, "field 'count'"),
-    ("pin", "/v1/pools/envs/pin", {"content": b'{"count": 1' + b"0" * 25 + b"}"}, 422, "1e+25"),
+    ("pin", "/v1/pools/envs/pin", {"content": b'{"count": 1' + b"0" * 25 + b"}"}, 422, "too large"),
     ("pin", "/v1/pools/envs/pin", {"content": b"{count: 1}"}, 400, "not valid JSON"),
     ("pressure", "/v1/pools/nope/pressure", {"json": {"in_flight_requests": 1}}, 404, "'nope'"),
     ("pressure", "/v1/pools/infer/pressure", {"json": {"load": 1}}, 422, "'load'"),
