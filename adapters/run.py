@@ -53,6 +53,7 @@ from adapters.runtime.processes import (
     WORKER_ID_ENV,
     LocalProcesses,
     become_child_subreaper,
+    environ_of,
     process_start_time,
     processes_with,
 )
@@ -228,9 +229,16 @@ def _group_of(pid: int) -> int | None:
 
 
 async def reconcile(
-    state: State, processes: LocalProcesses, clock: Callable[[], float], run_id: str
+    state: State,
+    processes: LocalProcesses,
+    clock: Callable[[], float],
+    run_id: str,
+    api_url: str | None = None,
 ) -> list[Event]:
-    """Events that bring a recovered state in line with the processes really running."""
+    """Events that bring a recovered state in line with the processes really running.
+
+    An adopted worker given another ``api_url`` by an earlier run (``api.port`` changed across
+    the restart) is warned of: what it sends there (heartbeats, reports) no longer arrives."""
     events: list[Event] = []
     for worker in state.workers.values():
         pid, start = worker.pid, worker.start_time
@@ -248,6 +256,16 @@ async def reconcile(
         assert start is not None
         if await processes.adopt(worker.worker_id, pid, start, pool=worker.pool):
             events.append(WorkerAdopted(t=clock(), worker_id=worker.worker_id))
+            given = (environ_of(pid) or {}).get(API_URL_ENV)
+            if api_url is not None and given is not None and given != api_url:
+                log.warning(
+                    "%s was given %s=%s by an earlier run; deo now listens on %s: what it sends "
+                    "deo's API (heartbeats, reports) no longer arrives",
+                    worker.worker_id,
+                    API_URL_ENV,
+                    given,
+                    api_url,
+                )
         else:
             why = f"pid {pid} is gone or now belongs to another process"
             events.append(WorkerLost(t=clock(), worker_id=worker.worker_id, reason=why))
@@ -461,7 +479,7 @@ async def run(
                 tg.start_soon(executor.run)
                 tg.start_soon(engines.run)
                 if isinstance(executor, LocalProcesses):
-                    found = await reconcile(recovery.state, executor, clock, run_id)
+                    found = await reconcile(recovery.state, executor, clock, run_id, url)
                 else:
                     found = await executor.reconcile(recovery.state)
                 for event in found:

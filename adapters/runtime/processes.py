@@ -78,6 +78,7 @@ from core.config import fill_engine_host
 from core.vocabulary import AlertName
 
 __all__ = [
+    "environ_of",
     "WORKER_ID_ENV",
     "LocalProcesses",
     "become_child_subreaper",
@@ -137,6 +138,11 @@ def process_start_time(pid: int) -> int | None:
         return None
     stat = _read_stat(pid)
     return None if stat is None else stat.start_time
+
+
+def environ_of(pid: int) -> dict[str, str] | None:
+    """The environment process ``pid`` was started with (None: gone, or not ours to read)."""
+    return _environ_of(pid)
 
 
 def _environ_of(pid: int) -> dict[str, str] | None:

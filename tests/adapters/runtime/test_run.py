@@ -435,6 +435,10 @@ def test_an_adopted_worker_keeps_its_heartbeat_file_when_worker_logs_moves(
     )
     assert [w["pid"] for w in d.workers("active")] == [worker["pid"]]
     assert "hung" not in d.log.read_text()
+    # Its API address is the earlier run's (port 0: another one each start): deo says so.
+    first_url, second_url = re.findall(r"API on (http://\S+)", d.output())[:2]
+    if first_url != second_url:
+        assert f"was given DEO_API_URL={first_url} by an earlier run" in d.output()
     verified(d)
 
 
