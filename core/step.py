@@ -698,10 +698,6 @@ class Step:
         name = pool.spec.name
         minimum = 0 if pool.removed else pool.spec.min_workers
         if counted >= minimum:
-            if (AlertName.CRASH_LOOP, name) in self.alerts and self._unproven_below(name, minimum):
-                # In a crash loop a replacement counts only once it stays up: resolved at each
-                # spawn, the alert would flap with every crash.
-                return
             self.resolve_alert(
                 AlertName.BELOW_MIN, name, f"{name} has {counted} >= min {minimum} workers"
             )
@@ -717,15 +713,6 @@ class Step:
         self.raise_alert(
             AlertName.BELOW_MIN, name, f"{name} has {counted} < min {minimum} workers: {why}"
         )
-
-    def _unproven_below(self, name: str, minimum: int) -> bool:
-        """Whether ``name`` has under ``minimum`` counted workers that replace no failed one."""
-        proven = sum(
-            1
-            for w in self.workers.values()
-            if w.pool == name and w.state in COUNTED and not w.attempt
-        )
-        return proven < minimum
 
     # --- scaling decisions -----------------------------------------------------------------------
 
