@@ -432,6 +432,7 @@ class EventLog:
         keep_segments: int | None = None,
         policies: PolicyCatalog = BUILT_INS,
         simulated: bool = False,
+        alive: Callable[[int, int], bool] | None = None,
     ) -> tuple[EventLog, Recovery]:
         """Open ``path`` for appending, creating it (mode 0600) with a header if needed, and
         rebuild the state it records (from the snapshot, then the records after it) with the
@@ -444,7 +445,9 @@ class EventLog:
 
         ``simulated`` marks a new log's header as a simulated run's (``deo simulate``); a log
         so marked is refused by any other opener, since its workers, GPUs and clock are the
-        simulator's.
+        simulator's. ``alive(pid, start_time)`` tells whether a worker process still runs: a
+        new log whose snapshot names one that does is refused (:class:`LogDamaged`), since the
+        log that recorded it is gone.
 
         Raises :class:`NotALog` for a file that is not a deo log (or a simulated run's log
         opened without ``simulated``), :class:`LogDamaged` for a log
@@ -467,7 +470,9 @@ class EventLog:
             os.close(fd)
             raise LogInUse(f"{path} is in use by another deo (one writer per log)") from None
         try:
-            log, recovery = cls._recover(path, fd, fsync, snapshot_every, policies, simulated)
+            log, recovery = cls._recover(
+                path, fd, fsync, snapshot_every, policies, simulated, alive
+            )
         except OSError as exc:
             os.close(fd)
             raise LogWriteFailed(f"{path}: cannot recover the log: {_cause(exc)}") from None
@@ -486,6 +491,7 @@ class EventLog:
         snapshot_every: int,
         policies: PolicyCatalog,
         simulated: bool,
+        alive: Callable[[int, int], bool] | None,
     ) -> tuple[EventLog, Recovery]:
         _check_is_log(path, simulated)
         snapshot = snapshot_path(path)
@@ -502,7 +508,8 @@ class EventLog:
             recovery, seq, lines, repair = _recover(path, policies)
         if path.stat().st_size == 0:
             # A new log (or one whose only line, a torn header, was set aside).
-            _check_no_orphaned_workers(path)
+            if alive is not None:
+                _check_no_orphaned_workers(path, alive)
             snapshot_path(path).unlink(missing_ok=True)  # it would belong to another log
             header = {
                 "kind": "header",
@@ -598,10 +605,16 @@ class EventLog:
         except OSError as exc:
             what = f"unreadable ({_cause(exc)})"
         if what:
+            if what.startswith(("moved", "replaced")):
+                advice = "put the log back where it was and start deo again to adopt its workers"
+            else:  # its records are gone: a new log would not know the workers still running
+                advice = (
+                    f"restore it from a copy and start deo again to adopt its workers, or stop "
+                    f"them and remove {snapshot_path(self.path).name} to start afresh"
+                )
             self._failed = LogWriteFailed(
                 f"{self.path}: the log was {what} while deo ran: nothing more is written or "
-                f"carried out; put the log back where it was and start deo again to adopt its "
-                f"workers"
+                f"carried out; {advice}"
             )
             raise self._failed
 
@@ -843,22 +856,29 @@ def _check_is_log(path: Path, simulated: bool) -> None:
     )
 
 
-def _check_no_orphaned_workers(path: Path) -> None:
-    """Raise :class:`LogDamaged` where the snapshot beside a new log at ``path`` holds workers:
-    the log they were recorded in was removed or moved, and a new one would start its workers
-    beside them (an unreadable snapshot, or one with none, is another log's leftover)."""
+def _check_no_orphaned_workers(path: Path, alive: Callable[[int, int], bool]) -> None:
+    """Raise :class:`LogDamaged` where the snapshot beside a new log at ``path`` names workers
+    that still run (``alive(pid, start_time)``): the log they were recorded in was removed or
+    moved, and a new one would start its workers beside them. A snapshot that cannot be read,
+    or whose workers have all exited, is another log's leftover."""
     target = snapshot_path(path)
     try:
-        state = orjson.loads(target.read_bytes())["state"]
-        workers = state["workers"]
-        count = len(workers) if isinstance(workers, dict | list) else 0
-    except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
+        workers = orjson.loads(target.read_bytes())["state"]["workers"]
+        running = [
+            worker_id
+            for worker_id, worker in workers.items()
+            if type(worker.get("pid")) is int
+            and type(worker.get("start_time")) is int
+            and alive(worker["pid"], worker["start_time"])
+        ]
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
         return
-    if count:
+    if running:
         raise LogDamaged(
-            f"{path} is new, but {target.name} beside it holds {count} worker(s) of an earlier "
-            f"log at this path: that log was removed or moved while its workers may still run. "
-            f"Put it back, or remove {target} to start afresh"
+            f"{path} is new, but {target.name} beside it names {len(running)} worker(s) of an "
+            f"earlier log at this path that still run ({', '.join(sorted(running)[:5])}): that "
+            f"log was removed or moved. Put it back, or stop them and remove {target} to start "
+            f"afresh"
         )
 
 

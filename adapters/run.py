@@ -336,6 +336,7 @@ async def run(
             snapshot_every=settings.snapshot_every,
             segment_bytes=settings.segment_bytes,
             keep_segments=settings.keep_segments,
+            alive=lambda pid, start_time: process_start_time(pid) == start_time,
         )
     except DeoError as exc:
         sock.close()

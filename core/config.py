@@ -62,6 +62,8 @@ ENGINES = frozenset({"vllm", "sglang"})
 VLLM_DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.]*$")
+#: The longest pool name: its workers' ids stay under the 256 characters the API takes.
+MAX_POOL_NAME_CHARS = 200
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PARAM_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 _SIGNALS = frozenset({"SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"})
@@ -235,6 +237,12 @@ class PoolSpec:
         if not _NAME.match(self.name):
             raise ConfigError(
                 f"pools.{self.name!r}: a pool name is lower-case letters, digits, '_' and '.'"
+            )
+        if len(self.name) > MAX_POOL_NAME_CHARS:
+            # Its workers' ids (NAME-INDEX) must stay within what the API takes in a path.
+            raise ConfigError(
+                f"pools.{self.name[:20]}...: {len(self.name)} characters; a pool name has at "
+                f"most {MAX_POOL_NAME_CHARS}"
             )
         if not self.argv or not all(isinstance(a, str) for a in self.argv):
             raise ConfigError(f"{where}.argv: must be a non-empty list of strings")

@@ -129,15 +129,17 @@ def _replayed(
         begins = segment_start(file)
         if begins is not None:
             encoded, start_seq, _, _ = begins
-            if index > 0 and start_seq != seq:
+            gap = index > 0 and start_seq > seq
+            if gap:
                 found.append(
                     LogProblem(
                         2,
-                        f"records {seq + 1} to {start_seq} are missing (a segment before this "
-                        f"one was removed); replayed on from the state it starts from",
+                        f"records {seq + 1} to {start_seq} are not in the log (a segment before "
+                        f"this one was removed, or its last lines cannot be read); replayed on "
+                        f"from the state this one starts from",
                     )
                 )
-            if index == 0 or start_seq != seq:
+            if index == 0 or gap:
                 # The segments before this one were dropped: start from the state it records.
                 try:
                     start = decode(encoded, types_with(policies.records))
@@ -239,7 +241,12 @@ def _earlier_segments(path: Path) -> list[Path]:
     """The rotated segments of the log at ``path`` (same header), oldest first."""
     with path.open("rb") as f:
         header = f.readline()
-    return [segment for segment in segments(path) if _first_line(segment) == header]
+    return [
+        segment
+        for segment in segments(path)
+        # A rotation cut short by a crash leaves the segment a second name of the live log.
+        if _first_line(segment) == header and not segment.samefile(path)
+    ]
 
 
 def _foreign_segments(path: Path) -> list[LogProblem]:
@@ -249,7 +256,7 @@ def _foreign_segments(path: Path) -> list[LogProblem]:
     return [
         LogProblem(1, f"not a segment of {path.name} (its header differs); left out (in {s.name})")
         for s in segments(path)
-        if s not in kept
+        if s not in kept and not s.samefile(path)
     ]
 
 

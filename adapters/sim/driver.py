@@ -37,7 +37,10 @@ def _make_way(path: Path) -> None:
     snapshot = snapshot_path(path)
     if snapshot.exists() and not path.exists():
         # A snapshot is replaced with the log it belongs to, never on its own.
-        raise OutputRefused(f"{path}: {snapshot} lies beside no log; it is left as it is")
+        raise OutputRefused(
+            f"{path}: {snapshot} lies beside no log; it is left as it is (remove it to write a "
+            f"simulated log here)"
+        )
     for stale in (path, snapshot):
         stale.unlink(missing_ok=True)
 

@@ -97,7 +97,7 @@ class EngineScenario:
     def __attrs_post_init__(self) -> None:
         for name, low, high in (
             ("duration_s", 1.0, MAX_ENGINE_DURATION_S),
-            ("wake_s", 1.0, 3600.0),
+            ("wake_s", 0.01, 3600.0),
             ("cold_start_s", 1.0, 3600.0),
         ):
             value = getattr(self, name)

@@ -547,14 +547,26 @@ def test_stale_snapshot_of_an_earlier_log_is_not_applied(tmp_path: Path) -> None
     assert recovery.state.pools == {}
 
 
-def test_a_new_log_beside_a_snapshot_that_holds_workers_is_refused(tmp_path: Path) -> None:
+def test_a_new_log_beside_a_snapshot_of_workers_that_still_run_is_refused(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "log.jsonl"
-    write_log(path, [configured()] + [Tick(t=float(i)) for i in range(1, 10)], snapshot_every=5)
+    started = [
+        WorkerStarted(t=1.0, worker_id=f"envs-{i}", pid=100 + i, start_time=5) for i in (0, 1)
+    ]
+    ticks = [Tick(t=float(i)) for i in range(2, 12)]
+    write_log(path, [configured(), *started, *ticks], snapshot_every=5)
     snapshot = snapshot_path(path).read_bytes()
-    path.unlink()  # lost: the workers its snapshot holds may still run
-    with pytest.raises(LogDamaged, match=r"holds 2 worker\(s\) of an earlier log at this path"):
-        EventLog.open(path)
+    path.unlink()  # lost while its workers run
+    running = {(101, 5)}
+    with pytest.raises(LogDamaged, match=r"names 1 worker\(s\) of an earlier log at this path "):
+        EventLog.open(path, alive=lambda pid, start_time: (pid, start_time) in running)
     assert snapshot_path(path).read_bytes() == snapshot
+    # Once they have all exited, the snapshot is a leftover: a new log starts.
+    running.clear()
+    log, recovery = EventLog.open(path, alive=lambda pid, start_time: False)
+    log.close()
+    assert recovery.state.workers == {} and not snapshot_path(path).exists()
 
 
 def test_torn_header_recovers_to_a_readable_log(tmp_path: Path) -> None:
@@ -1399,8 +1411,9 @@ def test_a_missing_or_foreign_segment_is_named_and_the_rest_replays(tmp_path: Pa
     problems: list[LogProblem] = []
     steps = list(replay(path, problems=problems))
     assert [p.message for p in problems] == [
-        f"records 152 to 301 are missing (a segment before this one was removed); replayed on "
-        f"from the state it starts from (in {third.name})"
+        f"records 152 to 301 are not in the log (a segment before this one was removed, or its "
+        f"last lines cannot be read); replayed on from the state this one starts from "
+        f"(in {third.name})"
     ]
     assert steps and all(step.matches for step in steps)  # no divergence: it goes on from there
     second.write_text("garbage\n")  # and a file in its place that is no segment of this log
@@ -1420,3 +1433,12 @@ def test_a_folder_where_the_snapshot_goes_is_refused_and_left_alone(tmp_path: Pa
     with pytest.raises(LogDamaged, match=r"log\.jsonl\.snapshot is not a file: .* move it aside"):
         EventLog.open(path)
     assert path.read_bytes() == before and snapshot_path(path).is_dir()
+
+
+def test_a_segment_that_is_the_live_log_under_a_second_name_is_read_once(tmp_path: Path) -> None:
+    path = old_rotated_log(tmp_path)
+    # A rotation cut short by a crash: the next segment's name links to the live log.
+    os.link(path, path.with_name(path.name + ".000004"))
+    problems: list[LogProblem] = []
+    steps = list(replay(path, problems=problems))
+    assert problems == [] and len(steps) == 490 and all(step.matches for step in steps)

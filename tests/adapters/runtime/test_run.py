@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import free_port
 from spawned import alive, kill_marked, marked_processes
 from waiting import wait_for
 
@@ -418,12 +419,15 @@ def test_an_adopted_worker_keeps_its_heartbeat_file_when_worker_logs_moves(
     touching = script(tmp_path, "touching.py", TOUCHING)
     envs = pool("envs", [sys.executable, touching], max_workers=1, heartbeat_grace_s=2.0)
     d = deo(envs)
-    d.config.write_text(d.config.read_text().replace("[deo]\n", '[deo]\nworker_logs = "wl"\n'))
+    first_port, second_port = two_free_ports()
+    text = d.config.read_text().replace("[deo]\n", '[deo]\nworker_logs = "wl"\n')
+    d.config.write_text(text.replace("port = 0", f"port = {first_port}"))
     d.start()
     [worker] = wait_for("a worker", lambda: d.workers("active"))
     wait_for("its heartbeat", lambda: (tmp_path / "wl" / f"{worker['id']}.heartbeat").exists())
     d.stop()  # the worker lives on, touching wl/
-    d.config.write_text(d.config.read_text().replace('worker_logs = "wl"', 'worker_logs = "wl2"'))
+    text = d.config.read_text().replace('worker_logs = "wl"', 'worker_logs = "wl2"')
+    d.config.write_text(text.replace(f"port = {first_port}", f"port = {second_port}"))
     d.start()
     wait_for("the adoption", lambda: "WorkerAdopted" in d.log.read_text())
     adopted_t = max(e["t"] for e in events(d.log, "WorkerAdopted"))
@@ -435,11 +439,20 @@ def test_an_adopted_worker_keeps_its_heartbeat_file_when_worker_logs_moves(
     )
     assert [w["pid"] for w in d.workers("active")] == [worker["pid"]]
     assert "hung" not in d.log.read_text()
-    # Its API address is the earlier run's (port 0: another one each start): deo says so.
-    first_url, second_url = re.findall(r"API on (http://\S+)", d.output())[:2]
-    if first_url != second_url:
-        assert f"was given DEO_API_URL={first_url} by an earlier run" in d.output()
+    # Its API address is the earlier run's, and deo now listens on another: deo says so.
+    assert (
+        f"was given DEO_API_URL=http://127.0.0.1:{first_port} by an earlier run; deo now listens "
+        f"on http://127.0.0.1:{second_port}"
+    ) in d.output()
     verified(d)
+
+
+def two_free_ports() -> tuple[int, int]:
+    first = free_port()
+    second = free_port()
+    while second == first:
+        second = free_port()
+    return first, second
 
 
 def events(log: Path, name: str) -> list[dict[str, Any]]:

@@ -215,7 +215,8 @@ def test_a_log_taken_away_while_deo_runs_stops_it_and_leaves_the_workers(
     assert "Traceback" not in output and "ExceptionGroup" not in output
     last = output.strip().splitlines()[-1]
     assert last.startswith(f"deo: {d.log}: the log was {said}"), output
-    assert "put the log back where it was" in last and "2 worker(s) left running" in last
+    advice = "put the log back where it was" if said == "moved away" else "restore it from a copy"
+    assert advice in last and "2 worker(s) left running" in last
     assert len(d.workers()) == 2
 
 
@@ -237,8 +238,8 @@ def test_a_new_log_beside_a_snapshot_of_running_workers_is_refused(
     status, output = finished(d.start())
     assert status == 2, output
     assert "Traceback" not in output
-    assert "holds 2 worker(s) of an earlier log at this path" in output, output
-    assert f"remove {snapshot_path(d.log)} to start afresh" in output
+    assert "names 2 worker(s) of an earlier log at this path that still run" in output, output
+    assert f"stop them and remove {snapshot_path(d.log)} to start afresh" in output
     assert snapshot_path(d.log).exists()
     assert d.workers() == workers  # none spawned beside them
 

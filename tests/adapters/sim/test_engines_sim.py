@@ -48,7 +48,7 @@ def test_deo_bench_engines_prints_a_line_per_controller(capsys: pytest.CaptureFi
     [
         (["engines", "--duration-s", "nan"], "deo bench engines: --duration-s: from 1 to 604800"),
         (["engines", "--duration-s", "-5"], "deo bench engines: --duration-s: from 1"),
-        (["engines", "--wake-s", "-1"], "deo bench engines: --wake-s: from 1 to 3600"),
+        (["engines", "--wake-s", "-1"], "deo bench engines: --wake-s: from 0.01 to 3600"),
         (["engines", "--cold-start-s", "inf"], "deo bench engines: --cold-start-s: from 1"),
         # An option of the scenario benchmark given before a subcommand would not reach it.
         (["--seeds", "5", "engines"], "deo bench engines: --seeds: an option of the scenario"),
