@@ -62,8 +62,9 @@ ENGINES = frozenset({"vllm", "sglang"})
 VLLM_DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.]*$")
-#: The longest pool name: its workers' ids stay under the 256 characters the API takes.
-MAX_POOL_NAME_CHARS = 200
+#: The longest pool name: its workers' ids (NAME-INDEX) stay within the 128 characters the API
+#: takes for a worker id.
+MAX_POOL_NAME_CHARS = 100
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PARAM_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 _SIGNALS = frozenset({"SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"})

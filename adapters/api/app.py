@@ -152,10 +152,6 @@ class _ApiError(DeoError):
         self.headers = headers
 
 
-#: The longest pool, worker or GPU id a request may name.
-MAX_NAME_CHARS = 256
-
-
 def _json(content: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
     # orjson rather than Starlette's JSONResponse: a NaN reading (a GPU temperature from a broken
     # sensor) becomes null instead of failing the whole status page.
@@ -621,10 +617,17 @@ def build_app(
     def path(request: Request, name: str) -> str:
         value = request.path_params[name]
         assert isinstance(value, str)
-        if len(value) > MAX_NAME_CHARS:
-            # Not an id deo ever made: refused before it reaches the log or the output whole.
+        return value
+
+    def subject(request: Request, name: str) -> str:
+        """The pool, worker or GPU an operator action names; one longer than any id deo makes
+        is refused before it reaches the log, and is not echoed back whole."""
+        value = path(request, name)
+        if len(value) > MAX_WORKER_ID_CHARS:
             raise _ApiError(
-                400, f"{name}: {len(value)} characters; ids are at most {MAX_NAME_CHARS}"
+                404,
+                f"no {name.removesuffix('_id')} {value[:32]!r}... of {len(value)} characters "
+                f"(ids have at most {MAX_WORKER_ID_CHARS})",
             )
         return value
 
@@ -638,22 +641,22 @@ def build_app(
     def build_pin(request: Request, body: dict[str, Any], t: float) -> Event:
         _only(body, ("count",))
         count = _int_field(body, "count", nullable=True)
-        return PoolPinned(t=t, pool=path(request, "pool"), count=count)
+        return PoolPinned(t=t, pool=subject(request, "pool"), count=count)
 
     def build_wake(request: Request, body: dict[str, Any], t: float) -> Event:
         _only(body, ("hold_s",))
         hold_s = body.get("hold_s")
         if hold_s is not None and (isinstance(hold_s, bool) or not isinstance(hold_s, int | float)):
             raise _ApiError(400, f"hold_s: expected a number of seconds or null, got {hold_s!r}")
-        return EnginesWakeRequested(t=t, pool=path(request, "pool"), hold_s=hold_s)
+        return EnginesWakeRequested(t=t, pool=subject(request, "pool"), hold_s=hold_s)
 
     def build_pressure(request: Request, body: dict[str, Any], t: float) -> Event:
-        return _pressure_event(path(request, "pool"), body, t)
+        return _pressure_event(subject(request, "pool"), body, t)
 
     def no_body(make: Callable[[str, float], Event], name: str) -> _Build:
         def build(request: Request, body: dict[str, Any], t: float) -> Event:
             _only(body, ())
-            return make(path(request, name), t)
+            return make(subject(request, name), t)
 
         return build
 

@@ -50,7 +50,7 @@ INVALID: list[tuple[str, Callable[[], object], str]] = [
     ("argv-empty-tuple", lambda: pool(argv=()), "pools.envs.argv"),
     ("argv-non-string", lambda: pool(argv=["python", 3]), "pools.envs.argv"),
     ("argv-empty-program", lambda: pool(argv=["", "env.py"]), "the program to run, is empty"),
-    ("name-too-long", lambda: pool(name="e" * 201), "201 characters; a pool name has at most"),
+    ("name-too-long", lambda: pool(name="e" * 101), "101 characters; a pool name has at most"),
     ("argv-unknown-placeholder", lambda: pool(argv=["env", "{slot}"]), "pools.envs.argv"),
     ("argv-unknown-in-middle", lambda: pool(argv=["--id=w{idx}x"]), "{idx}"),
     ("argv-positional-empty", lambda: pool(argv=["env", "{}"]), "pools.envs.argv"),
