@@ -349,8 +349,8 @@ class ConfigChange:
 
     config_settings: list[tuple[list[str], Any]]
     planner: dict[str, Any]
-    #: The pools named by a setting that some configuration replayed had.
-    matched_pools: set[str] = attrs.field(factory=set)
+    #: The settings (by index) naming a pool that some configuration replayed had.
+    matched: set[int] = attrs.field(factory=set)
 
     def __call__(self, event: Event) -> Event:
         if isinstance(event, ArbiterGpusDeclared) and self.planner:
@@ -359,16 +359,21 @@ class ConfigChange:
         if not isinstance(event, Configured) or not self.config_settings:
             return event
         data = encode(event.config)
-        for path, value in self.config_settings:
+        for index, (path, value) in enumerate(self.config_settings):
             if _set(data, path, value):
-                self.matched_pools.add(path[1])
+                self.matched.add(index)
         config = decode(data)
         return attrs.evolve(event, config=config)
 
     def unmatched_pools(self) -> list[str]:
         """Pools the settings name that no configuration replayed so far had."""
-        named = {path[1] for path, _ in self.config_settings if path[0] == "pools"}
-        return sorted(named - self.matched_pools)
+        return sorted(
+            {
+                path[1]
+                for index, (path, _) in enumerate(self.config_settings)
+                if path[0] == "pools" and index not in self.matched
+            }
+        )
 
 
 def _planner_changes(settings: list[tuple[list[str], Any]]) -> dict[str, Any]:
@@ -419,6 +424,12 @@ def _set(data: dict[str, Any], path: list[str], value: Any) -> bool:
         if len(rest) < 2:
             raise ValueError(f"--set {key}: expected pools.NAME.FIELD")
         name, *field = rest
+        # A pool name may hold dots itself ("team.envs"): the longest one the key starts with.
+        dotted = ".".join(rest)
+        for pool in sorted(data["pools"], key=lambda pool: -len(pool["name"])):
+            if dotted.startswith(pool["name"] + ".") and pool["name"].count(".") > 0:
+                name, field = pool["name"], dotted[len(pool["name"]) + 1 :].split(".")
+                break
         for pool in data["pools"]:
             if pool["name"] != name:
                 continue

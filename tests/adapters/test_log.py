@@ -1442,3 +1442,21 @@ def test_a_segment_that_is_the_live_log_under_a_second_name_is_read_once(tmp_pat
     problems: list[LogProblem] = []
     steps = list(replay(path, problems=problems))
     assert problems == [] and len(steps) == 490 and all(step.matches for step in steps)
+
+
+def test_a_setting_reaches_a_pool_whose_name_holds_dots() -> None:
+    pools = [
+        attrs.evolve(static_pool(), name="team"),
+        attrs.evolve(static_pool(), name="team.envs"),
+    ]
+    event = Configured(t=0.0, config=Config(pools=pools))
+    change = apply_settings(
+        [parse_setting("pools.team.envs.max_workers=3"), parse_setting("pools.team.max_workers=2")]
+    )
+    changed = change(event)
+    assert isinstance(changed, Configured)
+    assert {p.name: p.max_workers for p in changed.config.pools} == {"team": 2, "team.envs": 3}
+    assert change.unmatched_pools() == []
+    other = apply_settings([parse_setting("pools.nosuch.max_workers=2")])
+    other(event)
+    assert other.unmatched_pools() == ["nosuch"]
