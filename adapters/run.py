@@ -295,9 +295,9 @@ async def run(
     except ValueError as exc:
         out(f"deo: api: {exc}")
         return 2
-    given_token = os.environ.get(api.token_env)
-    if given_token and token_problem(given_token) is not None:
-        out(f"deo: ${api.token_env}: {token_problem(given_token)}; no client could send it")
+    token_unsendable = token_problem(os.environ.get(api.token_env) or "")
+    if token_unsendable is not None:
+        out(f"deo: ${api.token_env}: {token_unsendable}; no client could send it")
         return 2
     if not api.loopback:
         reads = (

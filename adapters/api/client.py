@@ -143,16 +143,23 @@ def _target(args: argparse.Namespace) -> _Target:
     return _Target(url.rstrip("/"), args.token_env or token_env, log_path)
 
 
-def _operator_token(target: _Target) -> str:
+def _sendable_token(target: _Target) -> str | None:
+    """The operator token (None: there is none); :class:`_Refused` for one no HTTP client can
+    send."""
     token = find_operator_token(target.token_env, target.log)
+    problem = None if token is None else token_problem(token)
+    if problem is not None:
+        raise _Refused(f"the operator token (${target.token_env} or LOG.token) {problem}")
+    return token
+
+
+def _operator_token(target: _Target) -> str:
+    token = _sendable_token(target)
     if not token:
         raise _Refused(
             f"set ${target.token_env} to the operator token, or give --log LOG (or --config) "
             f"when deo run generated it and wrote it to LOG.token"
         )
-    problem = token_problem(token)
-    if problem is not None:
-        raise _Refused(f"the operator token (${target.token_env} or LOG.token) {problem}")
     return token
 
 
@@ -196,17 +203,10 @@ def status(args: argparse.Namespace) -> int:
     """Print the pools, workers, GPUs and alerts of a running deo."""
     try:
         target = _target(args)
+        # The token, when there is one: a deo listening beyond loopback wants it for reads too.
+        token = _sendable_token(target)
     except _Refused as exc:
         print(f"deo status: {exc}", file=sys.stderr)
-        return 2
-    # The token, when there is one: a deo listening beyond loopback wants it for reads too.
-    token = find_operator_token(target.token_env, target.log)
-    if token is not None and token_problem(token) is not None:
-        print(
-            f"deo status: the operator token (${target.token_env} or LOG.token) "
-            f"{token_problem(token)}",
-            file=sys.stderr,
-        )
         return 2
     url = target.url
     try:

@@ -63,17 +63,15 @@ class Deo:
     def workers(self) -> list[int]:
         return marked_processes(self.marker)
 
+    def two_workers_started(self) -> bool:
+        """Whether both workers run and the log records both as started."""
+        return len(self.workers()) == 2 and self.log.read_bytes().count(b'"@":"WorkerStarted"') == 2
+
     def run_two_workers_and_stop(self) -> None:
         """Start deo, wait for both workers to be logged as started, stop deo (they live on)."""
         process = self.start()
         try:
-            wait_for(
-                "two workers",
-                lambda: (
-                    len(self.workers()) == 2
-                    and self.log.read_bytes().count(b'"@":"WorkerStarted"') == 2
-                ),
-            )
+            wait_for("two workers", self.two_workers_started)
         finally:
             process.send_signal(signal.SIGTERM)
             process.communicate(timeout=60)
@@ -158,10 +156,7 @@ def test_a_file_size_limit_stops_deo_with_one_line_and_leaves_the_workers(
     d = deo(extra="snapshot_every = 1000000\n")
     process = d.start()
     try:
-        wait_for(
-            "two workers",
-            lambda: len(d.workers()) == 2 and d.log.read_bytes().count(b'"@":"WorkerStarted"') == 2,
-        )
+        wait_for("two workers", d.two_workers_started)
         # From now on the log cannot grow: its next write fails with EFBIG (deo ignores the
         # SIGXFSZ that would otherwise kill it).
         size = d.log.stat().st_size
@@ -202,10 +197,7 @@ def test_a_log_taken_away_while_deo_runs_stops_it_and_leaves_the_workers(
     d = deo()
     process = d.start()
     try:
-        wait_for(
-            "two workers",
-            lambda: len(d.workers()) == 2 and d.log.read_bytes().count(b'"@":"WorkerStarted"') == 2,
-        )
+        wait_for("two workers", d.two_workers_started)
         change(d.log)  # the next tick's record finds it gone
         status, output = finished(process)
     finally:
